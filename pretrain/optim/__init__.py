@@ -1,0 +1,27 @@
+"""Optimizers (layout-exact LAMB, AdamW) and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import torch
+
+from .lamb import Lamb
+from .layout import NormLayout, Segment, layout_for_deepspeed, layout_for_params
+from .schedule import WarmupDecayLR, lr_at, make_lr_scheduler
+
+OPTIMIZERS = ("lamb", "adamw")
+
+
+def build_optimizer(name: str, param_groups, **hyper) -> torch.optim.Optimizer:
+    """Lamb or torch's AdamW over `param_groups` (dicts with `params`, `weight_decay` and
+    `layer_adaptation`).  AdamW keeps the `layer_adaptation` key in its groups but never
+    reads it (torch optimizers accept extra group keys), so one grouping serves both.
+    `hyper`: lr, betas, eps, weight_decay (+ max_trust_ratio, bias_correction for Lamb)."""
+    if name == "lamb":
+        return Lamb(param_groups, **hyper)
+    if name == "adamw":
+        return torch.optim.AdamW(param_groups, **hyper)
+    raise ValueError(f"build_optimizer: unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
+
+
+__all__ = ["Lamb", "NormLayout", "Segment", "layout_for_params", "layout_for_deepspeed",
+           "lr_at", "make_lr_scheduler", "WarmupDecayLR", "build_optimizer", "OPTIMIZERS"]

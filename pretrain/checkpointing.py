@@ -1,0 +1,168 @@
+"""Checkpoints: DeepSpeed's model/optimizer files plus what DeepSpeed does not keep.
+
+Layout of `save_dir`:
+  latest                      tag of the newest *complete* checkpoint (moved last, atomically)
+  <tag>/meta.json             step, consumed samples, parallel layout, model shape, config
+  <tag>/rng_rank<R>.pt        per-rank Python/NumPy/torch RNG states and the dropout streams
+  <tag>/...                   DeepSpeed's mp_rank_*/layer_*/zero_pp_rank_* files
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .config import Config
+
+LATEST = "latest"
+META = "meta.json"
+# Model fields that change parameter shapes: a checkpoint only loads into the same values.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_size",
+                "max_position_embeddings", "type_vocab_size", "make_vocab_size_divisible_by")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def tag_for(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def layout_of(cfg: Config, parallel) -> dict:
+    return {
+        "tensor_parallel": parallel.tp_size,
+        "pipeline_parallel": parallel.pp_size,
+        "data_parallel": parallel.dp_size,
+        "zero_stage": cfg.parallel.zero_stage,
+        "precision": cfg.train.precision,
+        "optimizer": cfg.optimizer.name,
+    }
+
+
+def model_shape_of(cfg: Config) -> dict:
+    return {name: getattr(cfg.model, name) for name in SHAPE_FIELDS}
+
+
+def rng_state(tracker) -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "streams": tracker.state_dict(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict, tracker) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tracker.load_state_dict(state["streams"])
+
+
+def save_checkpoint(engine, save_dir: str, step: int, consumed_samples: int, cfg: Config, parallel, tracker,
+                    keep_last: int) -> str:
+    """Save on every rank; `latest` moves only after all ranks finished writing."""
+    tag = tag_for(step)
+    client_state = {"step": step, "consumed_samples": consumed_samples}
+    engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+    tag_dir = os.path.join(save_dir, tag)
+    rng_path = os.path.join(tag_dir, f"rng_rank{parallel.rank:05d}.pt")
+    torch.save(rng_state(tracker), rng_path + ".tmp")
+    os.replace(rng_path + ".tmp", rng_path)
+    if parallel.rank == 0:
+        meta = {
+            "step": step,
+            "consumed_samples": consumed_samples,
+            "world_size": parallel.world_size,
+            "layout": layout_of(cfg, parallel),
+            "model_shape": model_shape_of(cfg),
+            "config": cfg.to_dict(),
+        }
+        _atomic_write(os.path.join(tag_dir, META), json.dumps(meta, indent=2))
+    dist.barrier()
+    if parallel.rank == 0:
+        _atomic_write(os.path.join(save_dir, LATEST), tag)
+        _prune(save_dir, keep_last, keep=tag)
+    dist.barrier()
+    return tag
+
+
+def _prune(save_dir: str, keep_last: int, keep: str) -> None:
+    if keep_last <= 0:
+        return
+    tags = sorted(d for d in os.listdir(save_dir) if d.startswith("iter_") and os.path.isdir(os.path.join(save_dir, d)))
+    for old in tags[:-keep_last]:
+        if old != keep:
+            shutil.rmtree(os.path.join(save_dir, old), ignore_errors=True)
+
+
+def latest_tag(load_dir: str) -> str | None:
+    path = os.path.join(load_dir, LATEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()
+
+
+def read_meta(load_dir: str, tag: str) -> dict:
+    path = os.path.join(load_dir, tag, META)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: {load_dir}/{tag} is not a complete checkpoint of this trainer")
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_compatible(meta: dict, cfg: Config, parallel, path: str) -> None:
+    """Refuse a checkpoint of another layout or model shape, listing every difference."""
+    differences = []
+    ours_layout = layout_of(cfg, parallel)
+    for key in ("tensor_parallel", "pipeline_parallel", "data_parallel", "zero_stage", "optimizer"):
+        if meta["layout"].get(key) != ours_layout[key]:
+            differences.append(f"{key}: checkpoint {meta['layout'].get(key)} vs run {ours_layout[key]}")
+    ours_shape = model_shape_of(cfg)
+    for key, value in ours_shape.items():
+        if meta["model_shape"].get(key) != value:
+            differences.append(f"model.{key}: checkpoint {meta['model_shape'].get(key)} vs run {value}")
+    if differences:
+        raise CheckpointError(
+            f"checkpoint {path} does not match this run (resharding is not supported by the trainer):\n  "
+            + "\n  ".join(differences)
+        )
+
+
+def load_checkpoint(engine, load_dir: str, cfg: Config, parallel, tracker) -> tuple[int, int] | None:
+    """Resume from `latest` in load_dir. Returns (step, consumed_samples), or None if there is none."""
+    tag = latest_tag(load_dir)
+    if tag is None:
+        return None
+    path = os.path.join(load_dir, tag)
+    check_compatible(read_meta(load_dir, tag), cfg, parallel, path)
+    loaded, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
+    if loaded is None:
+        raise CheckpointError(f"DeepSpeed could not load {path}")
+    rng_path = os.path.join(path, f"rng_rank{parallel.rank:05d}.pt")
+    if not os.path.exists(rng_path):
+        raise CheckpointError(f"{rng_path} is missing: the checkpoint was written by a different number of ranks")
+    restore_rng_state(torch.load(rng_path, weights_only=False), tracker)
+    return client_state["step"], client_state["consumed_samples"]

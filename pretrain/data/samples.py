@@ -1,0 +1,73 @@
+"""The interface between datasets and the trainer: one pretraining sample, and how batches of them
+are cut for data-parallel ranks and micro-batches.
+
+A dataset is anything with `__len__` and `__getitem__(index) -> dict` returning the SAMPLE_FIELDS
+as NumPy arrays; every draw must be a pure function of (seed, index) so that the sample sequence
+does not depend on the layout and a resumed run continues it exactly.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Protocol
+
+import numpy as np
+import torch
+
+SAMPLE_FIELDS = {
+    "input_ids": np.int64,        # [seq] token ids, [CLS] A [SEP] B [SEP] [PAD]...
+    "token_type_ids": np.int64,   # [seq] 0 for segment A (and padding), 1 for segment B
+    "padding_mask": np.int64,     # [seq] 1 for real tokens, 0 for padding
+    "masked_positions": np.int64,  # [max_predictions] positions of predicted tokens (0 where unused)
+    "masked_labels": np.int64,    # [max_predictions] original token ids at those positions
+    "masked_weights": np.float32,  # [max_predictions] 1.0 for real predictions, 0.0 for unused slots
+    "nsp_label": np.int64,        # [] 0: B follows A (IsNext), 1: B is random (NotNext) - BERT's convention
+}
+
+
+class PretrainingDataset(Protocol):
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]: ...
+
+
+def collate(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+    return {name: torch.from_numpy(np.stack([s[name] for s in samples]).astype(dtype)) for name, dtype in SAMPLE_FIELDS.items()}
+
+
+def split_inputs_labels(batch: dict[str, torch.Tensor], device: torch.device):
+    """The (inputs, labels) pair the model and the pipeline engine take."""
+    b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    inputs = (b["input_ids"], b["token_type_ids"], b["padding_mask"], b["masked_positions"])
+    labels = (b["masked_labels"], b["masked_weights"], b["nsp_label"])
+    return inputs, labels
+
+
+def micro_batch_indices(consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> range:
+    """Sample indices of this rank's next micro-batch (Megatron's pretraining sampler order).
+
+    Each micro-step takes micro_batch_size * dp_size consecutive samples of the global sequence;
+    DP rank r takes the r-th slice. The global sequence is thus the same for every layout.
+    """
+    start = consumed_samples + dp_rank * micro_batch_size
+    return range(start, start + micro_batch_size)
+
+
+class MicroBatchIterator:
+    """Endless iterator over this rank's micro-batches, starting at a consumed-samples position."""
+
+    def __init__(self, dataset: PretrainingDataset, consumed_samples: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int, device: torch.device):
+        self.dataset = dataset
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.device = device
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self):
+        indices = micro_batch_indices(self.consumed_samples, self.micro_batch_size, self.dp_rank, self.dp_size)
+        self.consumed_samples += self.micro_batch_size * self.dp_size
+        n = len(self.dataset)
+        return split_inputs_labels(collate([self.dataset[i % n] for i in indices]), self.device)

@@ -1,0 +1,273 @@
+"""BERT for pretraining, described once as a sequence of stages.
+
+`stage_specs` lists the layers. With pipeline_parallel == 1 they run in order inside one
+`SequentialBert` module under a plain DeepSpeedEngine (ZeRO 0-3); with pipeline_parallel > 1
+DeepSpeed's PipelineModule splits the same list over stages (ZeRO 0-1), and the word embedding,
+a TiedLayerSpec, lives on the first and the last stage with its gradient summed between them.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from megatron.core import tensor_parallel
+from torch import nn
+
+from .layers import (
+    EmbeddingTail,
+    MlmOutputBias,
+    PretrainingHeads,
+    TransformerLayer,
+    WordEmbedding,
+    decode_tokens,
+    embed_tokens,
+    megatron_config,
+)
+from .rng import RngTracker
+
+TIED_EMBEDDING_KEY = "word_embeddings"
+
+# The one table from our parameters to Hugging Face BertForPreTraining names (and the kind that
+# weight-decay / layer-adaptation exclusions refer to). "{i}" is the transformer layer index.
+# Conversion tools build on this table; nothing else may spell these names.
+HF_NAME_TABLE: dict[str, dict[str, tuple[str, str]]] = {
+    "WordEmbedding": {
+        "embedding.weight": ("bert.embeddings.word_embeddings.weight", "embedding"),
+    },
+    "EmbeddingTail": {
+        "position_embeddings.weight": ("bert.embeddings.position_embeddings.weight", "embedding"),
+        "token_type_embeddings.weight": ("bert.embeddings.token_type_embeddings.weight", "embedding"),
+        "layernorm.weight": ("bert.embeddings.LayerNorm.weight", "layernorm"),
+        "layernorm.bias": ("bert.embeddings.LayerNorm.bias", "layernorm"),
+    },
+    "TransformerLayer": {
+        "query.weight": ("bert.encoder.layer.{i}.attention.self.query.weight", "weight"),
+        "query.bias": ("bert.encoder.layer.{i}.attention.self.query.bias", "bias"),
+        "key.weight": ("bert.encoder.layer.{i}.attention.self.key.weight", "weight"),
+        "key.bias": ("bert.encoder.layer.{i}.attention.self.key.bias", "bias"),
+        "value.weight": ("bert.encoder.layer.{i}.attention.self.value.weight", "weight"),
+        "value.bias": ("bert.encoder.layer.{i}.attention.self.value.bias", "bias"),
+        "attention_output.weight": ("bert.encoder.layer.{i}.attention.output.dense.weight", "weight"),
+        "attention_output.bias": ("bert.encoder.layer.{i}.attention.output.dense.bias", "bias"),
+        "attention_layernorm.weight": ("bert.encoder.layer.{i}.attention.output.LayerNorm.weight", "layernorm"),
+        "attention_layernorm.bias": ("bert.encoder.layer.{i}.attention.output.LayerNorm.bias", "layernorm"),
+        "intermediate.weight": ("bert.encoder.layer.{i}.intermediate.dense.weight", "weight"),
+        "intermediate.bias": ("bert.encoder.layer.{i}.intermediate.dense.bias", "bias"),
+        "output.weight": ("bert.encoder.layer.{i}.output.dense.weight", "weight"),
+        "output.bias": ("bert.encoder.layer.{i}.output.dense.bias", "bias"),
+        "output_layernorm.weight": ("bert.encoder.layer.{i}.output.LayerNorm.weight", "layernorm"),
+        "output_layernorm.bias": ("bert.encoder.layer.{i}.output.LayerNorm.bias", "layernorm"),
+    },
+    "PretrainingHeads": {
+        "pooler.weight": ("bert.pooler.dense.weight", "weight"),
+        "pooler.bias": ("bert.pooler.dense.bias", "bias"),
+        "nsp.weight": ("cls.seq_relationship.weight", "weight"),
+        "nsp.bias": ("cls.seq_relationship.bias", "bias"),
+        "mlm_dense.weight": ("cls.predictions.transform.dense.weight", "weight"),
+        "mlm_dense.bias": ("cls.predictions.transform.dense.bias", "bias"),
+        "mlm_layernorm.weight": ("cls.predictions.transform.LayerNorm.weight", "layernorm"),
+        "mlm_layernorm.bias": ("cls.predictions.transform.LayerNorm.bias", "layernorm"),
+    },
+    "MlmOutputBias": {
+        "bias": ("cls.predictions.bias", "bias"),
+    },
+}
+
+
+@dataclass
+class LogicalParam:
+    """A local parameter (possibly a TP shard) and the whole parameter it belongs to."""
+
+    hf_name: str
+    kind: str
+    param: nn.Parameter
+    tp_partition_dim: int | None  # None: replicated over TP
+
+
+def logical_parameters(model: nn.Module) -> list[LogicalParam]:
+    """Every parameter of the model with its Hugging Face name, each shared one once."""
+    found, seen = [], set()
+    for module in model.modules():
+        table = HF_NAME_TABLE.get(type(module).__name__)
+        if table is None:
+            continue
+        for local_name, param in module.named_parameters():
+            if id(param) in seen:
+                continue
+            if local_name not in table:
+                raise KeyError(f"{type(module).__name__}.{local_name} has no entry in HF_NAME_TABLE")
+            seen.add(id(param))
+            hf_name, kind = table[local_name]
+            sharded = getattr(param, "tensor_model_parallel", False)
+            found.append(
+                LogicalParam(
+                    hf_name.format(i=getattr(module, "layer_index", "")),
+                    kind,
+                    param,
+                    param.partition_dim if sharded else None,
+                )
+            )
+    owned = {id(p) for p in model.parameters()}
+    if owned != seen:
+        raise KeyError("model has parameters outside HF_NAME_TABLE's modules")
+    return found
+
+
+def stage_specs(model_cfg, padded_vocab_size: int, params_dtype: torch.dtype, rng: RngTracker) -> list:
+    """The model as an ordered list of layer specs (see layers.py for what flows between them)."""
+    mp_config = megatron_config(params_dtype)
+    hidden = model_cfg.hidden_size
+    word = partial(TiedLayerSpec, TIED_EMBEDDING_KEY, WordEmbedding, padded_vocab_size, hidden, mp_config,
+                   tied_weight_attr=["weight"])
+    return [
+        word(forward_fn=embed_tokens),
+        LayerSpec(EmbeddingTail, hidden, model_cfg.max_position_embeddings, model_cfg.type_vocab_size,
+                  model_cfg.layernorm_epsilon, model_cfg.hidden_dropout, params_dtype),
+        *[LayerSpec(TransformerLayer, i, model_cfg, mp_config, rng) for i in range(model_cfg.num_layers)],
+        LayerSpec(PretrainingHeads, model_cfg, params_dtype),
+        word(forward_fn=decode_tokens),
+        LayerSpec(MlmOutputBias, model_cfg.vocab_size, padded_vocab_size, mp_config),
+    ]
+
+
+class SequentialBert(nn.Module):
+    """Runs the stage specs in order in one process (pipeline_parallel == 1)."""
+
+    def __init__(self, specs: list):
+        super().__init__()
+        self.tied = nn.ModuleDict()
+        self.layers = nn.ModuleList()
+        self._steps = []
+        for spec in specs:
+            if isinstance(spec, TiedLayerSpec):
+                if spec.key not in self.tied:
+                    self.tied[spec.key] = spec.build()
+                self._steps.append(partial(spec.forward_fn, self.tied[spec.key]))
+            else:
+                self.layers.append(spec.build())
+                self._steps.append(self.layers[-1])
+
+    def forward(self, inputs):
+        for step in self._steps:
+            inputs = step(inputs)
+        return inputs
+
+
+def build_model(model_cfg, padded_vocab_size, params_dtype, rng, pipeline_topology=None, loss_fn=None) -> nn.Module:
+    specs = stage_specs(model_cfg, padded_vocab_size, params_dtype, rng)
+    if pipeline_topology is None or pipeline_topology.get_dim("pipe") == 1:
+        return SequentialBert(specs)
+    return PipelineModule(
+        layers=specs,
+        topology=pipeline_topology,
+        loss_fn=loss_fn,
+        partition_method="type:TransformerLayer",
+        activation_checkpoint_interval=0,  # TransformerLayer checkpoints itself, with our RNG streams
+    )
+
+
+def _seed_for(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def full_initial_value(hf_name: str, kind: str, shape, init_std: float, seed: int, vocab_size: int) -> torch.Tensor:
+    """The whole logical tensor, as Hugging Face's BERT initialises it, from a per-name seed."""
+    if kind == "layernorm":
+        return torch.ones(shape) if hf_name.endswith("weight") else torch.zeros(shape)
+    if kind == "bias":
+        return torch.zeros(shape)
+    generator = torch.Generator().manual_seed(_seed_for(seed, hf_name))
+    value = torch.empty(shape).normal_(0.0, init_std, generator=generator)
+    if hf_name == HF_NAME_TABLE["WordEmbedding"]["embedding.weight"][0]:
+        value[vocab_size:] = 0.0  # vocabulary padding rows are never looked up or predicted
+    return value
+
+
+def _local_shape(param) -> torch.Size:
+    return param.ds_shape if hasattr(param, "ds_shape") else param.shape
+
+
+def local_shard(full: torch.Tensor, partition_dim: int | None, tp_rank: int, tp_size: int) -> torch.Tensor:
+    if partition_dim is None:
+        return full
+    size = full.shape[partition_dim] // tp_size
+    return full.narrow(partition_dim, tp_rank * size, size)
+
+
+def init_weights(model: nn.Module, init_std: float, seed: int, vocab_size: int, tp_rank: int, tp_size: int) -> None:
+    """Identical initial weights in every layout: full tensor from the name's seed, then our shard."""
+    for lp in logical_parameters(model):
+        shape = list(_local_shape(lp.param))
+        if lp.tp_partition_dim is not None:
+            shape[lp.tp_partition_dim] *= tp_size
+        shard = local_shard(full_initial_value(lp.hf_name, lp.kind, shape, init_std, seed, vocab_size),
+                            lp.tp_partition_dim, tp_rank, tp_size)
+        assign_local(lp.param, shard)
+
+
+def assign_local(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Copy a TP-local value into a parameter, also when ZeRO-3 holds only a partition of it."""
+    if hasattr(param, "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            param.data.copy_(value)
+    else:
+        with torch.no_grad():
+            param.copy_(value)
+
+
+class PretrainingLoss:
+    """MLM (at masked positions, vocabulary-parallel) + NSP cross entropy, as BertForPreTraining.
+
+    Called once per micro-batch (also as the pipeline's loss_fn on the last stage); keeps the
+    detached metric sums of the micro-batches since the last `drain`.
+    """
+
+    METRICS = ("lm_loss", "nsp_loss", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count", "micro_batches")
+
+    def __init__(self, tp_group, tp_rank: int):
+        self.tp_group = tp_group
+        self.tp_rank = tp_rank
+        self._sums = torch.zeros(len(self.METRICS), dtype=torch.float64)
+
+    def __call__(self, outputs, labels):
+        mlm_logits, nsp_logits = outputs
+        masked_labels, masked_weights, nsp_labels = labels
+        weights = masked_weights.float()
+        with torch.no_grad():  # before the loss: megatron's cross entropy works in place on fp32 logits
+            mlm_correct = ((vocab_parallel_argmax(mlm_logits, self.tp_group, self.tp_rank) == masked_labels).float() * weights).sum()
+            nsp_correct = (nsp_logits.argmax(-1) == nsp_labels).float().sum()
+        per_token = tensor_parallel.vocab_parallel_cross_entropy(mlm_logits.float(), masked_labels)
+        count = weights.sum()
+        lm_loss = (per_token * weights).sum() / count.clamp(min=1.0)
+        nsp_loss = F.cross_entropy(nsp_logits.float(), nsp_labels)
+        self._sums += torch.stack([
+            lm_loss.detach().double().cpu(), nsp_loss.detach().double().cpu(), mlm_correct.double().cpu(),
+            count.detach().double().cpu(), nsp_correct.double().cpu(),
+            torch.tensor(float(nsp_labels.numel()), dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64),
+        ])
+        return lm_loss + nsp_loss
+
+    def drain(self) -> torch.Tensor:
+        sums, self._sums = self._sums, torch.zeros_like(self._sums)
+        return sums
+
+
+def vocab_parallel_argmax(logits: torch.Tensor, tp_group, tp_rank: int) -> torch.Tensor:
+    """Index of the largest logit over the whole vocabulary when each rank holds a slice."""
+    import torch.distributed as dist
+
+    local_max, local_index = logits.max(dim=-1)
+    global_index = local_index + tp_rank * logits.shape[-1]
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return global_index
+    best = local_max.clone()
+    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=tp_group)
+    candidate = torch.where(local_max == best, global_index, torch.full_like(global_index, 2**62))
+    dist.all_reduce(candidate, op=dist.ReduceOp.MIN, group=tp_group)
+    return candidate

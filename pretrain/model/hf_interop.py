@@ -1,0 +1,28 @@
+"""Hugging Face BertForPreTraining state dicts <-> our (TP-sharded) parameters, via HF_NAME_TABLE."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .bert import HF_NAME_TABLE, assign_local, local_shard, logical_parameters
+
+_VOCAB_ROWS = {HF_NAME_TABLE["WordEmbedding"]["embedding.weight"][0], HF_NAME_TABLE["MlmOutputBias"]["bias"][0]}
+
+
+def pad_vocab(hf_name: str, tensor: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
+    """Append zero rows to vocabulary-indexed tensors up to the padded vocabulary size."""
+    if hf_name not in _VOCAB_ROWS or tensor.shape[0] == padded_vocab_size:
+        return tensor
+    padding = torch.zeros((padded_vocab_size - tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype)
+    return torch.cat([tensor, padding])
+
+
+def load_hf_state_dict(model: nn.Module, state: dict, padded_vocab_size: int, tp_rank: int, tp_size: int) -> None:
+    """Copy a BertForPreTraining state dict into this rank's part of the model."""
+    params = logical_parameters(model)
+    missing = [lp.hf_name for lp in params if lp.hf_name not in state]
+    if missing:
+        raise KeyError(f"Hugging Face state dict lacks {len(missing)} tensors: {', '.join(missing)}")
+    for lp in params:
+        full = pad_vocab(lp.hf_name, state[lp.hf_name].detach().to(torch.float32), padded_vocab_size)
+        assign_local(lp.param, local_shard(full, lp.tp_partition_dim, tp_rank, tp_size))

@@ -1,0 +1,219 @@
+"""BERT layers on megatron-core tensor-parallel building blocks.
+
+Each layer is one step of the model's stage sequence (see `bert.py`) and passes a tuple of
+tensors to the next, because DeepSpeed's pipeline engine sends exactly such tuples between
+stages. Only the first element of a tuple crossing a stage boundary requires grad; masks are
+integer tensors (gloo cannot send bool).
+
+  input batch      (input_ids, token_type_ids, padding_mask, masked_positions)
+  WordEmbedding    (word_vectors, token_type_ids, padding_mask, masked_positions)
+  EmbeddingTail    (hidden, padding_mask, masked_positions)
+  TransformerLayer (hidden, padding_mask, masked_positions)         x num_layers
+  PretrainingHeads (mlm_hidden, nsp_logits)
+  WordEmbedding    (mlm_logits_without_bias, nsp_logits)           tied decoder
+  MlmOutputBias    (mlm_logits, nsp_logits)
+
+Tensors are [batch, sequence, hidden]. The math is Hugging Face BertForPreTraining's: post-LN
+residual blocks, exact-erf GELU, learned absolute positions and token types, tanh pooler.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import ModelParallelConfig, tensor_parallel
+from torch import nn
+
+from .rng import RngTracker, checkpoint_with_rng
+
+
+def megatron_config(params_dtype: torch.dtype) -> ModelParallelConfig:
+    """Megatron layer config: allocate on CPU, leave initialisation to `init_weights`."""
+    from megatron.core import parallel_state
+
+    return ModelParallelConfig(
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        params_dtype=params_dtype,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+    )
+
+
+def _unused_init(weight):  # megatron-core insists on an init method; init_weights does the real work
+    return weight
+
+
+def _sharded(layer, partition_dim: int):
+    """Mark a megatron layer's weight as TP-sharded along partition_dim.
+
+    megatron-core sets these attributes only inside its own weight initialisation, which we
+    switch off (perform_initialization=False); initialisation, LAMB, clipping and conversion
+    all rely on them.
+    """
+    tensor_parallel.set_tensor_model_parallel_attributes(layer.weight, True, partition_dim, 1)
+    return layer
+
+
+class WordEmbedding(nn.Module):
+    """Vocabulary-parallel word embedding, also the MLM decoder (the weights are tied).
+
+    On the first stage it embeds token ids; on the last it maps MLM hidden states to logits.
+    Both uses go through `forward` so that DeepSpeed's module hooks (ZeRO-3) always fire.
+    """
+
+    def __init__(self, padded_vocab_size: int, hidden_size: int, mp_config: ModelParallelConfig):
+        super().__init__()
+        self.embedding = _sharded(tensor_parallel.VocabParallelEmbedding(
+            padded_vocab_size, hidden_size, init_method=_unused_init, config=mp_config
+        ), 0)
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.embedding.weight
+
+    def forward(self, inputs, decode: bool = False):
+        if decode:
+            return self.decode(inputs)
+        input_ids, token_type_ids, padding_mask, masked_positions = inputs
+        return self.embedding(input_ids), token_type_ids, padding_mask, masked_positions
+
+    def decode(self, inputs):
+        mlm_hidden, nsp_logits = inputs
+        # hidden is replicated over TP, the weight is vocab-sharded: the copy all-reduces the
+        # input's gradient over TP in backward so every rank sees the full-vocabulary gradient.
+        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(mlm_hidden)
+        return F.linear(hidden, self.embedding.weight), nsp_logits
+
+
+def embed_tokens(module: WordEmbedding, inputs):
+    """forward_fn of the first stage's tied word embedding (pipeline mode)."""
+    return module(inputs)
+
+
+def decode_tokens(module: WordEmbedding, inputs):
+    """forward_fn of the last stage's tied word embedding (pipeline mode)."""
+    return module(inputs, decode=True)
+
+
+class EmbeddingTail(nn.Module):
+    """Adds position and token-type embeddings, LayerNorm, dropout (a replicated region)."""
+
+    def __init__(self, hidden_size, max_positions, type_vocab_size, eps, dropout, params_dtype):
+        super().__init__()
+        self.position_embeddings = nn.Embedding(max_positions, hidden_size, dtype=params_dtype)
+        self.token_type_embeddings = nn.Embedding(type_vocab_size, hidden_size, dtype=params_dtype)
+        self.layernorm = nn.LayerNorm(hidden_size, eps=eps, dtype=params_dtype)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, inputs):
+        word_vectors, token_type_ids, padding_mask, masked_positions = inputs
+        positions = torch.arange(word_vectors.shape[1], device=word_vectors.device)
+        hidden = word_vectors + self.position_embeddings(positions) + self.token_type_embeddings(token_type_ids)
+        hidden = self.dropout(self.layernorm(hidden))
+        return hidden, padding_mask, masked_positions
+
+
+class TransformerLayer(nn.Module):
+    """Post-LN encoder layer: attention on this rank's heads, then the MLP column/row split."""
+
+    def __init__(self, layer_index: int, model_cfg, mp_config: ModelParallelConfig, rng: RngTracker):
+        super().__init__()
+        self.layer_index = layer_index
+        self.rng = rng
+        self.activation_checkpointing = model_cfg.activation_checkpointing
+        hidden, tp = model_cfg.hidden_size, mp_config.tensor_model_parallel_size
+        self.local_heads = model_cfg.num_attention_heads // tp
+        self.head_dim = hidden // model_cfg.num_attention_heads
+        self.attention_dropout = model_cfg.attention_dropout
+        dtype = mp_config.params_dtype
+
+        def column(out_size):
+            return _sharded(tensor_parallel.ColumnParallelLinear(
+                hidden, out_size, config=mp_config, init_method=_unused_init, bias=True, gather_output=False
+            ), 0)
+
+        self.query = column(hidden)
+        self.key = column(hidden)
+        self.value = column(hidden)
+        self.attention_output = _sharded(tensor_parallel.RowParallelLinear(
+            hidden, hidden, config=mp_config, init_method=_unused_init, bias=True,
+            input_is_parallel=True, skip_bias_add=False,
+        ), 1)
+        self.attention_layernorm = nn.LayerNorm(hidden, eps=model_cfg.layernorm_epsilon, dtype=dtype)
+        self.intermediate = _sharded(tensor_parallel.ColumnParallelLinear(
+            hidden, model_cfg.ffn_size, config=mp_config, init_method=_unused_init, bias=True, gather_output=False
+        ), 0)
+        self.output = _sharded(tensor_parallel.RowParallelLinear(
+            model_cfg.ffn_size, hidden, config=mp_config, init_method=_unused_init, bias=True,
+            input_is_parallel=True, skip_bias_add=False,
+        ), 1)
+        self.output_layernorm = nn.LayerNorm(hidden, eps=model_cfg.layernorm_epsilon, dtype=dtype)
+        self.dropout = nn.Dropout(model_cfg.hidden_dropout)
+
+    def _split_heads(self, projected: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = projected.shape
+        return projected.view(batch, seq, self.local_heads, self.head_dim).transpose(1, 2)
+
+    def _layer(self, hidden: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = hidden.shape
+        query = self._split_heads(self.query(hidden)[0])
+        key = self._split_heads(self.key(hidden)[0])
+        value = self._split_heads(self.value(hidden)[0])
+        attend = padding_mask.bool()[:, None, None, :]
+        dropout_p = self.attention_dropout if self.training else 0.0
+        with self.rng.fork():  # this rank's heads: a TP-rank-specific dropout stream
+            context = F.scaled_dot_product_attention(query, key, value, attn_mask=attend, dropout_p=dropout_p)
+        context = context.transpose(1, 2).reshape(batch, seq, self.local_heads * self.head_dim)
+        attention = self.attention_output(context)[0]
+        hidden = self.attention_layernorm(hidden + self.dropout(attention))
+        mlp = self.output(F.gelu(self.intermediate(hidden)[0]))[0]
+        return self.output_layernorm(hidden + self.dropout(mlp))
+
+    def forward(self, inputs):
+        hidden, padding_mask, masked_positions = inputs
+        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            hidden = checkpoint_with_rng(self._layer, self.rng, hidden, padding_mask)
+        else:
+            hidden = self._layer(hidden, padding_mask)
+        return hidden, padding_mask, masked_positions
+
+
+class PretrainingHeads(nn.Module):
+    """Pooler + NSP classifier, and the MLM transform applied only at masked positions."""
+
+    def __init__(self, model_cfg, params_dtype):
+        super().__init__()
+        hidden = model_cfg.hidden_size
+        self.pooler = nn.Linear(hidden, hidden, dtype=params_dtype)
+        self.nsp = nn.Linear(hidden, 2, dtype=params_dtype)
+        self.mlm_dense = nn.Linear(hidden, hidden, dtype=params_dtype)
+        self.mlm_layernorm = nn.LayerNorm(hidden, eps=model_cfg.layernorm_epsilon, dtype=params_dtype)
+
+    def forward(self, inputs):
+        hidden, _padding_mask, masked_positions = inputs
+        nsp_logits = self.nsp(torch.tanh(self.pooler(hidden[:, 0])))
+        # Sparse prediction: only the masked positions go through the vocabulary projection.
+        index = masked_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+        masked_hidden = torch.gather(hidden, 1, index)
+        mlm_hidden = self.mlm_layernorm(F.gelu(self.mlm_dense(masked_hidden)))
+        return mlm_hidden, nsp_logits
+
+
+class MlmOutputBias(nn.Module):
+    """The MLM decoder's vocabulary-parallel bias; padded vocabulary entries get no probability."""
+
+    def __init__(self, vocab_size: int, padded_vocab_size: int, mp_config: ModelParallelConfig):
+        super().__init__()
+        tp = mp_config.tensor_model_parallel_size
+        from megatron.core import parallel_state
+
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        local = padded_vocab_size // tp
+        self.bias = nn.Parameter(torch.zeros(local, dtype=mp_config.params_dtype))
+        tensor_parallel.set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
+        vocab_ids = torch.arange(tp_rank * local, (tp_rank + 1) * local)
+        self.register_buffer("is_padding", vocab_ids >= vocab_size, persistent=False)
+
+    def forward(self, inputs):
+        logits, nsp_logits = inputs
+        logits = (logits + self.bias).masked_fill(self.is_padding, torch.finfo(logits.dtype).min)
+        return logits, nsp_logits

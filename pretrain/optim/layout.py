@@ -1,0 +1,235 @@
+"""Where each logical parameter lives inside the tensors an optimizer steps.
+
+LAMB's trust ratio needs the norms of whole logical parameters, but what the optimizer
+actually holds depends on the parallel layout:
+
+* plain / ZeRO-0: one tensor per parameter (a TP shard when the layer is tensor-parallel);
+* ZeRO-1/2 and DeepSpeed's BF16 optimizer: one flat fp32 *partition* per param group per
+  DP rank, holding fragments of the group's parameters (a parameter may straddle two ranks
+  or be absent from this one), plus alignment padding;
+* ZeRO-3: one flat fp32 tensor per sub-group per DP rank, the concatenation of this rank's
+  partition of every parameter in the sub-group, each padded to a multiple of the DP size.
+
+A `NormLayout` describes this with segments ``(logical_index, start, numel)`` into each
+stepped tensor (flattened), a TP-sharded flag per logical parameter and the groups over
+which partial sums of squares must be added.  The builders below read DeepSpeed's own
+bookkeeping (see deepspeed/runtime/zero/stage_1_and_2.py, stage3.py, bf16_optimizer.py and
+utils/tensor_fragment.py) instead of re-deriving its partitioning arithmetic.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class Segment(NamedTuple):
+    """`numel` elements of logical parameter `logical_index`, starting at flat offset `start`
+    of the tensor the optimizer steps."""
+    logical_index: int
+    start: int
+    numel: int
+
+
+class NormLayout:
+    """Segments of every tensor the optimizer will step, plus the reduction groups.
+
+    tensors_segments: (tensor, [Segment, ...]) for each tensor the optimizer steps.
+    tp_sharded: one flag per logical parameter; True when the logical parameter is itself
+        one TP shard of a larger one (megatron's `tensor_model_parallel`), so its sums must
+        be added over `tp_group`.  Replicated parameters are NOT summed over TP.
+    dp_group: group whose ranks hold disjoint pieces of each parameter (ZeRO), or None when
+        every DP rank holds whole parameters.
+    tp_group: tensor-parallel group, or None when TP=1.
+    """
+
+    def __init__(self, tensors_segments: Iterable[tuple[torch.Tensor, Sequence[Segment]]],
+                 tp_sharded: Sequence[bool], dp_group=None, tp_group=None):
+        self.num_logical = len(tp_sharded)
+        self.tp_sharded = [bool(s) for s in tp_sharded]
+        self.dp_group = dp_group
+        self.tp_group = tp_group
+        # Keyed by id(); the tensor itself is kept alongside so its id cannot be reused.
+        self._by_id: dict[int, tuple[torch.Tensor, list[Segment]]] = {}
+        for tensor, segments in tensors_segments:
+            segments = sorted(Segment(*s) for s in segments)
+            self._check(tensor, segments)
+            self._by_id[id(tensor)] = (tensor, segments)
+
+    def _check(self, tensor: torch.Tensor, segments: list[Segment]) -> None:
+        end = 0
+        for seg in sorted(segments, key=lambda s: s.start):
+            if not 0 <= seg.logical_index < self.num_logical:
+                raise ValueError(f"NormLayout: logical index {seg.logical_index} out of range "
+                                 f"[0, {self.num_logical})")
+            if seg.numel <= 0 or seg.start < end or seg.start + seg.numel > tensor.numel():
+                raise ValueError(f"NormLayout: segment {seg} overlaps another or lies outside a "
+                                 f"tensor of {tensor.numel()} elements")
+            end = seg.start + seg.numel
+
+    def segments_for(self, tensor: torch.Tensor) -> list[Segment]:
+        entry = self._by_id.get(id(tensor))
+        if entry is None or entry[0] is not tensor:
+            raise KeyError(f"NormLayout: the optimizer holds a tensor of shape {tuple(tensor.shape)} "
+                           "that the layout does not describe; build the layout after "
+                           "deepspeed.initialize() from the engine that owns the optimizer")
+        return entry[1]
+
+    def entries(self) -> list[tuple[torch.Tensor, list[Segment]]]:
+        """(tensor, segments) for every described tensor."""
+        return list(self._by_id.values())
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+def _is_tp_sharded(param: torch.Tensor) -> bool:
+    # megatron-core marks sharded weights with tensor_model_parallel=True; everything else is
+    # replicated over TP, i.e. already whole on each TP rank.
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def _group_or_none(group):
+    """Drop groups of one rank: summing over them is a no-op, and a None group lets the
+    optimizer skip the collective altogether."""
+    if group is None or dist.get_world_size(group=group) == 1:
+        return None
+    return group
+
+
+def layout_for_params(param_groups_params: Sequence[Sequence[torch.Tensor]], tp_group=None) -> NormLayout:
+    """Layout when the optimizer steps the parameters themselves (plain runs, ZeRO-0, pipeline
+    engines with ZeRO-0): every tensor is one whole logical parameter, or one TP shard."""
+    entries, sharded = [], []
+    for params in param_groups_params:
+        for p in params:
+            entries.append((p, [Segment(len(sharded), 0, p.numel())] if p.numel() else []))
+            sharded.append(_is_tp_sharded(p))
+    return NormLayout(entries, sharded, dp_group=None, tp_group=_group_or_none(tp_group))
+
+
+def _same_ranks(a, b) -> bool:
+    return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
+
+
+def _partition_group(groups: Sequence, dp_group, kind: str):
+    """The DP group DeepSpeed partitioned over (one per param group; all must agree, which
+    excludes MoE expert groups), checked against the caller's own DP group."""
+    if not groups:
+        raise ValueError(f"layout_for_deepspeed: {kind} has no parameter groups")
+    first = groups[0]
+    if any(not _same_ranks(g, first) for g in groups):
+        raise NotImplementedError(f"layout_for_deepspeed: {kind} partitions param groups over "
+                                  "different process groups (MoE?); LAMB layout not supported")
+    if dp_group is not None and not _same_ranks(dp_group, first):
+        raise ValueError("layout_for_deepspeed: the given dp_group has ranks "
+                         f"{dist.get_process_group_ranks(dp_group)} but DeepSpeed partitions over "
+                         f"{dist.get_process_group_ranks(first)}; pass the engine's DP group")
+    return _group_or_none(first)
+
+
+def _hp_mapped_layout(lp_groups, hp_partitions, partition_groups, dp_group, tp_group, kind: str) -> NormLayout:
+    """ZeRO-1/2 and BF16_Optimizer: one flat fp32 partition per group; DeepSpeed links each
+    low-precision (model) parameter that overlaps this rank's partition to its fragment via
+    `_hp_mapping` (None when the parameter lies entirely on other ranks).  The fragment's
+    hp address is (start, numel) inside the local flat partition; it already accounts for
+    round-robin reordering and parameter alignment padding."""
+    if len(lp_groups) != len(hp_partitions):
+        raise RuntimeError(f"layout_for_deepspeed: {kind} has {len(lp_groups)} model groups but "
+                           f"{len(hp_partitions)} fp32 partitions")
+    entries, sharded = [], []
+    for lp_params, flat in zip(lp_groups, hp_partitions):
+        segments = []
+        for p in lp_params:
+            index = len(sharded)  # same enumeration on every rank: all ranks hold all lp params
+            sharded.append(_is_tp_sharded(p))
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is None:
+                continue
+            address = mapping.get_hp_fragment_address()
+            if address.numel > 0:
+                segments.append(Segment(index, address.start, address.numel))
+        entries.append((flat, segments))
+    group = _partition_group(partition_groups, dp_group, kind)
+    return NormLayout(entries, sharded, dp_group=group, tp_group=_group_or_none(tp_group))
+
+
+def _stage3_layout(opt, dp_group, tp_group) -> NormLayout:
+    """ZeRO-3: sub-group i's flat fp32 tensor `fp32_partitioned_groups_flat[i]` is the
+    concatenation of `param.ds_tensor` (partition_numel() elements each) for the params of
+    `fp16_groups[i]`.  Rank r's partition of a parameter covers flat elements
+    [r*ps, (r+1)*ps) of it, ps = partition_numel(); elements past ds_numel are padding."""
+    if getattr(opt, "params_in_nvme_and_cpu", False) or getattr(opt, "swap_optimizer", False):
+        raise NotImplementedError("layout_for_deepspeed: ZeRO-3 with NVMe offload is not supported by Lamb")
+    entries, sharded, groups = [], [], []
+    for params, flat in zip(opt.fp16_groups, opt.fp32_partitioned_groups_flat):
+        segments, offset = [], 0
+        for p in params:
+            index = len(sharded)
+            sharded.append(_is_tp_sharded(p))
+            ps = p.partition_numel()
+            rank = dist.get_rank(group=p.ds_process_group)
+            real = max(0, min(ps, p.ds_numel - rank * ps))
+            if real > 0:
+                segments.append(Segment(index, offset, real))
+            offset += ps
+            groups.append(p.ds_process_group)
+        if offset != flat.numel():
+            raise RuntimeError(f"layout_for_deepspeed: ZeRO-3 sub-group holds {flat.numel()} elements, "
+                               f"its params' partitions add up to {offset}")
+        entries.append((flat, segments))
+    group = _partition_group(groups, dp_group, "DeepSpeedZeroOptimizer_Stage3")
+    return NormLayout(entries, sharded, dp_group=group, tp_group=_group_or_none(tp_group))
+
+
+def _unfused_layout(opt, tp_group) -> NormLayout:
+    """FP16_UnfusedOptimizer (fp16, or bf16 with ZeRO-0 off the pipeline): one whole fp32
+    copy per parameter; TP flags live on the model's low-precision parameters."""
+    entries, sharded = [], []
+    for lp_params, fp32_params in zip(opt.fp16_groups, opt.fp32_groups):
+        for lp, hp in zip(lp_params, fp32_params):
+            entries.append((hp, [Segment(len(sharded), 0, hp.numel())] if hp.numel() else []))
+            sharded.append(_is_tp_sharded(lp))
+    return NormLayout(entries, sharded, dp_group=None, tp_group=_group_or_none(tp_group))
+
+
+def layout_for_deepspeed(engine, tp_group=None, dp_group=None) -> NormLayout:
+    """Layout of the tensors that the client optimizer's param_groups hold at step time,
+    read from `engine.optimizer` (DeepSpeed's wrapper, or the client optimizer for ZeRO-0
+    fp32).  Call after deepspeed.initialize().  `dp_group`, when given, must be the group
+    DeepSpeed partitions over (checked); `tp_group` is the tensor-parallel group or None."""
+    # Imported here: deepspeed is slow to import and plain runs do not need it.
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    opt = engine.optimizer
+    kind = type(opt).__name__
+    if isinstance(opt, DeepSpeedZeroOptimizer):
+        if getattr(opt, "zenflow", False):
+            raise NotImplementedError("layout_for_deepspeed: ZenFlow optimizer is not supported by Lamb")
+        return _hp_mapped_layout(opt.bit16_groups, opt.single_partition_of_fp32_groups,
+                                 opt.real_dp_process_group, dp_group, tp_group, kind)
+    if isinstance(opt, BF16_Optimizer):
+        if not opt.using_real_optimizer:
+            raise ValueError("layout_for_deepspeed: BF16_Optimizer has no client optimizer")
+        return _hp_mapped_layout(opt.bf16_groups, opt.fp32_groups_flat_partition,
+                                 opt.real_dp_process_group, dp_group, tp_group, kind)
+    if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
+        return _stage3_layout(opt, dp_group, tp_group)
+    if isinstance(opt, FP16_UnfusedOptimizer):
+        return _unfused_layout(opt, tp_group)
+    if isinstance(opt, (FP16_Optimizer, ZeROOptimizer)):
+        raise NotImplementedError(f"layout_for_deepspeed: DeepSpeed optimizer wrapper {kind} is not "
+                                  "supported by Lamb (supported: ZeRO-0 fp32, ZeRO-1/2, ZeRO-3, "
+                                  "BF16_Optimizer, FP16_UnfusedOptimizer)")
+    if isinstance(opt, torch.optim.Optimizer):
+        # ZeRO-0 fp32: DeepSpeed steps the client optimizer on the model's own parameters.
+        return layout_for_params([g["params"] for g in opt.param_groups], tp_group)
+    raise TypeError(f"layout_for_deepspeed: engine.optimizer is a {kind}, not an optimizer "
+                    "DeepSpeed builds; cannot derive a LAMB layout")

@@ -1,0 +1,80 @@
+"""Learning-rate schedule: linear warmup, then linear / polynomial decay or constant.
+
+`step` counts completed optimizer steps, so lr_at(step) is the rate used by optimizer step
+number step+1.  Warmup never uses lr 0 (that would waste a step): during warmup
+lr = base_lr * (step+1) / warmup_steps, reaching base_lr at step warmup_steps-1.  Then
+lr decays from base_lr at step warmup_steps to min_lr at step total_steps and stays there.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+DECAYS = ("linear", "poly", "constant")
+
+
+def _validate(base_lr, warmup_steps, total_steps, decay, power, min_lr) -> None:
+    if decay not in DECAYS:
+        raise ValueError(f"lr schedule: decay must be one of {DECAYS}, got {decay!r}")
+    if base_lr <= 0 or min_lr < 0 or min_lr > base_lr:
+        raise ValueError(f"lr schedule: need 0 <= min_lr <= base_lr and base_lr > 0 "
+                         f"(got base_lr={base_lr}, min_lr={min_lr})")
+    if warmup_steps < 0:
+        raise ValueError(f"lr schedule: warmup_steps must be >= 0, got {warmup_steps}")
+    if decay != "constant" and total_steps <= warmup_steps:
+        raise ValueError(f"lr schedule: total_steps ({total_steps}) must exceed warmup_steps "
+                         f"({warmup_steps}) for {decay} decay")
+    if decay == "poly" and power <= 0:
+        raise ValueError(f"lr schedule: poly power must be > 0, got {power}")
+
+
+def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, decay: str = "linear",
+          power: float = 0.5, min_lr: float = 0.0) -> float:
+    """Learning rate after `step` completed optimizer steps (pure function)."""
+    _validate(base_lr, warmup_steps, total_steps, decay, power, min_lr)
+    if step < 0:
+        raise ValueError(f"lr schedule: step must be >= 0, got {step}")
+    if step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    if decay == "constant":
+        return base_lr
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    remaining = 1.0 - progress if decay == "linear" else (1.0 - progress) ** power
+    return min_lr + (base_lr - min_lr) * remaining
+
+
+class WarmupDecayLR(LRScheduler):
+    """Sets every param group's lr to lr_at(completed steps).  Usable as DeepSpeed's
+    `lr_scheduler` (DeepSpeed calls step() after each optimizer step it does not skip).
+
+    The checkpoint keeps only the step count: the schedule itself comes from the run's
+    config (one source of truth), so a resumed run may e.g. extend total_steps."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, base_lr: float, warmup_steps: int,
+                 total_steps: int, decay: str = "linear", power: float = 0.5, min_lr: float = 0.0):
+        _validate(base_lr, warmup_steps, total_steps, decay, power, min_lr)
+        self.schedule = dict(base_lr=base_lr, warmup_steps=warmup_steps, total_steps=total_steps,
+                             decay=decay, power=power, min_lr=min_lr)
+        super().__init__(optimizer)  # performs the initial step: last_epoch 0, lr = lr_at(0)
+
+    def get_lr(self) -> list[float]:
+        lr = lr_at(self.last_epoch, **self.schedule)
+        return [lr for _ in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.last_epoch, "_step_count": self._step_count}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.last_epoch = int(state_dict["last_epoch"])
+        self._step_count = int(state_dict["_step_count"])
+        lr = lr_at(self.last_epoch, **self.schedule)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self._last_lr = [lr for _ in self.optimizer.param_groups]
+
+
+def make_lr_scheduler(optimizer: torch.optim.Optimizer, base_lr: float, warmup_steps: int,
+                      total_steps: int, decay: str = "linear", power: float = 0.5,
+                      min_lr: float = 0.0) -> WarmupDecayLR:
+    return WarmupDecayLR(optimizer, base_lr, warmup_steps, total_steps, decay, power, min_lr)

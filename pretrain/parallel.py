@@ -1,0 +1,252 @@
+"""Process groups: one init path for torchrun, the deepspeed launcher, mpirun and SLURM.
+
+Rank layout (fastest-varying first): tensor, data, pipeline. megatron-core's
+`initialize_model_parallel(order="tp-cp-ep-dp-pp")` and DeepSpeed's
+`PipeModelDataParallelTopology` (axes pipe, data, model) both use it; `init_parallel` asserts
+that the two agree, because another order silently pairs the wrong ranks.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, as the launcher told it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun/deepspeed", "mpi", "slurm" or "single"
+
+
+def _mpi_launch_env(environ) -> LaunchEnv:
+    from mpi4py import MPI  # imported only under mpirun: it needs an MPI runtime
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    local_rank = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    addr = environ.get("MASTER_ADDR")
+    if addr is None:
+        addr = comm.bcast(socket.gethostbyname(socket.gethostname()) if rank == 0 else None, root=0)
+    port = int(environ.get("MASTER_PORT", 29500))
+    return LaunchEnv(rank, size, local_rank, addr, port, "mpi")
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM nodelist such as 'node[03-05,07],gpu1' -> 'node03'."""
+    match = re.match(r"([^\[,]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        raise ValueError(f"cannot parse SLURM nodelist {nodelist!r}; set MASTER_ADDR")
+    prefix, ranges = match.groups()
+    return prefix if ranges is None else prefix + re.split(r"[,-]", ranges)[0]
+
+
+def discover_launch_env(environ=None) -> LaunchEnv:
+    """Read rank and rendezvous from whichever launcher started us."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun and the deepspeed launcher
+        return LaunchEnv(
+            int(env["RANK"]),
+            int(env["WORLD_SIZE"]),
+            int(env.get("LOCAL_RANK", 0)),
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            int(env.get("MASTER_PORT", 29500)),
+            "torchrun/deepspeed",
+        )
+    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env or "PMIX_RANK" in env:
+        return _mpi_launch_env(env)
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return LaunchEnv(
+            int(env["SLURM_PROCID"]),
+            int(env["SLURM_NTASKS"]),
+            int(env.get("SLURM_LOCALID", 0)),
+            env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1"))),
+            int(env.get("MASTER_PORT", 29500)),
+            "slurm",
+        )
+    return LaunchEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "single")
+
+
+def device_for(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class DeepSpeedMPU:
+    """The `mpu` object DeepSpeed asks for in non-pipeline mode: "model parallel" means TP here."""
+
+    def __init__(self, parallel: "Parallel"):
+        self._p = parallel
+
+    def get_model_parallel_rank(self):
+        return self._p.tp_rank
+
+    def get_model_parallel_world_size(self):
+        return self._p.tp_size
+
+    def get_model_parallel_group(self):
+        return self._p.tp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_data_parallel_rank(self):
+        return self._p.dp_rank
+
+    def get_data_parallel_world_size(self):
+        return self._p.dp_size
+
+    def get_data_parallel_group(self):
+        return self._p.dp_group
+
+    def get_pipeline_model_parallel_rank(self):
+        return self._p.pp_rank
+
+    def get_pipeline_model_parallel_world_size(self):
+        return self._p.pp_size
+
+    def get_pipeline_model_parallel_group(self):
+        return self._p.pp_group
+
+
+@dataclass
+class Parallel:
+    """This rank's coordinates and groups. Built once by `init_parallel`, passed explicitly."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: object
+    pp_group: object
+    dp_group: object
+    topology: object  # deepspeed PipeModelDataParallelTopology
+    device: torch.device
+    backend: str
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def mpu(self) -> DeepSpeedMPU:
+        return DeepSpeedMPU(self)
+
+    @property
+    def logging_rank(self) -> int:
+        """Global rank of (last stage, dp 0, tp 0): it holds every metric, so it logs."""
+        return self.topology.get_rank(pipe=self.pp_size - 1, data=0, model=0)
+
+
+def _ranks(group) -> list[int]:
+    return sorted(dist.get_process_group_ranks(group))
+
+
+def init_parallel(tensor_parallel: int, pipeline_parallel: int, timeout_minutes: float = 10.0) -> Parallel:
+    """Start torch.distributed (gloo on CPU, NCCL on GPU) and build the TP/PP/DP groups."""
+    import deepspeed
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    from megatron.core import parallel_state
+
+    launch = discover_launch_env()
+    for key, value in (
+        ("RANK", launch.rank),
+        ("WORLD_SIZE", launch.world_size),
+        ("LOCAL_RANK", launch.local_rank),
+        ("MASTER_ADDR", launch.master_addr),
+        ("MASTER_PORT", launch.master_port),
+    ):
+        os.environ[key] = str(value)
+    device = device_for(launch.local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(
+            dist_backend=backend,
+            auto_mpi_discovery=False,
+            timeout=timeout,
+            init_method="env://",
+            rank=launch.rank,
+            world_size=launch.world_size,
+        )
+    world = dist.get_world_size()
+    model_parallel = tensor_parallel * pipeline_parallel
+    if world % model_parallel:
+        raise ValueError(
+            f"world size {world} is not divisible by tensor_parallel x pipeline_parallel = {model_parallel}"
+        )
+    data_parallel = world // model_parallel
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        distributed_timeout_minutes=int(max(1, timeout_minutes)),
+        order="tp-cp-ep-dp-pp",
+        create_gloo_process_groups=False,
+    )
+    topology = PipeModelDataParallelTopology(num_pp=pipeline_parallel, num_mp=tensor_parallel, num_dp=data_parallel)
+    rank = dist.get_rank()
+    coord = topology.get_coord(rank)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    dp_group = parallel_state.get_data_parallel_group()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+
+    # The two libraries must agree on which ranks share a group.
+    for axis, group in (("model", tp_group), ("data", dp_group), ("pipe", pp_group)):
+        expected = next(sorted(r) for r in topology.get_axis_comm_lists(axis) if rank in r) if topology.get_dim(axis) > 1 else [rank]
+        if _ranks(group) != expected:
+            raise RuntimeError(
+                f"rank {rank}: megatron-core {axis} group {_ranks(group)} != DeepSpeed topology {expected}"
+            )
+    assert coord.model == parallel_state.get_tensor_model_parallel_rank()
+    assert coord.data == parallel_state.get_data_parallel_rank()
+    assert coord.pipe == parallel_state.get_pipeline_model_parallel_rank()
+    return Parallel(
+        rank=rank,
+        world_size=world,
+        local_rank=launch.local_rank,
+        tp_size=tensor_parallel,
+        pp_size=pipeline_parallel,
+        dp_size=data_parallel,
+        tp_rank=coord.model,
+        pp_rank=coord.pipe,
+        dp_rank=coord.data,
+        tp_group=tp_group,
+        pp_group=pp_group,
+        dp_group=dp_group,
+        topology=topology,
+        device=device,
+        backend=backend,
+    )
+
+
+def shutdown_parallel() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,53 @@
+"""Command line: `python -m pretrain --config configs/bert-base.yaml [section.key=value ...]`.
+
+Started once per rank by a launcher (torchrun, deepspeed, mpirun, srun; see launcher.sh).
+The configuration is validated against the world size before any process group starts.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import ConfigError, load_config
+from .parallel import discover_launch_env
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m pretrain", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML config (see configs/)")
+    parser.add_argument("--check-config", action="store_true",
+                        help="validate the config for --world-size (or the launcher's) and exit")
+    parser.add_argument("--world-size", type=int, default=None, help="with --check-config: ranks the job will have")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher adds it
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.micro_batch_size=4")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    world_size = args.world_size or discover_launch_env().world_size
+    try:
+        cfg = load_config(args.config, args.overrides)
+        cfg.validate(world_size=world_size)
+    except ConfigError as error:
+        print(f"invalid configuration ({args.config}):\n{error}", file=sys.stderr)
+        return 2
+    if args.check_config:
+        print(f"{args.config}: valid for {world_size} rank(s)")
+        return 0
+
+    from .parallel import init_parallel, shutdown_parallel
+    from .training import Trainer
+
+    parallel = init_parallel(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel,
+                             cfg.train.dist_timeout_minutes)
+    try:
+        Trainer(cfg, parallel).train()
+    finally:
+        shutdown_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""The pretraining loop: model + optimizer under DeepSpeed, data, metrics, checkpoints."""
+from __future__ import annotations
+
+import math
+import resource
+import signal
+import sys
+import time
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from . import checkpointing
+from .config import Config, build_deepspeed_config
+from .data.samples import MicroBatchIterator
+from .data.synthetic import SyntheticDataset
+from .model.bert import HF_NAME_TABLE, PretrainingLoss, build_model, init_weights, logical_parameters
+from .model.rng import RngTracker, seed_streams
+from .optim import Lamb, build_optimizer, layout_for_deepspeed, make_lr_scheduler
+from .parallel import Parallel
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def optimizer_param_groups(model: torch.nn.Module, optimizer_cfg) -> list[dict]:
+    """Group parameters by the configured weight-decay and layer-adaptation exclusions (by kind)."""
+    groups: dict[tuple[bool, bool], list] = {}
+    for lp in logical_parameters(model):
+        if not lp.param.requires_grad:
+            continue
+        key = (lp.kind not in optimizer_cfg.no_weight_decay, lp.kind not in optimizer_cfg.no_layer_adaptation)
+        groups.setdefault(key, []).append(lp.param)
+    return [
+        {"params": params, "weight_decay": optimizer_cfg.weight_decay if decay else 0.0, "layer_adaptation": adapt}
+        for (decay, adapt), params in sorted(groups.items(), reverse=True)
+    ]
+
+
+def counted_once(model, parallel: Parallel):
+    """Logical parameters of this rank that a whole-model sum must count: TP-replicated ones on
+    TP rank 0 only, the tied word embedding on the first pipeline stage only."""
+    tied_word = HF_NAME_TABLE["WordEmbedding"]["embedding.weight"][0]
+    for lp in logical_parameters(model):
+        if lp.tp_partition_dim is None and parallel.tp_rank != 0:
+            continue
+        if parallel.pp_size > 1 and lp.hf_name == tied_word and not parallel.is_first_stage:
+            continue
+        yield lp
+
+
+def clip_gradients_exactly(engine, model, parallel: Parallel, max_norm: float) -> None:
+    """Global gradient-norm clipping for ZeRO-0 fp32, replacing DeepSpeed's `clip_fp32_gradients`.
+
+    DeepSpeed's version counts replicated parameters only on model-parallel rank 0 of the whole
+    pipe x tensor group (so later pipeline stages' LayerNorms and biases are left out) and does
+    not record the norm for get_global_grad_norm(). Gradients are already reduced over DP and
+    the tied embedding's copies summed when this runs.
+    """
+    grads = [lp.param.grad for lp in counted_once(model, parallel) if lp.param.grad is not None]
+    total = torch.zeros((), dtype=torch.float64, device=parallel.device)
+    for grad in grads:
+        total += grad.detach().double().pow(2).sum()
+    dist.all_reduce(total)  # over the world: every DP replica holds the same gradients
+    norm = math.sqrt(total.item() / parallel.dp_size)
+    coefficient = min(1.0, max_norm / (norm + 1e-6))
+    if coefficient < 1.0:
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(coefficient)
+    engine._global_grad_norm = norm
+
+
+def model_flops_per_sample(cfg: Config) -> float:
+    """Training FLOPs one sample needs (forward + backward = 3 x forward; matmuls only).
+
+    Per layer and token: Q, K, V and output projections 4 * 2h^2, MLP 2 * 2h*ffn, attention
+    scores and context 2 * 2*s*h. Heads: pooler + NSP per sequence; MLM transform and the
+    vocabulary projection at the masked positions only (sparse prediction). Recomputation for
+    activation checkpointing is not counted (it is overhead, not model work).
+    """
+    m, s = cfg.model, cfg.data.seq_length
+    h, f, v, p = m.hidden_size, m.ffn_size, m.vocab_size, cfg.data.max_predictions_per_seq
+    per_token_layer = 8 * h * h + 4 * h * f + 4 * s * h
+    forward = m.num_layers * s * per_token_layer + 2 * h * h + 4 * h + p * (2 * h * h + 2 * h * v)
+    return 3.0 * forward
+
+
+class Trainer:
+    def __init__(self, cfg: Config, parallel: Parallel, log=print):
+        self.cfg = cfg
+        self.parallel = parallel
+        self.log = log if parallel.rank == parallel.logging_rank else (lambda *a, **k: None)
+        self.step = 0
+        self.consumed_samples = 0
+        self._stop_requested = False
+        self.pipelined = parallel.pp_size > 1
+        self.grad_accum = cfg.grad_accum_steps(parallel.world_size)
+
+        self.tracker = RngTracker(parallel.device)
+        seed_streams(self.tracker, cfg.train.seed, parallel.tp_rank, parallel.pp_rank, parallel.dp_rank)
+        self.loss_fn = PretrainingLoss(parallel.tp_group, parallel.tp_rank)
+        self.ds_config = build_deepspeed_config(cfg, parallel.world_size)
+        self.engine = self._build_engine()
+
+        d = cfg.data
+        self.train_data = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions_per_seq,
+                                           d.num_samples, d.seed, d.masked_lm_prob)
+        self.valid_data = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions_per_seq,
+                                           d.num_samples, d.seed + 1, d.masked_lm_prob)
+        self.writer = None
+        if cfg.train.tensorboard_dir and parallel.rank == parallel.logging_rank:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(cfg.train.tensorboard_dir)
+
+    # ----------------------------------------------------------------------------- set-up
+    def _build_engine(self):
+        cfg, par = self.cfg, self.parallel
+        padded_vocab = cfg.model.padded_vocab_size(par.tp_size)
+
+        def make_model():
+            model = build_model(cfg.model, padded_vocab, torch.float32, self.tracker,
+                                pipeline_topology=par.topology if self.pipelined else None, loss_fn=self.loss_fn)
+            init_weights(model, cfg.model.init_std, cfg.train.seed, cfg.model.vocab_size, par.tp_rank, par.tp_size)
+            return model
+
+        if cfg.parallel.zero_stage == 3:
+            # Partition at construction, over the data-parallel group only: without it shards of
+            # different TP ranks would be mixed and the loss silently wrong.
+            with deepspeed.zero.Init(data_parallel_group=par.dp_group, config_dict_or_path=self.ds_config,
+                                     remote_device=None, pin_memory=False):
+                model = make_model()
+        else:
+            model = make_model()
+        self.model = model
+
+        o = cfg.optimizer
+        hyper = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+        if o.name == "lamb":
+            hyper["max_trust_ratio"] = o.max_trust_ratio
+        optimizer = build_optimizer(o.name, optimizer_param_groups(model, o), **hyper)
+        s = cfg.scheduler
+
+        def scheduler(opt):
+            return make_lr_scheduler(opt, o.lr, s.warmup_steps, cfg.train.train_steps, s.decay, s.power, s.min_lr)
+
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=self.ds_config,
+            mpu=None if self.pipelined else par.mpu,  # the pipeline engine takes its grid from the topology
+        )
+        if cfg.parallel.zero_stage == 0 and cfg.train.precision == "fp32":
+            engine.clip_fp32_gradients = lambda: clip_gradients_exactly(engine, model, par, cfg.optimizer.grad_clip)
+        if isinstance(optimizer, Lamb):
+            optimizer.set_layout(layout_for_deepspeed(engine, par.tp_group if par.tp_size > 1 else None,
+                                                      par.dp_group if par.dp_size > 1 else None))
+        return engine
+
+    def data_iterator(self, dataset, consumed_samples: int) -> MicroBatchIterator:
+        p = self.parallel
+        return MicroBatchIterator(dataset, consumed_samples, self.cfg.train.micro_batch_size, p.dp_rank, p.dp_size,
+                                  p.device)
+
+    # ----------------------------------------------------------------------------- steps
+    def train_step(self, data_iter) -> dict:
+        if self.pipelined:
+            self.engine.train_batch(data_iter=data_iter)
+        else:
+            for _ in range(self.grad_accum):
+                inputs, labels = next(data_iter)
+                loss = self.loss_fn(self.engine(inputs), labels)
+                self.engine.backward(loss)
+                self.engine.step()
+        return self._reduce_metrics(self.loss_fn.drain())
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.engine.eval()
+        data_iter = self.data_iterator(self.valid_data, 0)
+        self.loss_fn.drain()
+        for _ in range(self.cfg.train.eval_steps):
+            if self.pipelined:
+                self.engine.eval_batch(data_iter, compute_loss=True, bcast_loss=False)
+            else:
+                for _ in range(self.grad_accum):
+                    inputs, labels = next(data_iter)
+                    self.loss_fn(self.engine(inputs), labels)
+        self.engine.train()
+        return self._reduce_metrics(self.loss_fn.drain())
+
+    def _reduce_metrics(self, sums: torch.Tensor) -> dict:
+        """Average the loss function's sums over every micro-batch of the global batch.
+
+        Only the last stage computes the loss, and its TP ranks hold identical values: the
+        (last stage, TP rank 0) ranks contribute, everyone receives the result.
+        """
+        p = self.parallel
+        contributes = p.is_last_stage and p.tp_rank == 0
+        sums = (sums if contributes else torch.zeros_like(sums)).to(p.device)
+        dist.all_reduce(sums)
+        s = dict(zip(PretrainingLoss.METRICS, sums.tolist()))
+        lm, nsp = s["lm_loss"] / s["micro_batches"], s["nsp_loss"] / s["micro_batches"]
+        return {
+            "loss": lm + nsp,
+            "lm_loss": lm,
+            "nsp_loss": nsp,
+            "mlm_accuracy": s["mlm_correct"] / max(s["mlm_count"], 1.0),
+            "nsp_accuracy": s["nsp_correct"] / max(s["nsp_count"], 1.0),
+        }
+
+    def params_norm(self) -> float:
+        """L2 norm of the whole logical model, each parameter counted once in any layout."""
+        total = torch.zeros((), dtype=torch.float64)
+        for lp in counted_once(self.model, self.parallel):
+            zero3 = hasattr(lp.param, "ds_tensor")
+            if not zero3 and self.parallel.dp_rank != 0:
+                continue  # replicated over DP; a ZeRO-3 partition is this rank's own
+            tensor = lp.param.ds_tensor if zero3 else lp.param
+            total += tensor.detach().double().pow(2).sum().cpu()
+        dist.all_reduce(total)
+        return math.sqrt(total.item())
+
+    # ----------------------------------------------------------------------------- loop
+    def _on_sigterm(self, signum, frame):
+        self._stop_requested = True
+
+    def _stop_agreed(self) -> bool:
+        flag = torch.tensor(float(self._stop_requested))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() > 0
+
+    def save(self) -> None:
+        if not self.cfg.train.save_dir:
+            return
+        tag = checkpointing.save_checkpoint(self.engine, self.cfg.train.save_dir, self.step, self.consumed_samples,
+                                            self.cfg, self.parallel, self.tracker, self.cfg.train.keep_last)
+        self.log(f"saved checkpoint {self.cfg.train.save_dir}/{tag}")
+
+    def resume(self) -> None:
+        if not self.cfg.train.load_dir:
+            return
+        found = checkpointing.load_checkpoint(self.engine, self.cfg.train.load_dir, self.cfg, self.parallel, self.tracker)
+        if found is None:
+            if self.cfg.train.load_dir != self.cfg.train.save_dir:
+                raise checkpointing.CheckpointError(f"no checkpoint in {self.cfg.train.load_dir} (no 'latest' file)")
+            self.log(f"no checkpoint in {self.cfg.train.load_dir} yet: starting from scratch")
+            return
+        self.step, self.consumed_samples = found
+        self.log(f"resumed from {self.cfg.train.load_dir} at step {self.step} ({self.consumed_samples} samples)")
+
+    def train(self) -> list[dict]:
+        """Run to train.train_steps; returns the per-step metrics (for tests and callers)."""
+        cfg, t = self.cfg, self.cfg.train
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm) if _main_thread() else None
+        self.resume()
+        data_iter = self.data_iterator(self.train_data, self.consumed_samples)
+        history, flops = [], model_flops_per_sample(cfg)
+        window_start, window_steps = time.perf_counter(), 0
+        try:
+            while self.step < t.train_steps:
+                started = time.perf_counter()
+                metrics = self.train_step(data_iter)
+                self.step += 1
+                self.consumed_samples += t.global_batch_size
+                assert data_iter.consumed_samples == self.consumed_samples
+                metrics["iteration_time"] = time.perf_counter() - started
+                metrics["learning_rate"] = self.engine.get_lr()[0]
+                grad_norm = self.engine.get_global_grad_norm()
+                metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+                history.append(metrics)
+                window_steps += 1
+                if self.step % t.log_interval == 0 or self.step == t.train_steps:
+                    elapsed = time.perf_counter() - window_start
+                    self._log_train(metrics, elapsed / window_steps, flops)
+                    window_start, window_steps = time.perf_counter(), 0
+                if t.eval_interval and self.step % t.eval_interval == 0:
+                    self._log_eval(self.evaluate())
+                if t.save_interval and self.step % t.save_interval == 0:
+                    self.save()
+                if self._stop_agreed():
+                    self.log(f"SIGTERM received: saving at step {self.step} and stopping")
+                    self.save()
+                    break
+            else:
+                if not (t.save_interval and self.step % t.save_interval == 0):
+                    self.save()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            if self.writer is not None:
+                self.writer.flush()
+        return history
+
+    # ----------------------------------------------------------------------------- logging
+    def _scalars(self, prefix: str, values: dict) -> None:
+        if self.writer is None:
+            return
+        for name, value in values.items():
+            self.writer.add_scalar(f"{prefix}/{name}", value, self.step)
+            self.writer.add_scalar(f"{prefix}-vs-samples/{name}", value, self.consumed_samples)
+
+    def _log_train(self, metrics: dict, seconds_per_step: float, flops_per_sample: float) -> None:
+        t = self.cfg.train
+        tokens = t.global_batch_size * self.cfg.data.seq_length
+        perf = {
+            "tokens_per_second": tokens / seconds_per_step,
+            "samples_per_second": t.global_batch_size / seconds_per_step,
+            "model_tflops_per_rank": flops_per_sample * t.global_batch_size / seconds_per_step / 1e12 / self.parallel.world_size,
+            "iteration_time": seconds_per_step,
+            "peak_memory_gb": _peak_memory_gb(self.parallel.device),
+        }
+        params_norm = self.params_norm()  # a collective: every rank computes it
+        train = {k: metrics[k] for k in ("loss", "lm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy",
+                                          "learning_rate", "grad_norm")}
+        train["params_norm"] = params_norm
+        if self.cfg.train.precision == "fp16":
+            train["loss_scale"] = float(self.engine.optimizer.cur_scale)
+        self._scalars("train", train)
+        self._scalars("perf", perf)
+        eta = seconds_per_step * (t.train_steps - self.step)
+        self.log(
+            f"step {self.step}/{t.train_steps} | loss {metrics['loss']:.4f} | lm {metrics['lm_loss']:.4f} "
+            f"| nsp {metrics['nsp_loss']:.4f} | mlm acc {metrics['mlm_accuracy']:.3f} | lr {metrics['learning_rate']:.3e} "
+            f"| grad norm {metrics['grad_norm']:.3f} | {perf['tokens_per_second']:.0f} tok/s "
+            f"| {perf['model_tflops_per_rank'] * 1e3:.1f} GFLOP/s/rank | ETA {_duration(eta)}",
+            flush=True,
+        )
+
+    def _log_eval(self, metrics: dict) -> None:
+        metrics = dict(metrics, perplexity=math.exp(min(metrics["lm_loss"], 50.0)))
+        self._scalars("eval", metrics)
+        self.log(
+            f"eval at step {self.step} | lm {metrics['lm_loss']:.4f} | perplexity {metrics['perplexity']:.2f} "
+            f"| nsp {metrics['nsp_loss']:.4f} | mlm acc {metrics['mlm_accuracy']:.3f} | nsp acc {metrics['nsp_accuracy']:.3f}",
+            flush=True,
+        )
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
+    return kb / 2**20 if sys.platform != "darwin" else kb / 2**30
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"

@@ -1,0 +1,493 @@
+"""Tests for pretrain.config: loading, overrides, validation rules, DeepSpeed JSON."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pretrain.config import (
+    PARAMETER_KINDS,
+    Config,
+    ConfigError,
+    ModelConfig,
+    build_deepspeed_config,
+    load_config,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "configs"
+SHIPPED_YAML = sorted(CONFIGS.glob("*.yaml"))
+SHIPPED_JSON = sorted((CONFIGS / "deepspeed").glob("*.json"))
+
+
+def write(path: Path, text: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return str(path)
+
+
+def problems_of(excinfo) -> list[str]:
+    err = excinfo.value
+    assert str(err) == "\n".join(err.problems)  # the message is the problems, one per line
+    return err.problems
+
+
+# --------------------------------------------------------------------------------------------
+# Shipped configs
+# --------------------------------------------------------------------------------------------
+
+
+def test_all_expected_configs_are_shipped():
+    names = {p.name for p in SHIPPED_YAML}
+    assert {"pretrain-defaults.yaml", "bert-tiny.yaml", "bert-mini.yaml", "bert-small.yaml",
+            "bert-medium.yaml", "bert-base.yaml", "bert-large.yaml"} <= names
+    assert {p.name for p in SHIPPED_JSON} >= {"zero0.json", "zero1.json", "zero2.json", "zero3.json", "bf16.json"}
+
+
+@pytest.mark.parametrize("path", SHIPPED_YAML, ids=lambda p: p.name)
+def test_shipped_yaml_loads_and_validates(path):
+    cfg = load_config(str(path))
+    cfg.validate()
+    cfg.validate(world_size=1)
+    cfg.validate(world_size=8)
+    assert cfg.grad_accum_steps(1) == cfg.train.global_batch_size // cfg.train.micro_batch_size
+
+
+@pytest.mark.parametrize("name,layers,hidden,heads", [
+    ("tiny", 2, 128, 2), ("mini", 4, 256, 4), ("small", 4, 512, 8),
+    ("medium", 8, 512, 8), ("base", 12, 768, 12), ("large", 24, 1024, 16),
+])
+def test_model_sizes(name, layers, hidden, heads):
+    cfg = load_config(str(CONFIGS / f"bert-{name}.yaml"))
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_size) == (layers, hidden, heads, 4 * hidden)
+    # inherited from pretrain-defaults.yaml
+    assert cfg.optimizer.name == "lamb" and cfg.scheduler.decay == "poly" and cfg.data.seq_length == 128
+
+
+def test_demo_configs_override_only_what_they_set():
+    defaults = load_config(str(CONFIGS / "pretrain-defaults.yaml"))
+    tiny = load_config(str(CONFIGS / "bert-tiny.yaml"))
+    assert tiny.train.global_batch_size < defaults.train.global_batch_size
+    # deep merge: tiny sets optimizer.lr but keeps the rest of the inherited optimizer section
+    assert tiny.optimizer.lr != defaults.optimizer.lr
+    assert tiny.optimizer.weight_decay == defaults.optimizer.weight_decay == 0.01
+    assert tiny.optimizer.grad_clip == 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Loading: base inheritance, overrides, key and type checks
+# --------------------------------------------------------------------------------------------
+
+
+def test_no_file_gives_defaults():
+    cfg = load_config(None)
+    assert cfg == Config()
+    cfg.validate(world_size=1)
+
+
+def test_base_inheritance_and_deep_merge(tmp_path):
+    write(tmp_path / "shared" / "root.yaml", "model: {hidden_size: 64, num_layers: 3}\ntrain: {seed: 1}\n")
+    write(tmp_path / "shared" / "a.yaml",
+          "base: root.yaml\nmodel: {num_layers: 4, num_attention_heads: 4}\noptimizer: {lr: 0.5}\n")
+    write(tmp_path / "shared" / "b.yaml", "optimizer: {lr: 0.25, beta1: 0.8}\n")
+    top = write(tmp_path / "exp" / "top.yaml",
+                "base: [../shared/a.yaml, ../shared/b.yaml]\nmodel: {num_attention_heads: 8}\n")
+    cfg = load_config(top)
+    assert cfg.model.hidden_size == 64          # from root, two levels down
+    assert cfg.model.num_layers == 4            # a over root
+    assert cfg.model.num_attention_heads == 8   # top over a
+    assert cfg.optimizer.lr == 0.25             # later base (b) over earlier (a)
+    assert cfg.optimizer.beta1 == 0.8
+    assert cfg.train.seed == 1
+    assert cfg.train.global_batch_size == 256   # untouched default
+
+
+def test_base_errors(tmp_path):
+    missing = write(tmp_path / "m.yaml", "base: nope.yaml\n")
+    with pytest.raises(ConfigError, match="not found: .*nope.yaml"):
+        load_config(missing)
+    write(tmp_path / "x.yaml", "base: y.yaml\n")
+    cyc = write(tmp_path / "y.yaml", "base: x.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(cyc)
+    bad = write(tmp_path / "bad.yaml", "model: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml: invalid YAML"):
+        load_config(bad)
+
+
+def test_overrides(tmp_path):
+    path = write(tmp_path / "c.yaml", "train: {precision: fp16, save_dir: /tmp/x}\n")
+    cfg = load_config(path, [
+        "train.precision=bf16",
+        "train.save_dir=null",
+        "optimizer.no_weight_decay=[bias]",
+        "optimizer.no_layer_adaptation=[]",
+        "model.activation_checkpointing=true",
+        "optimizer.lr=1e-3",          # YAML 1.1 would read this as a string
+        "optimizer.weight_decay=0",   # int accepted for float
+        "optimizer.max_trust_ratio=10.0",
+        "model.hidden_size=128",
+        "model.hidden_size=256",      # later wins
+        "train.tensorboard_dir=runs/a=b",  # only the first '=' splits
+    ])
+    assert cfg.train.precision == "bf16"
+    assert cfg.train.save_dir is None
+    assert cfg.optimizer.no_weight_decay == ["bias"]
+    assert cfg.optimizer.no_layer_adaptation == []
+    assert cfg.model.activation_checkpointing is True
+    assert cfg.optimizer.lr == 1e-3 and isinstance(cfg.optimizer.lr, float)
+    assert cfg.optimizer.weight_decay == 0.0 and isinstance(cfg.optimizer.weight_decay, float)
+    assert cfg.optimizer.max_trust_ratio == 10.0
+    assert cfg.model.hidden_size == 256
+    assert cfg.train.tensorboard_dir == "runs/a=b"
+
+
+def test_unknown_key_in_yaml_names_file_key_and_valid_keys(tmp_path):
+    path = write(tmp_path / "c.yaml", "model:\n  hiden_size: 12\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    (line,) = problems_of(e)
+    assert path in line and "model.hiden_size" in line and "hidden_size" in line.split("valid keys")[1]
+
+
+def test_unknown_key_in_base_names_the_base_file(tmp_path):
+    write(tmp_path / "base.yaml", "train: {batch: 4}\n")
+    top = write(tmp_path / "top.yaml", "base: base.yaml\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(top)
+    (line,) = problems_of(e)
+    assert str(tmp_path / "base.yaml") in line and "train.batch" in line
+
+
+def test_unknown_section(tmp_path):
+    path = write(tmp_path / "c.yaml", "modle: {hidden_size: 12}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    (line,) = problems_of(e)
+    assert path in line and "'modle'" in line and "model, parallel, optimizer" in line
+
+
+def test_unknown_keys_in_overrides_name_command_line():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["train.bogus=1", "nosection.x=2"])
+    lines = problems_of(e)
+    assert len(lines) == 2
+    assert all(line.startswith("command line:") for line in lines)
+    assert "train.bogus" in lines[0] and "global_batch_size" in lines[0]
+    assert "'nosection'" in lines[1]
+
+
+@pytest.mark.parametrize("bad", ["train.precision", "precision=bf16", "a.b.c=1", ".x=1"])
+def test_malformed_override(bad):
+    with pytest.raises(ConfigError, match="command line: malformed override"):
+        load_config(None, [bad])
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("model.hidden_size='768'", "model.hidden_size must be int, got str '768'"),
+    ("model.hidden_size=true", "model.hidden_size must be int, got bool True"),   # bool is not int
+    ("model.hidden_size=7.5", "model.hidden_size must be int, got float 7.5"),
+    ("model.hidden_size=null", "model.hidden_size must be int, got null"),
+    ("optimizer.lr=fast", "optimizer.lr must be float, got str 'fast'"),
+    ("optimizer.no_weight_decay=bias", "optimizer.no_weight_decay must be list[str], got str 'bias'"),
+    ("optimizer.no_weight_decay=[1]", "optimizer.no_weight_decay must be list[str], got list [1]"),
+    ("model.activation_checkpointing=1", "model.activation_checkpointing must be bool, got int 1"),
+    ("train.save_dir=5", "train.save_dir must be str or null, got int 5"),
+])
+def test_wrong_type(override, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert problems_of(e) == [f"command line: {expected}"]
+
+
+def test_several_type_errors_in_one_error(tmp_path):
+    path = write(tmp_path / "c.yaml", "model: {num_layers: two}\ntrain: {micro_batch_size: 1.5}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["data.seq_length=long"])
+    lines = problems_of(e)
+    assert len(lines) == 3
+    assert "model.num_layers" in lines[0] and "train.micro_batch_size" in lines[1]
+    assert lines[2].startswith("command line: data.seq_length")
+
+
+def test_section_must_be_mapping(tmp_path):
+    path = write(tmp_path / "c.yaml", "model: 5\n")
+    with pytest.raises(ConfigError, match="section 'model' must be a mapping"):
+        load_config(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation rules
+# --------------------------------------------------------------------------------------------
+
+
+def cfg_with(*overrides: str) -> Config:
+    return load_config(None, overrides)
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["model.hidden_size=100"], "model.hidden_size (100) must be divisible by model.num_attention_heads (12)"),
+    (["parallel.tensor_parallel=8"], "model.num_attention_heads (12) must be divisible by parallel.tensor_parallel (8)"),
+    (["parallel.tensor_parallel=4", "model.ffn_hidden_size=3070"], "ffn size (3070"),
+    (["model.num_layers=3", "parallel.pipeline_parallel=2"],
+     "model.num_layers (3) must be divisible by parallel.pipeline_parallel (2)"),
+    (["parallel.zero_stage=2", "parallel.pipeline_parallel=2"],
+     "parallel.zero_stage 2 cannot be combined with pipeline parallelism (pipeline_parallel=2); use zero_stage 0 or 1"),
+    (["parallel.zero_stage=3", "parallel.pipeline_parallel=4"], "parallel.zero_stage 3 cannot be combined"),
+    (["parallel.zero_stage=4"], "parallel.zero_stage (4) must be one of 0, 1, 2, 3"),
+    (["parallel.tensor_parallel=0"], "parallel.tensor_parallel (0) must be >= 1"),
+    (["optimizer.name=sgd"], "optimizer.name ('sgd') must be one of: lamb, adamw"),
+    (["scheduler.decay=cosine"], "scheduler.decay ('cosine') must be one of: linear, poly, constant"),
+    (["train.precision=fp8"], "train.precision ('fp8') must be one of: fp32, bf16, fp16"),
+    (["data.kind=indexed"], "data.kind ('indexed') must be one of: synthetic"),
+    (["model.vocab_size=0"], "model.vocab_size (0) must be > 0"),
+    (["train.micro_batch_size=0"], "train.micro_batch_size (0) must be > 0"),
+    (["optimizer.lr=0"], "optimizer.lr (0.0) must be > 0"),
+    (["optimizer.beta2=1"], "optimizer.beta2 (1.0) must be in [0, 1)"),
+    (["optimizer.grad_clip=-1"], "optimizer.grad_clip (-1.0) must be >= 0"),
+    (["optimizer.max_trust_ratio=0"], "optimizer.max_trust_ratio (0.0) must be > 0"),
+    (["model.hidden_dropout=1.0"], "model.hidden_dropout (1.0) must be in [0, 1)"),
+    (["model.attention_dropout=-0.1"], "model.attention_dropout (-0.1) must be in [0, 1)"),
+    (["data.masked_lm_prob=0"], "data.masked_lm_prob (0.0) must be in (0, 1]"),
+    (["data.masked_lm_prob=1.5"], "data.masked_lm_prob (1.5) must be in (0, 1]"),
+    (["scheduler.warmup_steps=2000"], "scheduler.warmup_steps (2000) must be <= train.train_steps (1000)"),
+    (["scheduler.min_lr=0.1"], "scheduler.min_lr (0.1) must be <= optimizer.lr (0.001)"),
+    (["data.seq_length=1024"], "data.seq_length (1024) must be <= model.max_position_embeddings (512)"),
+    (["data.seq_length=16"], "data.max_predictions_per_seq (20) must be <= data.seq_length (16)"),
+    (["optimizer.no_weight_decay=[bias, norm]"], "optimizer.no_weight_decay entry 'norm' is not a parameter kind"),
+    (["optimizer.no_layer_adaptation=[LayerNorm]"], "optimizer.no_layer_adaptation entry 'LayerNorm'"),
+    (["train.keep_last=-1"], "train.keep_last (-1) must be >= 0"),
+    (["train.dist_timeout_minutes=0"], "train.dist_timeout_minutes (0.0) must be > 0"),
+    (["train.global_batch_size=100"], "train.global_batch_size (100) must be a multiple of train.micro_batch_size (8)"),
+])
+def test_each_rule_produces_its_line(overrides, expected):
+    cfg = cfg_with(*overrides)
+    with pytest.raises(ConfigError) as e:
+        cfg.validate()
+    lines = problems_of(e)
+    assert len(lines) == 1, lines  # exactly the targeted rule fires
+    assert expected in lines[0]
+
+
+def test_fp16_with_lamb_and_zero_with_pp_stage1_are_allowed():
+    cfg_with("train.precision=fp16", "optimizer.name=lamb").validate(world_size=1)
+    cfg_with("parallel.zero_stage=1", "parallel.pipeline_parallel=2", "model.num_layers=12").validate(world_size=2)
+    cfg_with(*[f"optimizer.no_weight_decay=[{', '.join(PARAMETER_KINDS)}]"]).validate()
+
+
+def test_several_violations_in_one_error():
+    cfg = cfg_with("model.hidden_size=100", "optimizer.name=sgd", "train.precision=fp8",
+                   "scheduler.warmup_steps=5000")
+    with pytest.raises(ConfigError) as e:
+        cfg.validate()
+    lines = problems_of(e)
+    assert len(lines) == 4
+    assert any(line.startswith("model.hidden_size (100)") for line in lines)
+    assert any(line.startswith("optimizer.name") for line in lines)
+    assert any(line.startswith("train.precision") for line in lines)
+    assert any(line.startswith("scheduler.warmup_steps") for line in lines)
+
+
+def test_batch_arithmetic():
+    cfg = cfg_with("train.global_batch_size=256", "train.micro_batch_size=8", "parallel.tensor_parallel=2")
+    assert cfg.data_parallel_size(8) == 4
+    assert cfg.grad_accum_steps(8) == 8   # 256 = 8 x 8 x 4
+    assert cfg.grad_accum_steps(2) == 32  # dp 1
+    cfg.validate(world_size=8)
+
+    bad = cfg_with("train.global_batch_size=96", "train.micro_batch_size=8")
+    bad.validate(world_size=4)            # 96 = 8 x 3 x 4
+    with pytest.raises(ConfigError) as e:
+        bad.validate(world_size=8)        # 96 is not a multiple of 8 x 8
+    (line,) = problems_of(e)
+    assert "train.global_batch_size (96)" in line and "micro_batch_size (8)" in line and "data_parallel (8)" in line
+    with pytest.raises(ConfigError, match=r"global_batch_size \(96\)"):
+        bad.grad_accum_steps(8)
+
+
+def test_world_size_must_fit_tp_times_pp():
+    cfg = cfg_with("parallel.tensor_parallel=2", "parallel.pipeline_parallel=2")
+    with pytest.raises(ConfigError) as e:
+        cfg.validate(world_size=6)
+    (line,) = problems_of(e)
+    assert "world size (6)" in line and "2 x 2 = 4" in line
+    with pytest.raises(ConfigError, match=r"world size \(6\)"):
+        cfg.data_parallel_size(6)
+
+
+def test_padded_vocab_and_ffn_size():
+    m = ModelConfig()
+    assert m.padded_vocab_size(1) == 30592
+    assert m.padded_vocab_size(2) == 30720
+    assert ModelConfig(vocab_size=256).padded_vocab_size(2) == 256
+    assert m.ffn_size == 3072
+    assert ModelConfig(hidden_size=64, ffn_hidden_size=100).ffn_size == 100
+
+
+# --------------------------------------------------------------------------------------------
+# Serialisation
+# --------------------------------------------------------------------------------------------
+
+
+def test_to_dict_from_dict_round_trip():
+    cfg = load_config(str(CONFIGS / "bert-tiny.yaml"), ["train.save_dir=/ckpt", "optimizer.max_trust_ratio=10"])
+    d = cfg.to_dict()
+    assert d["model"]["hidden_size"] == 128 and d["train"]["save_dir"] == "/ckpt"
+    assert Config.from_dict(yaml.safe_load(yaml.safe_dump(d))) == cfg
+    assert Config.from_dict(json.loads(json.dumps(d))) == cfg
+    d["model"]["hidden_size"] = 64  # the dict is a copy
+    assert cfg.model.hidden_size == 128
+
+
+def test_from_dict_checks_keys_and_types():
+    with pytest.raises(ConfigError) as e:
+        Config.from_dict({"model": {"hidden_size": "big", "colour": 1}}, source="checkpoint ckpt/step10")
+    lines = problems_of(e)
+    assert len(lines) == 2
+    assert all(line.startswith("checkpoint ckpt/step10:") for line in lines)
+
+
+# --------------------------------------------------------------------------------------------
+# DeepSpeed config
+# --------------------------------------------------------------------------------------------
+
+
+def test_build_deepspeed_config_values():
+    cfg = cfg_with("train.global_batch_size=64", "train.micro_batch_size=4", "parallel.zero_stage=2",
+                   "optimizer.grad_clip=0.5", "train.precision=bf16")
+    ds = build_deepspeed_config(cfg, world_size=4)
+    assert ds["train_batch_size"] == 64
+    assert ds["train_micro_batch_size_per_gpu"] == 4
+    assert ds["gradient_accumulation_steps"] == 4
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["zero_optimization"] == {"stage": 2}
+    assert ds["bf16"] == {"enabled": True}
+    assert ds["fp16"]["enabled"] is False
+    assert ds["zero_allow_untested_optimizer"] is True
+    assert ds["steps_per_print"] >= 10**9
+    assert ds["wall_clock_breakdown"] is False
+    assert "optimizer" not in ds and "scheduler" not in ds
+
+    fp16 = build_deepspeed_config(cfg_with("train.precision=fp16"), world_size=1)
+    assert fp16["fp16"] == {"enabled": True, "loss_scale": 0}
+    assert fp16["bf16"] == {"enabled": False}
+    assert fp16["gradient_accumulation_steps"] == 32
+
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        build_deepspeed_config(cfg, world_size=32)
+
+
+def test_user_json_extra_keys_merged(tmp_path):
+    user = write(tmp_path / "ds.json", json.dumps({
+        "zero_optimization": {"stage": 3, "overlap_comm": True, "stage3_param_persistence_threshold": 0},
+        "bf16": {"enabled": False, "immediate_grad_update": True},
+        "flops_profiler": {"enabled": True},
+        "train_batch_size": 256,          # equal to ours: fine
+        "gradient_clipping": 1,           # 1 == 1.0: fine
+        "wall_clock_breakdown": True,     # DeepSpeed-only diagnostic: the user may turn it on
+    }))
+    cfg = cfg_with("parallel.zero_stage=3", f"train.deepspeed_config={user}")
+    ds = build_deepspeed_config(cfg, world_size=1)
+    assert ds["zero_optimization"] == {"stage": 3, "overlap_comm": True, "stage3_param_persistence_threshold": 0}
+    assert ds["bf16"] == {"enabled": False, "immediate_grad_update": True}
+    assert ds["flops_profiler"] == {"enabled": True}
+    assert ds["train_batch_size"] == 256 and ds["gradient_accumulation_steps"] == 32
+    assert ds["wall_clock_breakdown"] is True
+
+
+def test_user_json_contradiction_names_file_and_key():
+    zero3 = os.path.relpath(CONFIGS / "deepspeed" / "zero3.json")
+    cfg = cfg_with("parallel.zero_stage=1", f"train.deepspeed_config={zero3}")
+    with pytest.raises(ConfigError) as e:
+        build_deepspeed_config(cfg, world_size=1)
+    assert problems_of(e) == [
+        f"{zero3}: zero_optimization.stage=3 contradicts parallel.zero_stage=1; set parallel.zero_stage instead"]
+
+
+def test_user_json_several_contradictions(tmp_path):
+    user = write(tmp_path / "ds.json", json.dumps({
+        "train_micro_batch_size_per_gpu": 16,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.0,
+        "bf16": {"enabled": True},
+        "fp16": {"enabled": 1},
+        "zero_allow_untested_optimizer": False,
+    }))
+    with pytest.raises(ConfigError) as e:
+        build_deepspeed_config(cfg_with(f"train.deepspeed_config={user}"), world_size=1)
+    lines = problems_of(e)
+    assert len(lines) == 6
+    assert all(line.startswith(f"{user}: ") for line in lines)
+    assert "train_micro_batch_size_per_gpu=16 contradicts train.micro_batch_size=8" in lines[0]
+    assert "gradient_accumulation_steps=2 contradicts 32" in lines[1]
+    assert "gradient_clipping=0.0 contradicts optimizer.grad_clip=1.0; set optimizer.grad_clip instead" in lines[2]
+    assert "bf16.enabled=true contradicts train.precision=fp32; set train.precision instead" in lines[3]
+    assert "fp16.enabled=1 contradicts train.precision=fp32" in lines[4]   # 1 is not false
+    assert "zero_allow_untested_optimizer=false" in lines[5] and "remove it" in lines[5]
+
+
+def test_shipped_bf16_json_needs_bf16_precision():
+    bf16 = str(CONFIGS / "deepspeed" / "bf16.json")
+    ok = build_deepspeed_config(cfg_with("train.precision=bf16", f"train.deepspeed_config={bf16}"), 1)
+    assert ok["bf16"]["enabled"] is True
+    with pytest.raises(ConfigError, match="bf16.enabled=true contradicts train.precision=fp32"):
+        build_deepspeed_config(cfg_with(f"train.deepspeed_config={bf16}"), 1)
+
+
+@pytest.mark.parametrize("block,hint", [("optimizer", "optimizer.*"), ("scheduler", "scheduler.*")])
+def test_user_json_optimizer_and_scheduler_blocks_refused(tmp_path, block, hint):
+    user = write(tmp_path / "ds.json", json.dumps({block: {"type": "Lamb", "params": {}}}))
+    with pytest.raises(ConfigError) as e:
+        build_deepspeed_config(cfg_with(f"train.deepspeed_config={user}"), world_size=1)
+    (line,) = problems_of(e)
+    assert line.startswith(f"{user}: '{block}' block not allowed")
+    assert "configured in our config, not in DeepSpeed JSON" in line and hint in line
+
+
+def test_user_json_file_errors_name_the_file(tmp_path):
+    missing = str(tmp_path / "nope.json")
+    with pytest.raises(ConfigError, match=f"file not found: {missing}"):
+        build_deepspeed_config(cfg_with(f"train.deepspeed_config={missing}"), world_size=1)
+    broken = write(tmp_path / "broken.json", '{"zero_optimization": {"stage": 1,}}')
+    with pytest.raises(ConfigError, match=f"{broken}: invalid JSON"):
+        build_deepspeed_config(cfg_with(f"train.deepspeed_config={broken}"), world_size=1)
+    not_obj = write(tmp_path / "list.json", "[1]")
+    with pytest.raises(ConfigError, match=f"{not_obj}: top level must be a JSON object"):
+        build_deepspeed_config(cfg_with(f"train.deepspeed_config={not_obj}"), world_size=1)
+    wrong_shape = write(tmp_path / "shape.json", '{"zero_optimization": 2}')
+    with pytest.raises(ConfigError, match=f"{wrong_shape}: 'zero_optimization' must be a JSON object"):
+        build_deepspeed_config(cfg_with(f"train.deepspeed_config={wrong_shape}"), world_size=1)
+
+
+@pytest.mark.parametrize("path", SHIPPED_JSON, ids=lambda p: p.name)
+def test_shipped_json_matches_its_name(path):
+    user = json.loads(path.read_text())
+    assert "optimizer" not in user and "scheduler" not in user
+    if path.stem.startswith("zero"):
+        assert user["zero_optimization"]["stage"] == int(path.stem[-1])
+    if path.stem == "bf16":
+        assert user["bf16"]["enabled"] is True
+
+
+def test_shipped_json_accepted_by_deepspeed():
+    """Every key in the shipped JSONs exists in the installed DeepSpeed's schema:
+    its zero/bf16 sections forbid unknown keys; top-level keys must be DeepSpeed constants."""
+    pytest.importorskip("deepspeed")
+    import deepspeed.runtime.constants as ds_constants
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    known_top = {v for k, v in vars(ds_constants).items() if k.isupper() and isinstance(v, str)}
+    known_top |= {"zero_optimization"}
+    for path in SHIPPED_JSON:
+        stage = int(path.stem[-1]) if path.stem.startswith("zero") else 0
+        precision = "bf16" if path.stem == "bf16" else "fp32"
+        cfg = cfg_with(f"parallel.zero_stage={stage}", f"train.precision={precision}",
+                       f"train.deepspeed_config={path}", "train.global_batch_size=64")
+        ds = build_deepspeed_config(cfg, world_size=1)
+        assert set(ds) <= known_top, (path.name, set(ds) - known_top)
+        parsed = DeepSpeedConfig(ds)  # raises on unknown zero_optimization / bf16 keys
+        assert parsed.zero_optimization_stage == stage
+        assert parsed.train_batch_size == 64 and parsed.gradient_accumulation_steps == 8

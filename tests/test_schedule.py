@@ -1,0 +1,76 @@
+"""Learning-rate schedule values at hand-computed points, and state round trip."""
+
+import math
+
+import pytest
+import torch
+
+from pretrain.optim import lr_at, make_lr_scheduler
+
+BASE = dict(base_lr=1e-3, warmup_steps=10, total_steps=110)
+
+
+def test_warmup():
+    assert lr_at(0, **BASE) == pytest.approx(1e-4)  # (0+1)/10: never a step at lr 0
+    assert lr_at(4, **BASE) == pytest.approx(5e-4)
+    assert lr_at(9, **BASE) == pytest.approx(1e-3)  # warmup reaches base_lr on its last step
+
+
+def test_linear_decay():
+    assert lr_at(10, **BASE, decay="linear") == pytest.approx(1e-3)
+    assert lr_at(60, **BASE, decay="linear") == pytest.approx(5e-4)  # halfway through 100 decay steps
+    assert lr_at(85, **BASE, decay="linear") == pytest.approx(2.5e-4)
+    assert lr_at(110, **BASE, decay="linear") == 0.0
+    assert lr_at(500, **BASE, decay="linear") == 0.0
+    assert lr_at(60, **BASE, decay="linear", min_lr=1e-4) == pytest.approx(1e-4 + 9e-4 * 0.5)
+    assert lr_at(200, **BASE, decay="linear", min_lr=1e-4) == pytest.approx(1e-4)
+
+
+def test_poly_decay():
+    assert lr_at(10, **BASE, decay="poly", power=0.5) == pytest.approx(1e-3)
+    assert lr_at(60, **BASE, decay="poly", power=0.5) == pytest.approx(1e-3 * math.sqrt(0.5))
+    assert lr_at(85, **BASE, decay="poly", power=0.5) == pytest.approx(5e-4)  # sqrt(0.25)
+    assert lr_at(110, **BASE, decay="poly", power=0.5) == 0.0
+    assert lr_at(111, **BASE, decay="poly", power=0.5, min_lr=2e-5) == pytest.approx(2e-5)
+
+
+def test_constant_and_no_warmup():
+    assert lr_at(3, **BASE, decay="constant") == pytest.approx(4e-4)
+    assert lr_at(10_000, **BASE, decay="constant") == pytest.approx(1e-3)
+    assert lr_at(0, base_lr=1e-3, warmup_steps=0, total_steps=100) == pytest.approx(1e-3)
+    assert lr_at(50, base_lr=1e-3, warmup_steps=0, total_steps=100) == pytest.approx(5e-4)
+
+
+@pytest.mark.parametrize("bad", [dict(decay="cosine"), dict(total_steps=10), dict(min_lr=2e-3),
+                                 dict(warmup_steps=-1), dict(decay="poly", power=0.0)])
+def test_invalid_settings(bad):
+    with pytest.raises(ValueError, match="lr schedule"):
+        lr_at(0, **{**BASE, **bad})
+
+
+def _optimizer():
+    p = torch.nn.Parameter(torch.zeros(2))
+    return torch.optim.SGD([dict(params=[p]), dict(params=[torch.nn.Parameter(torch.zeros(1))])], lr=123.0)
+
+
+def test_scheduler_follows_lr_at_and_round_trips():
+    opt = _optimizer()
+    sched = make_lr_scheduler(opt, **BASE, decay="poly", power=0.5)
+    assert [g["lr"] for g in opt.param_groups] == [pytest.approx(1e-4)] * 2  # lr for step 0
+    for step in range(1, 31):
+        opt.step()
+        sched.step()
+        assert [g["lr"] for g in opt.param_groups] == [pytest.approx(lr_at(step, **BASE, decay="poly"))] * 2
+    state = sched.state_dict()
+
+    fresh_opt = _optimizer()
+    fresh = make_lr_scheduler(fresh_opt, **BASE, decay="poly", power=0.5)
+    fresh.load_state_dict(state)
+    assert fresh.last_epoch == 30
+    assert fresh_opt.param_groups[0]["lr"] == pytest.approx(lr_at(30, **BASE, decay="poly"))
+    assert fresh.get_last_lr() == pytest.approx([lr_at(30, **BASE, decay="poly")] * 2)
+    opt.step()
+    sched.step()
+    fresh_opt.step()
+    fresh.step()
+    assert fresh_opt.param_groups[1]["lr"] == opt.param_groups[1]["lr"] == pytest.approx(lr_at(31, **BASE, decay="poly"))
