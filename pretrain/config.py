@@ -150,6 +150,7 @@ class TrainConfig:
     tensorboard_dir: str | None = None
     deepspeed_config: str | None = None  # path to a user DeepSpeed JSON adding DeepSpeed-only options
     dist_timeout_minutes: float = 10.0  # collective timeout: a dead/hung rank makes the others exit
+    exit_after_steps: int = 0  # stop (saving a checkpoint) after this many steps of this run; 0 = run to train_steps
 
 
 # Section name -> dataclass, in the order sections are listed and validated.
@@ -295,7 +296,7 @@ class Config:
         for name in ("global_batch_size", "micro_batch_size", "train_steps", "log_interval",
                      "eval_steps", "dist_timeout_minutes"):
             _positive(p, f"train.{name}", getattr(t, name))
-        for name in ("seed", "eval_interval", "save_interval", "keep_last"):
+        for name in ("seed", "eval_interval", "save_interval", "keep_last", "exit_after_steps"):
             _non_negative(p, f"train.{name}", getattr(t, name))
         _one_of(p, "train.precision", t.precision, PRECISIONS)
 

@@ -258,9 +258,10 @@ class Trainer:
         self.resume()
         data_iter = self.data_iterator(self.train_data, self.consumed_samples)
         history, flops = [], model_flops_per_sample(cfg)
+        last_step = t.train_steps if not t.exit_after_steps else min(t.train_steps, self.step + t.exit_after_steps)
         window_start, window_steps = time.perf_counter(), 0
         try:
-            while self.step < t.train_steps:
+            while self.step < last_step:
                 started = time.perf_counter()
                 metrics = self.train_step(data_iter)
                 self.step += 1
@@ -272,7 +273,7 @@ class Trainer:
                 metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
                 history.append(metrics)
                 window_steps += 1
-                if self.step % t.log_interval == 0 or self.step == t.train_steps:
+                if self.step % t.log_interval == 0 or self.step == last_step:
                     elapsed = time.perf_counter() - window_start
                     self._log_train(metrics, elapsed / window_steps, flops)
                     window_start, window_steps = time.perf_counter(), 0

@@ -24,7 +24,6 @@ from .layers import (
     TransformerLayer,
     WordEmbedding,
     decode_tokens,
-    embed_tokens,
     megatron_config,
 )
 from .rng import RngTracker
@@ -124,7 +123,9 @@ def stage_specs(model_cfg, padded_vocab_size: int, params_dtype: torch.dtype, rn
     word = partial(TiedLayerSpec, TIED_EMBEDDING_KEY, WordEmbedding, padded_vocab_size, hidden, mp_config,
                    tied_weight_attr=["weight"])
     return [
-        word(forward_fn=embed_tokens),
+        # No forward_fn on the first use: DeepSpeed saves a pipeline layer only if it is the module
+        # itself, and re-broadcasts the tied weight from this first owner after loading.
+        word(),
         LayerSpec(EmbeddingTail, hidden, model_cfg.max_position_embeddings, model_cfg.type_vocab_size,
                   model_cfg.layernorm_epsilon, model_cfg.hidden_dropout, params_dtype),
         *[LayerSpec(TransformerLayer, i, model_cfg, mp_config, rng) for i in range(model_cfg.num_layers)],
@@ -146,7 +147,8 @@ class SequentialBert(nn.Module):
             if isinstance(spec, TiedLayerSpec):
                 if spec.key not in self.tied:
                     self.tied[spec.key] = spec.build()
-                self._steps.append(partial(spec.forward_fn, self.tied[spec.key]))
+                module = self.tied[spec.key]
+                self._steps.append(partial(spec.forward_fn, module) if spec.forward_fn else module)
             else:
                 self.layers.append(spec.build())
                 self._steps.append(self.layers[-1])

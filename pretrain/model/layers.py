@@ -84,11 +84,6 @@ class WordEmbedding(nn.Module):
         return F.linear(hidden, self.embedding.weight), nsp_logits
 
 
-def embed_tokens(module: WordEmbedding, inputs):
-    """forward_fn of the first stage's tied word embedding (pipeline mode)."""
-    return module(inputs)
-
-
 def decode_tokens(module: WordEmbedding, inputs):
     """forward_fn of the last stage's tied word embedding (pipeline mode)."""
     return module(inputs, decode=True)

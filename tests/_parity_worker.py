@@ -1,0 +1,88 @@
+"""Rank entry point: Hugging Face BertForPreTraining vs our model at TP = world size.
+
+usage: python tests/_parity_worker.py OUT.json
+Both models get the same weights (HF's random init, converted through HF_NAME_TABLE) and the
+same inputs; rank 0 writes the largest absolute differences of MLM logits, NSP logits and loss.
+"""
+import json
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from transformers import BertConfig, BertForPreTraining  # noqa: E402
+
+from pretrain.config import ModelConfig  # noqa: E402
+from pretrain.data.samples import collate, split_inputs_labels  # noqa: E402
+from pretrain.data.synthetic import SyntheticDataset  # noqa: E402
+from pretrain.model.bert import PretrainingLoss, build_model  # noqa: E402
+from pretrain.model.hf_interop import load_hf_state_dict  # noqa: E402
+from pretrain.model.rng import RngTracker, seed_streams  # noqa: E402
+from pretrain.parallel import init_parallel, shutdown_parallel  # noqa: E402
+
+VOCAB, HIDDEN, LAYERS, HEADS, SEQ, PREDICTIONS = 250, 64, 2, 4, 32, 6
+
+
+def main():
+    out_path = sys.argv[1]
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    parallel = init_parallel(world, 1)
+    model_cfg = ModelConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_attention_heads=HEADS,
+                            ffn_hidden_size=4 * HIDDEN, max_position_embeddings=64, hidden_dropout=0.0,
+                            attention_dropout=0.0)
+    padded = model_cfg.padded_vocab_size(parallel.tp_size)
+
+    torch.manual_seed(1234)  # identical HF model on every rank
+    hf = BertForPreTraining(BertConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        intermediate_size=4 * HIDDEN, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, attn_implementation="eager",
+    )).eval()
+    with torch.no_grad():  # HF initialises biases and LayerNorms to constants: make them random too
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or "LayerNorm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+
+    tracker = RngTracker(parallel.device)
+    seed_streams(tracker, 1, parallel.tp_rank, 0, 0)
+    model = build_model(model_cfg, padded, torch.float32, tracker)
+    load_hf_state_dict(model, hf.state_dict(), padded, parallel.tp_rank, parallel.tp_size)
+    model.eval()
+
+    data = SyntheticDataset(VOCAB, SEQ, PREDICTIONS, 100, seed=5)
+    inputs, labels = split_inputs_labels(collate([data[i] for i in range(6)]), parallel.device)
+    with torch.no_grad():
+        mlm_local, nsp = model(inputs)
+        loss = PretrainingLoss(parallel.tp_group, parallel.tp_rank)((mlm_local.clone(), nsp), labels)
+        pieces = [torch.empty_like(mlm_local) for _ in range(parallel.tp_size)]
+        dist.all_gather(pieces, mlm_local.contiguous(), group=parallel.tp_group)
+        mlm = torch.cat(pieces, dim=-1)
+
+        input_ids, token_types, padding_mask, positions = inputs
+        masked_labels, weights, nsp_labels = labels
+        hf_labels = torch.full_like(input_ids, -100)
+        for row in range(input_ids.shape[0]):
+            keep = weights[row] > 0
+            hf_labels[row, positions[row][keep]] = masked_labels[row][keep]
+        ref = hf(input_ids=input_ids, token_type_ids=token_types, attention_mask=padding_mask,
+                 labels=hf_labels, next_sentence_label=nsp_labels)
+        ref_mlm = torch.gather(ref.prediction_logits, 1, positions.unsqueeze(-1).expand(-1, -1, VOCAB))
+    result = {
+        "mlm_max_abs": (mlm[..., :VOCAB] - ref_mlm).abs().max().item(),
+        "mlm_scale": ref_mlm.abs().max().item(),
+        "padded_vocab_max": mlm[..., VOCAB:].max().item() if padded > VOCAB else None,
+        "nsp_max_abs": (nsp - ref.seq_relationship_logits).abs().max().item(),
+        "loss": loss.item(),
+        "hf_loss": ref.loss.item(),
+        "tp": parallel.tp_size,
+    }
+    if parallel.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    shutdown_parallel()
+
+
+if __name__ == "__main__":
+    main()

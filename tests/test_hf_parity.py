@@ -1,0 +1,20 @@
+"""Invariant 3: our model computes what transformers' BertForPreTraining computes (1e-5)."""
+import json
+
+import pytest
+
+from distributed import run_ranks
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_logits_and_loss_match_hugging_face(tmp_path, tp):
+    out = tmp_path / "parity.json"
+    run_ranks(["tests/_parity_worker.py", str(out)], tp, timeout=600)
+    r = json.loads(out.read_text())
+    assert r["tp"] == tp
+    assert r["mlm_scale"] > 0.1  # logits are not trivially zero
+    assert r["mlm_max_abs"] < 1e-5
+    assert r["nsp_max_abs"] < 1e-5
+    assert r["loss"] == pytest.approx(r["hf_loss"], rel=1e-5, abs=1e-6)
+    if r["padded_vocab_max"] is not None:  # padded vocabulary entries never receive probability
+        assert r["padded_vocab_max"] < -1e30

@@ -1,0 +1,363 @@
+"""Training-step benchmark: our engine against Hugging Face BertForPreTraining, single process.
+
+usage: python tools/bench_train.py [--configs base,mini] [--precisions fp32,bf16] [--batch B]
+                                   [--seq 128] [--steps N] [--warmup W] [--optimizer adamw|lamb]
+                                   [--threads 2] [--json out.json]
+
+Method
+------
+Every measurement runs in a fresh child process (this script re-invoked with ``--child``), one
+after the other, never side by side, so peak RSS and allocator state do not leak from one side
+into the other and the two sides never compete for the cores. Per invocation:
+
+1. GEMM peak: the best of a few 2048^3 ``torch.mm`` calls in fp32 and in bf16 (2 n^3 FLOPs each)
+   with the benchmark's thread count. MFU of an fp32 run is against the fp32 peak, of a bf16 run
+   against the bf16 peak.
+2. For each config (base: configs/bert-base.yaml, B8; mini: configs/bert-mini.yaml, B16) and
+   precision, ours then Hugging Face's:
+   - ours: a one-rank gloo world (127.0.0.1, a free port), ``init_parallel(1, 1)``, the config
+     from ``load_config`` with batch/precision/optimizer overrides (global = micro batch, no
+     gradient accumulation, ZeRO-0, constant LR), ``Trainer(cfg, parallel)``, timing
+     ``trainer.train_step(batches)``: forward, loss, DeepSpeed backward and step (gradient
+     clipping, optimizer), metric reduction. bf16 is DeepSpeed's: bf16 parameters and
+     activations, fp32 master weights and optimizer state.
+   - Hugging Face: ``BertForPreTraining`` with SDPA attention, the same sizes and dropout, fed
+     the SAME batches (input_ids, token_type_ids, attention_mask = padding mask, labels = -100
+     except at masked positions, next_sentence_label), torch's AdamW (or our Lamb) with the same
+     lr, betas, eps and weight-decay exclusions (bias, LayerNorm), gradient-norm clipping to the
+     same max norm (what HF's Trainer does by default). bf16 is HF's standard CPU path:
+     fp32 parameters under ``torch.autocast("cpu", torch.bfloat16)``.
+   Both sides draw their batches from our SyntheticDataset before timing starts (so data
+   generation is not timed on either side), run --warmup untimed steps, then --steps timed
+   steps; the reported step time is the median.
+
+FLOPs and MFU
+-------------
+FLOPs per sample are ``pretrain.training.model_flops_per_sample``: matrix-product FLOPs the
+model needs (2 per multiply-add), training = 3 x forward (backward = 2 x forward), the MLM
+transform and vocabulary projection counted only at the masked positions (max_predictions_per_seq),
+attention scores/context included, element-wise work and activation recomputation not counted.
+Hugging Face's MFU uses the SAME count: it is the useful work of a step; HF's extra work (it
+projects every position onto the vocabulary) is overhead, not credit.
+MFU = flops_per_sample x batch / median step time / measured GEMM peak of that precision.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = {"base": (REPO / "configs" / "bert-base.yaml", 8), "mini": (REPO / "configs" / "bert-mini.yaml", 16)}
+PRECISIONS = ("fp32", "bf16")
+FLOPS_NOTE = ("FLOPs: pretrain.training.model_flops_per_sample (matmul FLOPs the model needs, fwd+bwd = 3 x fwd, "
+              "MLM decoder only at masked positions); the same count for both sides. MFU against the GEMM peak "
+              "of the run's precision (best 2048^3 torch.mm, same threads).")
+
+
+# ------------------------------------------------------------------------------------------- common
+
+
+def bench_config(name: str, batch: int, seq: int, precision: str, optimizer: str, steps: int):
+    """Our Config for a benchmark run: one step = one micro-batch of `batch`, constant LR, ZeRO-0."""
+    from pretrain.config import load_config
+
+    path, _ = CONFIGS[name]
+    overrides = [
+        f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}", f"train.precision={precision}",
+        f"train.train_steps={steps}", "train.eval_interval=0", "train.save_interval=0",
+        "train.save_dir=null", "train.load_dir=null", "train.tensorboard_dir=null",
+        f"optimizer.name={optimizer}", "scheduler.warmup_steps=0", "scheduler.decay=constant",
+        "parallel.tensor_parallel=1", "parallel.pipeline_parallel=1", "parallel.zero_stage=0",
+        f"data.seq_length={seq}",
+    ]
+    if seq != 128:  # Google BERT: 20 predictions at 128, 80 at 512 (~0.15 x seq, rounded up)
+        overrides.append(f"data.max_predictions_per_seq={-(-seq * 15 // 100)}")
+    cfg = load_config(str(path), overrides)
+    cfg.validate(world_size=1)
+    return cfg
+
+
+def make_batches(cfg, count: int):
+    """`count` micro-batches (inputs, labels) of our synthetic data, drawn before any timing."""
+    import torch
+
+    from pretrain.data.samples import MicroBatchIterator
+    from pretrain.data.synthetic import SyntheticDataset
+
+    d = cfg.data
+    dataset = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions_per_seq, d.num_samples,
+                               d.seed, d.masked_lm_prob)
+    batches = MicroBatchIterator(dataset, 0, cfg.train.micro_batch_size, 0, 1, torch.device("cpu"))
+    return [next(batches) for _ in range(count)]
+
+
+def time_steps(step, warmup: int, steps: int) -> list[float]:
+    """Run `warmup` untimed then `steps` timed calls of step(); the timed durations in seconds."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+
+
+def set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------------------- children
+
+
+def child_peak(args) -> dict:
+    """Best-of-N 2048^3 GEMM throughput in fp32 and bf16 (GFLOP/s)."""
+    import torch
+
+    n, result = 2048, {}
+    for precision in PRECISIONS:
+        dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        out = torch.empty(n, n, dtype=dtype)
+        times = time_steps(lambda: torch.mm(a, b, out=out), warmup=2, steps=6)
+        result[precision] = 2 * n**3 / min(times) / 1e9
+    return {"peak_gflops": result}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_ours(args) -> dict:
+    """Our Trainer's real step under a one-process gloo world."""
+    import logging
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    from deepspeed.utils import logger as ds_logger
+
+    from pretrain.parallel import init_parallel, shutdown_parallel
+    from pretrain.training import Trainer, model_flops_per_sample
+
+    ds_logger.setLevel(logging.WARNING)
+    cfg = bench_config(args.config, args.batch, args.seq, args.precision, args.optimizer, args.warmup + args.steps)
+    parallel = init_parallel(1, 1)
+    trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
+    batches = iter(make_batches(cfg, args.warmup + args.steps))
+    losses = []
+    times = time_steps(lambda: losses.append(trainer.train_step(batches)["loss"]), args.warmup, args.steps)
+    shutdown_parallel()
+    return {"times": times, "losses": losses, "flops_per_sample": model_flops_per_sample(cfg)}
+
+
+def hf_model(cfg):
+    """BertForPreTraining (SDPA) with the sizes and dropout of our config."""
+    from transformers import BertConfig, BertForPreTraining
+
+    m = cfg.model
+    hf_cfg = BertConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads, intermediate_size=m.ffn_size, hidden_act="gelu",
+        hidden_dropout_prob=m.hidden_dropout, attention_probs_dropout_prob=m.attention_dropout,
+        max_position_embeddings=m.max_position_embeddings, type_vocab_size=m.type_vocab_size,
+        layer_norm_eps=m.layernorm_epsilon, initializer_range=m.init_std,
+    )
+    return BertForPreTraining._from_config(hf_cfg, attn_implementation="sdpa")
+
+
+def hf_optimizer(model, cfg):
+    """The optimizer our Trainer builds, over HF's parameters with the same exclusions by kind."""
+    from pretrain.optim import build_optimizer
+
+    o = cfg.optimizer
+    excluded = {"bias": lambda n: n.endswith("bias"), "layernorm": lambda n: "LayerNorm" in n}
+    groups: dict[tuple[bool, bool], list] = {}
+    for name, param in model.named_parameters():
+        kinds = {kind for kind, match in excluded.items() if match(name)}
+        key = (not kinds & set(o.no_weight_decay), not kinds & set(o.no_layer_adaptation))
+        groups.setdefault(key, []).append(param)
+    param_groups = [{"params": p, "weight_decay": o.weight_decay if decay else 0.0, "layer_adaptation": adapt}
+                    for (decay, adapt), p in groups.items()]
+    hyper = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    if o.name == "lamb":
+        hyper["max_trust_ratio"] = o.max_trust_ratio
+    return build_optimizer(o.name, param_groups, **hyper)
+
+
+def hf_batch(inputs, labels) -> dict:
+    """Our (inputs, labels) micro-batch as BertForPreTraining's keyword arguments."""
+    import torch
+
+    input_ids, token_type_ids, padding_mask, masked_positions = inputs
+    masked_labels, masked_weights, nsp_label = labels
+    mlm_labels = torch.full_like(input_ids, -100)
+    rows, slots = torch.nonzero(masked_weights > 0, as_tuple=True)  # unused slots point at position 0
+    mlm_labels[rows, masked_positions[rows, slots]] = masked_labels[rows, slots]
+    return dict(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=padding_mask,
+                labels=mlm_labels, next_sentence_label=nsp_label)
+
+
+def child_hf(args) -> dict:
+    """Hugging Face BertForPreTraining train step: forward+loss, backward, clip, optimizer step."""
+    import contextlib
+
+    import torch
+
+    from pretrain.training import model_flops_per_sample
+
+    cfg = bench_config(args.config, args.batch, args.seq, args.precision, args.optimizer, args.warmup + args.steps)
+    torch.manual_seed(cfg.train.seed)
+    model = hf_model(cfg).train()
+    optimizer = hf_optimizer(model, cfg)
+    batches = iter([hf_batch(*b) for b in make_batches(cfg, args.warmup + args.steps)])
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if args.precision == "bf16" \
+        else contextlib.nullcontext
+    losses = []
+
+    def step():
+        with autocast():
+            loss = model(**next(batches)).loss
+        loss.backward()
+        if cfg.optimizer.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+
+    times = time_steps(step, args.warmup, args.steps)
+    return {"times": times, "losses": losses, "flops_per_sample": model_flops_per_sample(cfg)}
+
+
+CHILDREN = {"peak": child_peak, "ours": child_ours, "hf": child_hf}
+
+
+def run_child(kind: str, args, **extra) -> dict:
+    """Run one measurement in a fresh interpreter; its result comes back through a JSON file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--child-out", str(out),
+               "--threads", str(args.threads), "--seq", str(args.seq), "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--optimizer", args.optimizer]
+        for key, value in extra.items():
+            cmd += [f"--{key}", str(value)]
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode != 0 or not out.exists():
+            sys.stderr.write(proc.stdout[-5000:])
+            raise SystemExit(f"bench_train: child {kind} {extra} failed (exit {proc.returncode})")
+        return json.loads(out.read_text())
+
+
+def child_main(args) -> None:
+    set_threads(args.threads)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    result = CHILDREN[args.child](args)
+    result["peak_rss_mb"] = peak_rss_mb()
+    Path(args.child_out).write_text(json.dumps(result))
+
+
+# ------------------------------------------------------------------------------------------- parent
+
+
+def summarize(side: dict, batch: int, seq: int, peak_gflops: float) -> dict:
+    step = statistics.median(side["times"])
+    achieved = side["flops_per_sample"] * batch / step / 1e9
+    return {"step_s": step, "tokens_per_s": batch * seq / step, "model_gflops": achieved,
+            "mfu": achieved / peak_gflops, "peak_rss_mb": side["peak_rss_mb"], "times": side["times"],
+            "losses": side["losses"]}
+
+
+def print_table(rows: list[dict], peak: dict) -> None:
+    header = (f"{'config':<7}{'prec':<6}{'B':>4}{'ours tok/s':>12}{'HF tok/s':>10}{'ratio':>7}"
+              f"{'ours MFU%':>10}{'HF MFU%':>9}{'peak GF/s':>10}{'ours RSS MB':>12}{'HF RSS MB':>10}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        o, h = r["ours"], r["hf"]
+        print(f"{r['config']:<7}{r['precision']:<6}{r['batch']:>4}{o['tokens_per_s']:>12.0f}{h['tokens_per_s']:>10.0f}"
+              f"{o['tokens_per_s'] / h['tokens_per_s']:>7.2f}{100 * o['mfu']:>10.1f}{100 * h['mfu']:>9.1f}"
+              f"{peak[r['precision']]:>10.0f}{o['peak_rss_mb']:>12.0f}{h['peak_rss_mb']:>10.0f}")
+    print(f"GEMM peak (2048^3, best of 6): fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s")
+    print(FLOPS_NOTE)
+
+
+def parent_main(args) -> None:
+    configs = [c for c in args.configs.split(",") if c]
+    precisions = [p for p in args.precisions.split(",") if p]
+    for c in configs:
+        if c not in CONFIGS:
+            raise SystemExit(f"bench_train: unknown config {c!r}; choose from {', '.join(CONFIGS)}")
+    for p in precisions:
+        if p not in PRECISIONS:
+            raise SystemExit(f"bench_train: unknown precision {p!r}; choose from {', '.join(PRECISIONS)}")
+    peak = run_child("peak", args)["peak_gflops"]
+    print(f"GEMM peak: fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s ({args.threads} threads)",
+          flush=True)
+    rows = []
+    for config in configs:
+        batch = args.batch or CONFIGS[config][1]
+        for precision in precisions:
+            row = {"config": config, "precision": precision, "batch": batch, "seq": args.seq}
+            for side in ("ours", "hf"):  # one after the other, never side by side
+                raw = run_child(side, args, config=config, precision=precision, batch=batch)
+                row[side] = summarize(raw, batch, args.seq, peak[precision])
+                print(f"  {config} {precision} {side}: median step {row[side]['step_s']:.3f} s, "
+                      f"{row[side]['tokens_per_s']:.0f} tokens/s", flush=True)
+            rows.append(row)
+    print()
+    print_table(rows, peak)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"threads": args.threads, "optimizer": args.optimizer,
+                                               "steps": args.steps, "warmup": args.warmup, "peak_gflops": peak,
+                                               "flops_note": FLOPS_NOTE, "rows": rows}, indent=1))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--configs", default="base,mini", help="comma list of: " + ", ".join(CONFIGS))
+    p.add_argument("--precisions", default="fp32,bf16", help="comma list of: fp32, bf16")
+    p.add_argument("--batch", type=int, default=None, help="micro = global batch (default: base 8, mini 16)")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--optimizer", choices=("adamw", "lamb"), default="adamw")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None, help="also write the results here")
+    # internal: one measurement in a child process
+    p.add_argument("--child", choices=tuple(CHILDREN), help=argparse.SUPPRESS)
+    p.add_argument("--child-out", help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--precision", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        child_main(args)
+    else:
+        parent_main(args)
+
+
+if __name__ == "__main__":
+    main()
