@@ -128,7 +128,7 @@ class Trainer:
         if cfg.parallel.zero_stage == 3:
             # Partition at construction, over the data-parallel group only: without it shards of
             # different TP ranks would be mixed and the loss silently wrong.
-            with deepspeed.zero.Init(data_parallel_group=par.dp_group, config_dict_or_path=self.ds_config,
+            with deepspeed.zero.Init(data_parallel_group=par.dp_group, config_dict_or_path=self.ds_config, mpu=par.mpu,
                                      remote_device=None, pin_memory=False):
                 model = make_model()
         else:

@@ -19,6 +19,8 @@ LAYOUTS = [
     ("dp2-zero2", 1, 1, 2, ["parallel.zero_stage=2"]),
     # persistence threshold 0: ZeRO-3 must partition the small parameters too, or this proves nothing
     ("dp2-zero3", 1, 1, 2, ["parallel.zero_stage=3", "train.deepspeed_config=tests/zero3-partition-everything.json"]),
+    # TP with ZeRO-3: shards of different TP ranks must not be mixed by the partitioning
+    ("tp2-dp2-zero3", 2, 1, 4, ["parallel.zero_stage=3", "train.deepspeed_config=tests/zero3-partition-everything.json"]),
     ("tp2-pp2-dp2-zero1", 2, 2, 8, ["parallel.zero_stage=1"]),
 ]
 
@@ -59,3 +61,13 @@ def test_reference_learns_and_optimizers_differ(reference):
     assert abs(lamb[-1]["loss"] - adamw[-1]["loss"]) > 1e-3
     assert lamb[-1]["loss"] != lamb[0]["loss"]
     assert all(h["grad_norm"] > 1.0 for h in lamb[:2]), "clipping (max norm 1.0) must be exercised"
+
+
+def test_bf16_pipeline_zero1_tracks_fp32(reference, tmp_path):
+    """bf16 (DeepSpeed bf16: bf16 weights and activations, fp32 master weights) in a PP2 x DP2
+    ZeRO-1 layout follows the fp32 single-process run closely (not exactly: bf16 rounds)."""
+    result = train_layout(tmp_path, 1, 2, 4, ["parallel.zero_stage=1", "train.precision=bf16"])
+    for optimizer in ("lamb", "adamw"):
+        for a, b in zip(result[optimizer]["history"], reference[optimizer]["history"]):
+            assert a["loss"] == pytest.approx(b["loss"], rel=2e-3)
+        assert result[optimizer]["history"][-1]["loss"] != reference[optimizer]["history"][-1]["loss"]
