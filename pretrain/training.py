@@ -263,12 +263,13 @@ class Trainer:
         try:
             while self.step < last_step:
                 started = time.perf_counter()
+                learning_rate = self.engine.get_lr()[0]  # the rate this step uses
                 metrics = self.train_step(data_iter)
                 self.step += 1
                 self.consumed_samples += t.global_batch_size
                 assert data_iter.consumed_samples == self.consumed_samples
                 metrics["iteration_time"] = time.perf_counter() - started
-                metrics["learning_rate"] = self.engine.get_lr()[0]
+                metrics["learning_rate"] = learning_rate
                 grad_norm = self.engine.get_global_grad_norm()
                 metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
                 history.append(metrics)

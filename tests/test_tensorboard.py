@@ -1,0 +1,32 @@
+"""The trainer writes every promised scalar, readable by TensorBoard's own event reader."""
+import json
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from distributed import run_ranks
+
+PROMISED = {
+    "train": ["loss", "lm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "learning_rate", "grad_norm",
+              "params_norm"],
+    "perf": ["tokens_per_second", "samples_per_second", "model_tflops_per_rank", "iteration_time", "peak_memory_gb"],
+    "eval": ["loss", "lm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "perplexity"],
+}
+
+
+def test_scalars_written(tmp_path):
+    logdir = tmp_path / "tb"
+    run = json.dumps({"name": "tb", "overrides": [f"train.tensorboard_dir={logdir}", "train.eval_interval=2",
+                                                  "train.eval_steps=1", "train.log_interval=2",
+                                                  "train.train_steps=4"]})
+    run_ranks(["tests/_train_worker.py", str(tmp_path / "out.json"), "1", "2", run], 2, timeout=600)
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for section, names in PROMISED.items():
+        for name in names:
+            assert f"{section}/{name}" in tags, f"{section}/{name} missing from {sorted(tags)}"
+            assert f"{section}-vs-samples/{name}" in tags
+    steps = [e.step for e in events.Scalars("train/lm_loss")]
+    assert steps == [2, 4]
+    samples = [e.step for e in events.Scalars("train-vs-samples/lm_loss")]
+    assert samples == [16, 32]  # global batch 8

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create ./.venv (if missing) and install the project with its test extras into it.
+# torch is installed first and pinned: on CPU machines pip takes the CPU build lying on disk;
+# an unpinned torch would pull a multi-GB CUDA build. GPU users may preinstall their own torch.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
+python -m pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+python -c "import torch, deepspeed, megatron.core, transformers; print(f'installed: torch {torch.__version__}, deepspeed {deepspeed.__version__}, megatron-core {megatron.core.__version__}')" 2>&1 | tail -1
