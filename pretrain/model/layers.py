@@ -53,6 +53,21 @@ def _sharded(layer, partition_dim: int):
     return layer
 
 
+def layer_norm(hidden_size: int, eps: float, dtype: torch.dtype) -> nn.Module:
+    """apex's FusedLayerNorm on GPU when apex is importable, torch's LayerNorm otherwise.
+
+    Both compute the same function with parameters named weight and bias (HF_NAME_TABLE).
+    """
+    if torch.cuda.is_available():
+        try:
+            from apex.normalization import FusedLayerNorm
+
+            return FusedLayerNorm(hidden_size, eps=eps).to(dtype)
+        except ImportError:
+            pass
+    return nn.LayerNorm(hidden_size, eps=eps, dtype=dtype)
+
+
 class WordEmbedding(nn.Module):
     """Vocabulary-parallel word embedding, also the MLM decoder (the weights are tied).
 
@@ -96,7 +111,7 @@ class EmbeddingTail(nn.Module):
         super().__init__()
         self.position_embeddings = nn.Embedding(max_positions, hidden_size, dtype=params_dtype)
         self.token_type_embeddings = nn.Embedding(type_vocab_size, hidden_size, dtype=params_dtype)
-        self.layernorm = nn.LayerNorm(hidden_size, eps=eps, dtype=params_dtype)
+        self.layernorm = layer_norm(hidden_size, eps, params_dtype)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, inputs):
@@ -133,7 +148,7 @@ class TransformerLayer(nn.Module):
             hidden, hidden, config=mp_config, init_method=_unused_init, bias=True,
             input_is_parallel=True, skip_bias_add=False,
         ), 1)
-        self.attention_layernorm = nn.LayerNorm(hidden, eps=model_cfg.layernorm_epsilon, dtype=dtype)
+        self.attention_layernorm = layer_norm(hidden, model_cfg.layernorm_epsilon, dtype)
         self.intermediate = _sharded(tensor_parallel.ColumnParallelLinear(
             hidden, model_cfg.ffn_size, config=mp_config, init_method=_unused_init, bias=True, gather_output=False
         ), 0)
@@ -141,7 +156,7 @@ class TransformerLayer(nn.Module):
             model_cfg.ffn_size, hidden, config=mp_config, init_method=_unused_init, bias=True,
             input_is_parallel=True, skip_bias_add=False,
         ), 1)
-        self.output_layernorm = nn.LayerNorm(hidden, eps=model_cfg.layernorm_epsilon, dtype=dtype)
+        self.output_layernorm = layer_norm(hidden, model_cfg.layernorm_epsilon, dtype)
         self.dropout = nn.Dropout(model_cfg.hidden_dropout)
 
     def _split_heads(self, projected: torch.Tensor) -> torch.Tensor:
@@ -181,7 +196,7 @@ class PretrainingHeads(nn.Module):
         self.pooler = nn.Linear(hidden, hidden, dtype=params_dtype)
         self.nsp = nn.Linear(hidden, 2, dtype=params_dtype)
         self.mlm_dense = nn.Linear(hidden, hidden, dtype=params_dtype)
-        self.mlm_layernorm = nn.LayerNorm(hidden, eps=model_cfg.layernorm_epsilon, dtype=params_dtype)
+        self.mlm_layernorm = layer_norm(hidden, model_cfg.layernorm_epsilon, params_dtype)
 
     def forward(self, inputs):
         hidden, _padding_mask, masked_positions = inputs
