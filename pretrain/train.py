@@ -30,6 +30,11 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         cfg.validate(world_size=world_size)
+        if cfg.train.precision == "fp16" and not args.check_config:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError("train.precision=fp16 needs a GPU (DeepSpeed has no fp16 on CPU); use bf16 or fp32")
     except ConfigError as error:
         print(f"invalid configuration ({args.config}):\n{error}", file=sys.stderr)
         return 2

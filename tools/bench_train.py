@@ -248,8 +248,27 @@ def child_hf(args) -> dict:
 CHILDREN = {"peak": child_peak, "ours": child_ours, "hf": child_hf}
 
 
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds all processes of the machine have used since boot (None off Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_child(kind: str, args, **extra) -> dict:
-    """Run one measurement in a fresh interpreter; its result comes back through a JSON file."""
+    """Run one measurement in a fresh interpreter; its result comes back through a JSON file.
+
+    Also records `other_load`: the cores other processes kept busy meanwhile (machine CPU time
+    minus the child's own, over the wall time). Anything well above 0 means the figures are off.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--child-out", str(out),
@@ -259,11 +278,17 @@ def run_child(kind: str, args, **extra) -> dict:
             cmd += [f"--{key}", str(value)]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        busy, own, started = _busy_cpu_seconds(), _children_cpu_seconds(), time.perf_counter()
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wall = time.perf_counter() - started
         if proc.returncode != 0 or not out.exists():
             sys.stderr.write(proc.stdout[-5000:])
             raise SystemExit(f"bench_train: child {kind} {extra} failed (exit {proc.returncode})")
-        return json.loads(out.read_text())
+        result = json.loads(out.read_text())
+        if busy is not None:
+            foreign = (_busy_cpu_seconds() - busy) - (_children_cpu_seconds() - own)
+            result["other_load"] = max(0.0, foreign / wall)
+        return result
 
 
 def child_main(args) -> None:
@@ -284,10 +309,18 @@ def summarize(side: dict, batch: int, seq: int, peak_gflops: float) -> dict:
     achieved = side["flops_per_sample"] * batch / step / 1e9
     return {"step_s": step, "tokens_per_s": batch * seq / step, "model_gflops": achieved,
             "mfu": achieved / peak_gflops, "peak_rss_mb": side["peak_rss_mb"], "times": side["times"],
-            "losses": side["losses"]}
+            "losses": side["losses"], "other_load": side.get("other_load")}
 
 
-def print_table(rows: list[dict], peak: dict) -> None:
+def _load(side: dict) -> str:
+    return "n/a" if side.get("other_load") is None else f"{side['other_load']:.2f} cores"
+
+
+# Other processes using more than this many cores during a measurement make it unreliable.
+LOAD_WARNING = 0.1
+
+
+def print_table(rows: list[dict], peak: dict, peak_load: float | None) -> None:
     header = (f"{'config':<7}{'prec':<6}{'B':>4}{'ours tok/s':>12}{'HF tok/s':>10}{'ratio':>7}"
               f"{'ours MFU%':>10}{'HF MFU%':>9}{'peak GF/s':>10}{'ours RSS MB':>12}{'HF RSS MB':>10}")
     print(header)
@@ -299,6 +332,13 @@ def print_table(rows: list[dict], peak: dict) -> None:
               f"{peak[r['precision']]:>10.0f}{o['peak_rss_mb']:>12.0f}{h['peak_rss_mb']:>10.0f}")
     print(f"GEMM peak (2048^3, best of 6): fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s")
     print(FLOPS_NOTE)
+    busy = [f"{r['config']} {r['precision']} {side}" for r in rows for side in ("ours", "hf")
+            if (r[side].get("other_load") or 0.0) > LOAD_WARNING]
+    if (peak_load or 0.0) > LOAD_WARNING:
+        busy.insert(0, "GEMM peak")
+    if busy:
+        print(f"WARNING: other processes used > {LOAD_WARNING} cores during: {', '.join(busy)}; "
+              "these figures are not from a quiet machine.")
 
 
 def parent_main(args) -> None:
@@ -310,9 +350,10 @@ def parent_main(args) -> None:
     for p in precisions:
         if p not in PRECISIONS:
             raise SystemExit(f"bench_train: unknown precision {p!r}; choose from {', '.join(PRECISIONS)}")
-    peak = run_child("peak", args)["peak_gflops"]
-    print(f"GEMM peak: fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s ({args.threads} threads)",
-          flush=True)
+    measured = run_child("peak", args)
+    peak = measured["peak_gflops"]
+    print(f"GEMM peak: fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s ({args.threads} threads), "
+          f"other load {_load(measured)}", flush=True)
     rows = []
     for config in configs:
         batch = args.batch or CONFIGS[config][1]
@@ -322,13 +363,14 @@ def parent_main(args) -> None:
                 raw = run_child(side, args, config=config, precision=precision, batch=batch)
                 row[side] = summarize(raw, batch, args.seq, peak[precision])
                 print(f"  {config} {precision} {side}: median step {row[side]['step_s']:.3f} s, "
-                      f"{row[side]['tokens_per_s']:.0f} tokens/s", flush=True)
+                      f"{row[side]['tokens_per_s']:.0f} tokens/s, other load {_load(row[side])}", flush=True)
             rows.append(row)
     print()
-    print_table(rows, peak)
+    print_table(rows, peak, measured.get("other_load"))
     if args.json:
         Path(args.json).write_text(json.dumps({"threads": args.threads, "optimizer": args.optimizer,
                                                "steps": args.steps, "warmup": args.warmup, "peak_gflops": peak,
+                                               "peak_other_load": measured.get("other_load"),
                                                "flops_note": FLOPS_NOTE, "rows": rows}, indent=1))
 
 

@@ -1,9 +1,9 @@
 """A deterministic synthetic pretraining dataset with learnable structure.
 
 Stands in for the real corpus until the indexed-dataset pipeline exists, and keeps tests free of
-data files. Each "document" is an arithmetic progression of token ids (start and step drawn per
-sample), so masked tokens are predictable from their neighbours; segment B continues A's
-progression for IsNext and is an unrelated progression for NotNext. Special ids follow Google
+data files. Each "document" is a run of consecutive token ids from a random start (wrapping
+around the word range), so a masked token is its left neighbour + 1: learnable in a few hundred
+steps by a tiny model. Segment B continues A's run for IsNext and starts elsewhere for NotNext. Special ids follow Google
 BERT's vocab.txt: [PAD]=0, [UNK]=100, [CLS]=101, [SEP]=102, [MASK]=103 when the vocabulary is
 large enough, otherwise 0..4.
 """
@@ -36,7 +36,7 @@ class SyntheticDataset:
     def _progression(self, rng: np.random.Generator, length: int, start: int | None = None, step: int | None = None):
         words = self.vocab_size - self.first_word
         start = int(rng.integers(words)) if start is None else start
-        step = int(rng.integers(1, 4)) if step is None else step
+        step = 1 if step is None else step
         return self.first_word + (start + step * np.arange(length)) % words, start, step
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
