@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from .config import ConfigError, load_config
 from .parallel import discover_launch_env
@@ -25,6 +26,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    # megatron-core warns on import, once per rank, that optional GPU kernels are missing.
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     args = parse_args(argv)
     world_size = args.world_size or discover_launch_env().world_size
     try:

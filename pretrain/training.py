@@ -57,17 +57,16 @@ def clip_gradients_exactly(engine, model, parallel: Parallel, max_norm: float) -
     not record the norm for get_global_grad_norm(). Gradients are already reduced over DP and
     the tied embedding's copies summed when this runs.
     """
-    grads = [lp.param.grad for lp in counted_once(model, parallel) if lp.param.grad is not None]
     total = torch.zeros((), dtype=torch.float64, device=parallel.device)
-    for grad in grads:
-        total += grad.detach().double().pow(2).sum()
+    for lp in counted_once(model, parallel):
+        if lp.param.grad is not None:
+            flat = lp.param.grad.detach().reshape(-1)
+            total += torch.dot(flat, flat).double()  # fp32 BLAS per tensor, float64 across tensors
     dist.all_reduce(total)  # over the world: every DP replica holds the same gradients
     norm = math.sqrt(total.item() / parallel.dp_size)
     coefficient = min(1.0, max_norm / (norm + 1e-6))
     if coefficient < 1.0:
-        for param in model.parameters():
-            if param.grad is not None:
-                param.grad.mul_(coefficient)
+        torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], coefficient)
     engine._global_grad_norm = norm
 
 
@@ -152,6 +151,8 @@ class Trainer:
             config=self.ds_config,
             mpu=None if self.pipelined else par.mpu,  # the pipeline engine takes its grid from the topology
         )
+        if par.dp_size == 1 and cfg.parallel.zero_stage == 0 and not self.pipelined:
+            engine.enable_backward_allreduce = False  # nothing to average: skip flattening every gradient
         if cfg.parallel.zero_stage == 0 and cfg.train.precision == "fp32":
             engine.clip_fp32_gradients = lambda: clip_gradients_exactly(engine, model, par, cfg.optimizer.grad_clip)
         if isinstance(optimizer, Lamb):

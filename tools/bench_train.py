@@ -23,13 +23,15 @@ into the other and the two sides never compete for the cores. Per invocation:
      activations, fp32 master weights and optimizer state.
    - Hugging Face: ``BertForPreTraining`` with SDPA attention, the same sizes and dropout, fed
      the SAME batches (input_ids, token_type_ids, attention_mask = padding mask, labels = -100
-     except at masked positions, next_sentence_label), torch's AdamW (or our Lamb) with the same
-     lr, betas, eps and weight-decay exclusions (bias, LayerNorm), gradient-norm clipping to the
+     except at masked positions, next_sentence_label), the optimizer our Trainer builds
+     (``pretrain.optim.build_optimizer``: the same AdamW or Lamb implementation) with the same lr,
+     betas, eps and weight-decay exclusions (bias, LayerNorm), gradient-norm clipping to the
      same max norm (what HF's Trainer does by default). bf16 is HF's standard CPU path:
      fp32 parameters under ``torch.autocast("cpu", torch.bfloat16)``.
    Both sides draw their batches from our SyntheticDataset before timing starts (so data
    generation is not timed on either side), run --warmup untimed steps, then --steps timed
-   steps; the reported step time is the median.
+   steps; the reported step time is the median. Each row also reports "other load": the cores
+   other processes used meanwhile (from /proc/stat); the table warns when it was not ~0.
 
 FLOPs and MFU
 -------------
@@ -332,6 +334,9 @@ def print_table(rows: list[dict], peak: dict, peak_load: float | None) -> None:
               f"{peak[r['precision']]:>10.0f}{o['peak_rss_mb']:>12.0f}{h['peak_rss_mb']:>10.0f}")
     print(f"GEMM peak (2048^3, best of 6): fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s")
     print(FLOPS_NOTE)
+    if peak["bf16"] < peak["fp32"]:
+        print("NOTE: bf16 GEMMs run slower than fp32 on this CPU (typically no AVX512-BF16/AMX, so oneDNN "
+              "emulates them): bf16 steps are bound by the low bf16 peak on both sides.")
     busy = [f"{r['config']} {r['precision']} {side}" for r in rows for side in ("ours", "hf")
             if (r[side].get("other_load") or 0.0) > LOAD_WARNING]
     if (peak_load or 0.0) > LOAD_WARNING:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from megatron.core import tensor_parallel
@@ -235,35 +236,35 @@ class PretrainingLoss:
     def __init__(self, tp_group, tp_rank: int):
         self.tp_group = tp_group
         self.tp_rank = tp_rank
-        self._sums = torch.zeros(len(self.METRICS), dtype=torch.float64)
+        self._sums = None  # stays on the model's device: no host sync per micro-batch
 
     def __call__(self, outputs, labels):
         mlm_logits, nsp_logits = outputs
         masked_labels, masked_weights, nsp_labels = labels
         weights = masked_weights.float()
         with torch.no_grad():  # before the loss: megatron's cross entropy works in place on fp32 logits
-            mlm_correct = ((vocab_parallel_argmax(mlm_logits, self.tp_group, self.tp_rank) == masked_labels).float() * weights).sum()
+            predicted = vocab_parallel_argmax(mlm_logits, self.tp_group, self.tp_rank)
+            mlm_correct = ((predicted == masked_labels).float() * weights).sum()
             nsp_correct = (nsp_logits.argmax(-1) == nsp_labels).float().sum()
         per_token = tensor_parallel.vocab_parallel_cross_entropy(mlm_logits.float(), masked_labels)
         count = weights.sum()
         lm_loss = (per_token * weights).sum() / count.clamp(min=1.0)
         nsp_loss = F.cross_entropy(nsp_logits.float(), nsp_labels)
-        self._sums += torch.stack([
-            lm_loss.detach().double().cpu(), nsp_loss.detach().double().cpu(), mlm_correct.double().cpu(),
-            count.detach().double().cpu(), nsp_correct.double().cpu(),
-            torch.tensor(float(nsp_labels.numel()), dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64),
-        ])
+        one = torch.ones((), device=count.device)
+        values = torch.stack([lm_loss.detach(), nsp_loss.detach(), mlm_correct, count.detach(), nsp_correct,
+                              one * nsp_labels.numel(), one]).double()
+        self._sums = values if self._sums is None else self._sums + values
         return lm_loss + nsp_loss
 
     def drain(self) -> torch.Tensor:
-        sums, self._sums = self._sums, torch.zeros_like(self._sums)
+        """Sums since the last drain (zeros on ranks that computed no loss), on the CPU."""
+        sums = torch.zeros(len(self.METRICS), dtype=torch.float64) if self._sums is None else self._sums.cpu()
+        self._sums = None
         return sums
 
 
 def vocab_parallel_argmax(logits: torch.Tensor, tp_group, tp_rank: int) -> torch.Tensor:
     """Index of the largest logit over the whole vocabulary when each rank holds a slice."""
-    import torch.distributed as dist
-
     local_max, local_index = logits.max(dim=-1)
     global_index = local_index + tp_rank * logits.shape[-1]
     if tp_group is None or dist.get_world_size(tp_group) == 1:
