@@ -10,9 +10,11 @@ Every measurement runs in a fresh child process (this script re-invoked with ``-
 after the other, never side by side, so peak RSS and allocator state do not leak from one side
 into the other and the two sides never compete for the cores. Per invocation:
 
-1. GEMM peak: the best of a few 2048^3 ``torch.mm`` calls in fp32 and in bf16 (2 n^3 FLOPs each)
-   with the benchmark's thread count. MFU of an fp32 run is against the fp32 peak, of a bf16 run
-   against the bf16 peak.
+1. GEMM peak: the best of a few 2048^3 ``torch.mm`` calls (2 n^3 FLOPs each) with the
+   benchmark's thread count, in fp32 and in bf16 up front, and again in each measuring child for
+   its own precision right before its steps: MFU of a side is against that side's own peak (the
+   clock of a shared or virtual CPU drifts; peaks from 225 to 317 GFLOP/s fp32 were seen on one
+   machine within an hour).
 2. For each config (base: configs/bert-base.yaml, B8; mini: configs/bert-mini.yaml, B16) and
    precision, ours then Hugging Face's:
    - ours: a one-rank gloo world (127.0.0.1, a free port), ``init_parallel(1, 1)``, the config
@@ -41,7 +43,8 @@ transform and vocabulary projection counted only at the masked positions (max_pr
 attention scores/context included, element-wise work and activation recomputation not counted.
 Hugging Face's MFU uses the SAME count: it is the useful work of a step; HF's extra work (it
 projects every position onto the vocabulary) is overhead, not credit.
-MFU = flops_per_sample x batch / median step time / measured GEMM peak of that precision.
+MFU = flops_per_sample x batch / median step time / GEMM peak of that precision measured by the
+same child process just before its steps.
 """
 from __future__ import annotations
 
@@ -62,7 +65,7 @@ CONFIGS = {"base": (REPO / "configs" / "bert-base.yaml", 8), "mini": (REPO / "co
 PRECISIONS = ("fp32", "bf16")
 FLOPS_NOTE = ("FLOPs: pretrain.training.model_flops_per_sample (matmul FLOPs the model needs, fwd+bwd = 3 x fwd, "
               "MLM decoder only at masked positions); the same count for both sides. MFU against the GEMM peak "
-              "of the run's precision (best 2048^3 torch.mm, same threads).")
+              "of the run's precision (best 2048^3 torch.mm, same threads, same process, just before the steps).")
 
 
 # ------------------------------------------------------------------------------------------- common
@@ -127,18 +130,19 @@ def set_threads(threads: int) -> None:
 # ------------------------------------------------------------------------------------------- children
 
 
-def child_peak(args) -> dict:
-    """Best-of-N 2048^3 GEMM throughput in fp32 and bf16 (GFLOP/s)."""
+def gemm_peak(precision: str, n: int = 2048) -> float:
+    """Best-of-6 n^3 GEMM throughput (GFLOP/s) in this process, with its thread count."""
     import torch
 
-    n, result = 2048, {}
-    for precision in PRECISIONS:
-        dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        out = torch.empty(n, n, dtype=dtype)
-        times = time_steps(lambda: torch.mm(a, b, out=out), warmup=2, steps=6)
-        result[precision] = 2 * n**3 / min(times) / 1e9
-    return {"peak_gflops": result}
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    times = time_steps(lambda: torch.mm(a, b, out=out), warmup=2, steps=6)
+    return 2 * n**3 / min(times) / 1e9
+
+
+def child_peak(args) -> dict:
+    return {"peak_gflops": {precision: gemm_peak(precision) for precision in PRECISIONS}}
 
 
 def _free_port() -> int:
@@ -159,6 +163,7 @@ def child_ours(args) -> dict:
     from pretrain.training import Trainer, model_flops_per_sample
 
     ds_logger.setLevel(logging.WARNING)
+    peak = gemm_peak(args.precision)
     cfg = bench_config(args.config, args.batch, args.seq, args.precision, args.optimizer, args.warmup + args.steps)
     parallel = init_parallel(1, 1)
     trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
@@ -166,7 +171,7 @@ def child_ours(args) -> dict:
     losses = []
     times = time_steps(lambda: losses.append(trainer.train_step(batches)["loss"]), args.warmup, args.steps)
     shutdown_parallel()
-    return {"times": times, "losses": losses, "flops_per_sample": model_flops_per_sample(cfg)}
+    return {"times": times, "losses": losses, "flops_per_sample": model_flops_per_sample(cfg), "peak_gflops": peak}
 
 
 def hf_model(cfg):
@@ -224,6 +229,7 @@ def child_hf(args) -> dict:
 
     from pretrain.training import model_flops_per_sample
 
+    peak = gemm_peak(args.precision)
     cfg = bench_config(args.config, args.batch, args.seq, args.precision, args.optimizer, args.warmup + args.steps)
     torch.manual_seed(cfg.train.seed)
     model = hf_model(cfg).train()
@@ -244,7 +250,7 @@ def child_hf(args) -> dict:
         losses.append(loss.item())
 
     times = time_steps(step, args.warmup, args.steps)
-    return {"times": times, "losses": losses, "flops_per_sample": model_flops_per_sample(cfg)}
+    return {"times": times, "losses": losses, "flops_per_sample": model_flops_per_sample(cfg), "peak_gflops": peak}
 
 
 CHILDREN = {"peak": child_peak, "ours": child_ours, "hf": child_hf}
@@ -306,11 +312,11 @@ def child_main(args) -> None:
 # ------------------------------------------------------------------------------------------- parent
 
 
-def summarize(side: dict, batch: int, seq: int, peak_gflops: float) -> dict:
+def summarize(side: dict, batch: int, seq: int) -> dict:
     step = statistics.median(side["times"])
     achieved = side["flops_per_sample"] * batch / step / 1e9
     return {"step_s": step, "tokens_per_s": batch * seq / step, "model_gflops": achieved,
-            "mfu": achieved / peak_gflops, "peak_rss_mb": side["peak_rss_mb"], "times": side["times"],
+            "peak_gflops": side["peak_gflops"], "mfu": achieved / side["peak_gflops"], "peak_rss_mb": side["peak_rss_mb"], "times": side["times"],
             "losses": side["losses"], "other_load": side.get("other_load")}
 
 
@@ -324,15 +330,16 @@ LOAD_WARNING = 0.1
 
 def print_table(rows: list[dict], peak: dict, peak_load: float | None) -> None:
     header = (f"{'config':<7}{'prec':<6}{'B':>4}{'ours tok/s':>12}{'HF tok/s':>10}{'ratio':>7}"
-              f"{'ours MFU%':>10}{'HF MFU%':>9}{'peak GF/s':>10}{'ours RSS MB':>12}{'HF RSS MB':>10}")
+              f"{'ours MFU%':>10}{'HF MFU%':>9}{'peak GF/s ours/HF':>18}{'ours RSS MB':>12}{'HF RSS MB':>10}")
     print(header)
     print("-" * len(header))
     for r in rows:
         o, h = r["ours"], r["hf"]
         print(f"{r['config']:<7}{r['precision']:<6}{r['batch']:>4}{o['tokens_per_s']:>12.0f}{h['tokens_per_s']:>10.0f}"
               f"{o['tokens_per_s'] / h['tokens_per_s']:>7.2f}{100 * o['mfu']:>10.1f}{100 * h['mfu']:>9.1f}"
-              f"{peak[r['precision']]:>10.0f}{o['peak_rss_mb']:>12.0f}{h['peak_rss_mb']:>10.0f}")
-    print(f"GEMM peak (2048^3, best of 6): fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s")
+              f"{o['peak_gflops']:>12.0f}/{h['peak_gflops']:<5.0f}{o['peak_rss_mb']:>12.0f}{h['peak_rss_mb']:>10.0f}")
+    print(f"GEMM peak (2048^3, best of 6) up front: fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s; "
+          "each side's MFU is against the peak its own process measured before its steps (column above)")
     print(FLOPS_NOTE)
     if peak["bf16"] < peak["fp32"]:
         print("NOTE: bf16 GEMMs run slower than fp32 on this CPU (typically no AVX512-BF16/AMX, so oneDNN "
@@ -366,9 +373,10 @@ def parent_main(args) -> None:
             row = {"config": config, "precision": precision, "batch": batch, "seq": args.seq}
             for side in ("ours", "hf"):  # one after the other, never side by side
                 raw = run_child(side, args, config=config, precision=precision, batch=batch)
-                row[side] = summarize(raw, batch, args.seq, peak[precision])
+                row[side] = summarize(raw, batch, args.seq)
                 print(f"  {config} {precision} {side}: median step {row[side]['step_s']:.3f} s, "
-                      f"{row[side]['tokens_per_s']:.0f} tokens/s, other load {_load(row[side])}", flush=True)
+                      f"{row[side]['tokens_per_s']:.0f} tokens/s, GEMM peak {row[side]['peak_gflops']:.0f} GFLOP/s, "
+                      f"other load {_load(row[side])}", flush=True)
             rows.append(row)
     print()
     print_table(rows, peak, measured.get("other_load"))
