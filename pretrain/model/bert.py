@@ -153,6 +153,8 @@ class SequentialBert(nn.Module):
             else:
                 self.layers.append(spec.build())
                 self._steps.append(self.layers[-1])
+        for module in self.tied.values():
+            module.sparse_lookup_grad = True  # both uses of the tied weight are in this one graph
 
     def forward(self, inputs):
         for step in self._steps:

@@ -18,6 +18,8 @@ residual blocks, exact-erf GELU, learned absolute positions and token types, tan
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from megatron.core import ModelParallelConfig, tensor_parallel
@@ -68,6 +70,83 @@ def layer_norm(hidden_size: int, eps: float, dtype: torch.dtype) -> nn.Module:
     return nn.LayerNorm(hidden_size, eps=eps, dtype=dtype)
 
 
+def _linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+            grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None):
+    """megatron-core's linear computed by F.linear, so the bias add runs inside the GEMM (addmm).
+
+    megatron's autograd function multiplies, then adds the bias in a separate pass over the
+    output (about 5% of a BERT-base layer on CPU). Its `allreduce_dgrad` (column-parallel, TP > 1)
+    is the backward of copy_to_tensor_model_parallel_region, which we apply instead.
+    """
+    if gradient_accumulation_fusion or sequence_parallel or grad_output_buffer is not None:
+        raise NotImplementedError("gradient accumulation fusion and sequence parallelism need megatron's linear")
+    if allreduce_dgrad:
+        input = tensor_parallel.copy_to_tensor_model_parallel_region(input, group=tp_group)
+    return linear(input, weight, bias)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16).
+
+    Without them oneDNN emulates bf16 GEMMs, here 4-5x slower than fp32 ones. Unknown (no
+    /proc/cpuinfo): assume native.
+    """
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return True
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+class _Fp32GemmLinear(torch.autograd.Function):
+    """x W^T + b for bf16 tensors with every GEMM in fp32 on exactly upcast operands.
+
+    The same arithmetic as a bf16 GEMM (bf16 products are exact in fp32, fp32 accumulation,
+    the output rounded to bf16), for CPUs without native bf16; saves the bf16 tensors only.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        grad2d = grad.reshape(-1, grad.shape[-1]).float()
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            grad_x = (grad2d @ weight.float()).view(*grad.shape[:-1], weight.shape[1]).to(x.dtype)
+        if need_w:
+            grad_w = (grad2d.t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+        if need_b and ctx.has_bias:
+            grad_b = grad2d.sum(0).to(weight.dtype)
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with bf16 GEMMs run as fp32 GEMMs on CPUs that only emulate bf16."""
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and not cpu_has_native_bf16():
+        return _Fp32GemmLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class ColumnParallelLinear(tensor_parallel.ColumnParallelLinear):
+    """megatron-core's column-parallel linear (sharding, TP regions) with `_linear` as the GEMM."""
+
+    _forward_impl = staticmethod(_linear)
+
+
+class RowParallelLinear(tensor_parallel.RowParallelLinear):
+    """megatron-core's row-parallel linear (sharding, TP reduction) with `_linear` as the GEMM."""
+
+    _forward_impl = staticmethod(_linear)
+
+
 class WordEmbedding(nn.Module):
     """Vocabulary-parallel word embedding, also the MLM decoder (the weights are tied).
 
@@ -80,6 +159,12 @@ class WordEmbedding(nn.Module):
         self.embedding = _sharded(tensor_parallel.VocabParallelEmbedding(
             padded_vocab_size, hidden_size, init_method=_unused_init, config=mp_config
         ), 0)
+        # True where the lookup and the decoder meet in one autograd graph (SequentialBert): the
+        # lookup's weight gradient is then sparse and autograd adds it in place into the decoder's
+        # dense gradient, instead of zero-filling a vocabulary-sized tensor and adding the two (7% of
+        # a BERT-base step on CPU). A pipeline's first stage would hand a lone sparse gradient to
+        # DeepSpeed and the optimizer, so it keeps the dense one.
+        self.sparse_lookup_grad = False
 
     @property
     def weight(self) -> nn.Parameter:
@@ -89,14 +174,27 @@ class WordEmbedding(nn.Module):
         if decode:
             return self.decode(inputs)
         input_ids, token_type_ids, padding_mask, masked_positions = inputs
-        return self.embedding(input_ids), token_type_ids, padding_mask, masked_positions
+        return self._lookup(input_ids), token_type_ids, padding_mask, masked_positions
+
+    def _lookup(self, input_ids):
+        emb = self.embedding
+        if not self.sparse_lookup_grad:
+            return emb(input_ids)
+        # megatron-core's VocabParallelEmbedding.forward (no sequence parallelism), sparse gradient
+        if emb.tp_group.size() > 1:
+            outside = (input_ids < emb.vocab_start_index) | (input_ids >= emb.vocab_end_index)
+            local_ids = (input_ids - emb.vocab_start_index).masked_fill(outside, 0)
+            vectors = F.embedding(local_ids, emb.weight, sparse=True).masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            vectors = F.embedding(input_ids, emb.weight, sparse=True)
+        return tensor_parallel.reduce_from_tensor_model_parallel_region(vectors, group=emb.tp_group)
 
     def decode(self, inputs):
         mlm_hidden, nsp_logits = inputs
         # hidden is replicated over TP, the weight is vocab-sharded: the copy all-reduces the
         # input's gradient over TP in backward so every rank sees the full-vocabulary gradient.
         hidden = tensor_parallel.copy_to_tensor_model_parallel_region(mlm_hidden)
-        return F.linear(hidden, self.embedding.weight), nsp_logits
+        return linear(hidden, self.embedding.weight), nsp_logits
 
 
 def decode_tokens(module: WordEmbedding, inputs):
@@ -137,22 +235,22 @@ class TransformerLayer(nn.Module):
         dtype = mp_config.params_dtype
 
         def column(out_size):
-            return _sharded(tensor_parallel.ColumnParallelLinear(
+            return _sharded(ColumnParallelLinear(
                 hidden, out_size, config=mp_config, init_method=_unused_init, bias=True, gather_output=False
             ), 0)
 
         self.query = column(hidden)
         self.key = column(hidden)
         self.value = column(hidden)
-        self.attention_output = _sharded(tensor_parallel.RowParallelLinear(
+        self.attention_output = _sharded(RowParallelLinear(
             hidden, hidden, config=mp_config, init_method=_unused_init, bias=True,
             input_is_parallel=True, skip_bias_add=False,
         ), 1)
         self.attention_layernorm = layer_norm(hidden, model_cfg.layernorm_epsilon, dtype)
-        self.intermediate = _sharded(tensor_parallel.ColumnParallelLinear(
+        self.intermediate = _sharded(ColumnParallelLinear(
             hidden, model_cfg.ffn_size, config=mp_config, init_method=_unused_init, bias=True, gather_output=False
         ), 0)
-        self.output = _sharded(tensor_parallel.RowParallelLinear(
+        self.output = _sharded(RowParallelLinear(
             model_cfg.ffn_size, hidden, config=mp_config, init_method=_unused_init, bias=True,
             input_is_parallel=True, skip_bias_add=False,
         ), 1)
