@@ -1,0 +1,70 @@
+"""Concatenating indexed datasets (megatron-core's IndexedDatasetBuilder.add_index, through our
+streaming builder so the index never sits in memory)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .atomic import atomic_outputs
+from .indexed import DataError, StreamingIndexedDatasetBuilder, get_bin_path, get_idx_path, validate_indexed_dataset
+
+__all__ = ["MergeResult", "expand_prefixes", "merge_datasets"]
+
+
+@dataclass
+class MergeResult:
+    inputs: list[str]
+    dtype: str
+    documents: int
+    sentences: int
+    tokens: int
+
+
+def expand_prefixes(inputs: Sequence[str]) -> list[str]:
+    """Dataset prefixes: each input is a prefix, or a directory standing for all datasets in it."""
+    prefixes: list[str] = []
+    for item in inputs:
+        if os.path.isdir(item):
+            found = sorted(os.path.join(item, name[: -len(".idx")]) for name in os.listdir(item)
+                           if name.endswith(".idx") and ".tmp-" not in name)
+            if not found:
+                raise DataError(f"{item}: directory holds no dataset (.idx file)")
+            prefixes.extend(found)
+        else:
+            for suffix in (".bin", ".idx"):
+                if item.endswith(suffix) and not os.path.exists(get_idx_path(item)):
+                    item = item[: -len(suffix)]  # a file name given instead of the prefix
+            prefixes.append(item)
+    return prefixes
+
+
+def merge_datasets(inputs: Sequence[str], output_prefix: str) -> MergeResult:
+    prefixes = expand_prefixes(inputs)
+    if not prefixes:
+        raise DataError("no input dataset given")
+    headers = [validate_indexed_dataset(p) for p in prefixes]  # every input checked before writing
+    dtypes = {np.dtype(h.dtype).name for h in headers}
+    if len(dtypes) > 1:
+        listing = ", ".join(f"{p} ({np.dtype(h.dtype).name})" for p, h in zip(prefixes, headers))
+        raise DataError(f"inputs have different token dtypes: {listing}; re-run preprocess_data with the same "
+                        "--dtype (and vocabulary) for all")
+    out_abs = os.path.abspath(output_prefix)
+    if any(os.path.abspath(p) == out_abs for p in prefixes):
+        raise DataError(f"{output_prefix}: the output is also an input")
+    os.makedirs(os.path.dirname(out_abs), exist_ok=True)
+    dtype = headers[0].dtype
+    bin_path, idx_path = get_bin_path(output_prefix), get_idx_path(output_prefix)
+    with atomic_outputs([bin_path, idx_path]) as temps:
+        builder = StreamingIndexedDatasetBuilder(temps[bin_path], dtype=dtype)
+        try:
+            for prefix in prefixes:
+                builder.add_index(prefix)
+            result = MergeResult(prefixes, np.dtype(dtype).name, builder.num_documents, builder.num_sequences,
+                                 builder.num_tokens)
+            builder.finalize(temps[idx_path])
+        finally:
+            builder.close()
+    return result

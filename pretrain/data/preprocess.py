@@ -1,0 +1,463 @@
+"""Raw text -> Megatron indexed datasets (``<prefix>_<key>_{sentence,document}.{bin,idx}``).
+
+The parent process cuts the inputs into record-aligned chunks (corpus.iter_chunks), hands them
+to a pool of worker processes (encode.ChunkEncoder: parse, split sentences, tokenize) and appends
+the results, in input order, to one StreamingIndexedDatasetBuilder per JSON key. Memory stays
+bounded whatever the corpus size: at most ``window`` chunks are in flight, an uncompressed chunk
+travels to its worker as a byte range (the worker reads it), and the index is spilled to disk.
+
+Failure behaviour: outputs are written under temporary names and renamed only at the end
+(atomic.atomic_outputs); any error, Ctrl-C or SIGTERM removes them. A worker that raises or dies
+fails the run at once (concurrent.futures reports a dead worker as BrokenProcessPool, where
+multiprocessing.Pool would wait for its result forever).
+
+``--partitions N`` (Megatron's option) writes N consecutive parts of the input to separate
+files and merges them at the end; the documents keep their input order, so the result is the
+same bytes as without partitions (Megatron's --keep-sequential-samples behaviour).
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from .atomic import atomic_outputs, remove_quietly, temp_path
+from .corpus import (
+    DEFAULT_CHUNK_BYTES,
+    INPUT_FORMATS,
+    PROBLEM_KINDS,
+    Chunk,
+    CorpusError,
+    expand_inputs,
+    iter_chunks,
+)
+from .encode import ChunkEncoder, EncodedChunk, EncodeOptions, encode_in_worker, init_worker
+from .tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from .indexed import StreamingIndexedDatasetBuilder
+
+# .indexed (megatron-core, hence torch) is imported inside the functions that write: spawned
+# workers re-import the caller's main module, and one that imports this module at its top must
+# not make every worker load torch (seconds and hundreds of MB each).
+
+__all__ = [
+    "PreprocessOptions",
+    "PreprocessReport",
+    "KeyReport",
+    "PreprocessError",
+    "output_prefixes",
+    "preprocess",
+    "format_report",
+]
+
+
+class PreprocessError(RuntimeError):
+    """The run failed (a worker failed or died, it was interrupted, nothing to write)."""
+
+
+class Interrupted(PreprocessError):
+    """Ctrl-C or SIGTERM."""
+
+
+@dataclass(frozen=True)
+class PreprocessOptions:
+    inputs: tuple[str, ...]
+    output_prefix: str
+    vocab_file: str | None = None
+    tokenizer_json: str | None = None
+    tokenizer_type: str | None = None  # BertWordPieceLowerCase | BertWordPieceCase | None (from the vocab)
+    allow_case_mismatch: bool = False
+    json_keys: tuple[str, ...] = ("text",)
+    input_format: str = "jsonl"
+    split_sentences: bool = False
+    keep_newlines: bool = False
+    append_eod: bool = False
+    workers: int = 1
+    partitions: int = 1
+    log_interval: int = 1000  # documents between progress updates
+    dtype: str = "auto"
+    strict: bool = False  # a malformed line is an error instead of a counted skip
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    progress: bool = True
+    max_reported: int = 5  # malformed lines quoted in the report
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.inputs:
+            out.append("no --input given")
+        if self.input_format not in INPUT_FORMATS:
+            out.append(f"--input-format must be one of {', '.join(INPUT_FORMATS)}, got {self.input_format!r}")
+        if not self.json_keys:
+            out.append("--json-keys needs at least one key")
+        elif len(set(self.json_keys)) != len(self.json_keys):
+            out.append(f"--json-keys repeats a key: {' '.join(self.json_keys)}")
+        if self.input_format != "jsonl" and len(self.json_keys) != 1:
+            out.append(f"--input-format {self.input_format} has one text field; give at most one --json-keys name "
+                       "(it names the output)")
+        if self.workers < 1:
+            out.append(f"--workers must be >= 1, got {self.workers}")
+        if self.partitions < 1:
+            out.append(f"--partitions must be >= 1, got {self.partitions}")
+        if self.log_interval < 1:
+            out.append(f"--log-interval must be >= 1, got {self.log_interval}")
+        if self.chunk_bytes < 1:
+            out.append(f"--chunk-bytes must be >= 1, got {self.chunk_bytes}")
+        return out
+
+
+@dataclass
+class KeyReport:
+    output_prefix: str
+    documents: int = 0  # written
+    sentences: int = 0
+    tokens: int = 0
+    empty_documents: int = 0  # skipped: no tokens
+
+
+@dataclass
+class PreprocessReport:
+    files: int
+    tokenizer: str
+    dtype: str
+    keys: dict[str, KeyReport]
+    records: int = 0  # documents read
+    lines: int = 0
+    text_bytes: int = 0  # decompressed input
+    disk_bytes: int = 0  # input files on disk
+    problem_counts: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # "file:line: message", the first few
+    elapsed: float = 0.0
+    notes: list[str] = field(default_factory=list)  # tokenizer warnings
+
+    @property
+    def malformed(self) -> int:
+        return sum(self.problem_counts.values())
+
+
+def output_prefixes(output_prefix: str, keys: Sequence[str], split_sentences: bool) -> dict[str, str]:
+    """Megatron's naming: ``<prefix>_<key>_sentence`` (or ``_document`` without splitting)."""
+    level = "sentence" if split_sentences else "document"
+    return {key: f"{output_prefix}_{key}_{level}" for key in keys}
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------
+
+
+def preprocess(options: PreprocessOptions, encoder_factory: type[ChunkEncoder] = ChunkEncoder,
+               log: Callable[[str], None] = print) -> PreprocessReport:
+    """Run the whole conversion; returns the report, raises CorpusError / TokenizerError /
+    DataError (bad input, named) or PreprocessError (the run failed). Never leaves outputs
+    under their final names unless it returns."""
+    problems = options.problems()
+    if problems:
+        raise ValueError("\n".join(problems))
+    paths = expand_inputs(options.inputs)
+    info = load_tokenizer(options.vocab_file, options.tokenizer_json, options.tokenizer_type,
+                          options.allow_case_mismatch)
+    if options.keep_newlines and not options.split_sentences:
+        info.warnings.append("--keep-newlines has no effect without --split-sentences "
+                             "(WordPiece treats line breaks as spaces)")
+    for note in info.warnings:
+        log(f"note: {note}")
+    from .indexed import dtype_for_vocab, get_bin_path, get_idx_path
+
+    dtype = dtype_for_vocab(info.vocab_size, options.dtype)
+    prefixes = output_prefixes(options.output_prefix, options.json_keys, options.split_sentences)
+    out_dir = os.path.dirname(os.path.abspath(options.output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    report = PreprocessReport(files=len(paths), tokenizer=info.source, dtype=np.dtype(dtype).name,
+                              keys={key: KeyReport(prefix) for key, prefix in prefixes.items()},
+                              disk_bytes=sum(os.path.getsize(p) for p in paths), notes=list(info.warnings))
+    finals = [path for prefix in prefixes.values() for path in (get_bin_path(prefix), get_idx_path(prefix))]
+    # The tokenizer reaches the workers as a file, not as an argument: a worker's start-up data
+    # goes through a pipe the parent fills before going on, and beyond the pipe's 64 KiB a worker
+    # dying during start-up would block the parent forever (CPython holds the pipe's read end
+    # open meanwhile). A 30k vocabulary alone is 500 KB of JSON.
+    fd, tokenizer_path = tempfile.mkstemp(prefix="preprocess-tokenizer-", suffix=".json")
+    os.close(fd)
+    started = time.perf_counter()
+    try:
+        info.tokenizer.save(tokenizer_path)
+        encode_options = EncodeOptions(
+            tokenizer_path=tokenizer_path,
+            input_format=options.input_format,
+            keys=tuple(options.json_keys),
+            dtype=np.dtype(dtype).name,
+            split_sentences=options.split_sentences,
+            keep_newlines=options.keep_newlines,
+            append_eod=options.append_eod,
+            eod_id=info.special_ids["[SEP]"],
+        )
+        with _Interrupts().installed() as interrupts, atomic_outputs(finals) as temps:
+            _run(options, paths, encode_options, encoder_factory, dtype, prefixes, temps, report, started, interrupts)
+    finally:
+        remove_quietly([tokenizer_path])
+    report.elapsed = time.perf_counter() - started
+    return report
+
+
+def _run(options: PreprocessOptions, paths: list[str], encode_options: EncodeOptions,
+         encoder_factory: type[ChunkEncoder], dtype: type, prefixes: dict[str, str], temps: dict[str, str],
+         report: PreprocessReport, started: float, interrupts: _Interrupts) -> None:
+    from .indexed import StreamingIndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    sizes = [os.path.getsize(p) for p in paths]
+    file_offsets = np.concatenate(([0], np.cumsum(sizes)))[:-1].tolist()
+    total = max(1, sum(sizes))
+
+    def partition_of(chunk: Chunk) -> int:
+        return min(options.partitions - 1, (file_offsets[chunk.file_index] + chunk.start) * options.partitions // total)
+
+    def part_prefix(key: str, part: int) -> str:
+        if options.partitions == 1:  # write straight to the final temporary names
+            return temps[get_bin_path(prefixes[key])][: -len(".bin")]
+        return temp_path(prefixes[key], f"tmp-{os.getpid()}-part{part}")
+
+    part_files: list[str] = []
+    builders: dict[str, StreamingIndexedDatasetBuilder] = {}
+    progress = _Progress(report, options, started)
+    line_base: dict[int, int] = {}
+    try:
+        def open_part(part: int) -> None:
+            for key in prefixes:
+                prefix = part_prefix(key, part)
+                part_files.extend([get_bin_path(prefix), get_idx_path(prefix)])
+                builders[key] = StreamingIndexedDatasetBuilder(get_bin_path(prefix), dtype=dtype)
+
+        def close_part(part: int) -> None:
+            for key, builder in builders.items():
+                builder.finalize(get_idx_path(part_prefix(key, part)))
+            builders.clear()
+
+        part = 0
+        open_part(part)
+        chunks = iter_chunks(paths, options.input_format, options.chunk_bytes)
+        results = _encode_ordered(chunks, encode_options, encoder_factory, options.workers, interrupts)
+        with contextlib.closing(results):  # stops the workers at once if we fail here
+            for result in results:
+                while partition_of(result.chunk) > part:
+                    close_part(part)
+                    part += 1
+                    open_part(part)
+                _account(result, report, options, line_base)
+                for key, encoded in result.fields.items():
+                    builders[key].add_sequences(encoded.ids, encoded.lengths, encoded.document_sizes)
+                    stats = report.keys[key]
+                    stats.documents += len(encoded.document_sizes)
+                    stats.sentences += len(encoded.lengths)
+                    stats.tokens += encoded.ids.size
+                    stats.empty_documents += encoded.empty_documents
+                progress.update(result)
+        close_part(part)
+        while part < options.partitions - 1:  # parts the input did not reach are empty
+            part += 1
+            open_part(part)
+            close_part(part)
+        progress.close()
+        _check_not_empty(report)
+        if options.partitions > 1:
+            for key, prefix in prefixes.items():
+                merged = StreamingIndexedDatasetBuilder(temps[get_bin_path(prefix)], dtype=dtype)
+                try:
+                    for p in range(options.partitions):
+                        merged.add_index(part_prefix(key, p))
+                    merged.finalize(temps[get_idx_path(prefix)])
+                finally:
+                    merged.close()
+    finally:
+        progress.close()
+        for builder in builders.values():
+            builder.close()
+        if options.partitions > 1:
+            remove_quietly(part_files)
+
+
+def _encode_ordered(chunks: Iterable[Chunk], options: EncodeOptions, encoder_factory: type[ChunkEncoder],
+                    workers: int, interrupts: _Interrupts) -> Iterator[EncodedChunk]:
+    """Encoded chunks in input order, at most 2 * workers + 1 in flight (bounded memory)."""
+    context = multiprocessing.get_context("spawn")  # fresh workers: no torch, no inherited threads
+    executor = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=init_worker,
+                                   initargs=(encoder_factory, options))
+    window = 2 * workers + 1
+    pending: deque[tuple[Chunk, Future]] = deque()
+    ok = False
+    try:
+        for chunk in chunks:
+            try:
+                with interrupts.deferred():
+                    pending.append((chunk, executor.submit(encode_in_worker, chunk)))
+            except BrokenProcessPool:  # a worker died before we asked for its result
+                while pending:
+                    _result(*pending.popleft())  # raises, naming the chunk
+                raise PreprocessError("a worker process died (killed, or out of memory?)") from None
+            if len(pending) >= window:
+                yield _result(*pending.popleft())
+        while pending:
+            yield _result(*pending.popleft())
+        ok = True
+    finally:
+        if not ok:
+            # Failing or interrupted: stop the workers now rather than after their chunk. SIGKILL
+            # works at once even on a worker still starting up, and workers hold nothing worth
+            # cleaning up (the output files are the parent's).
+            for process in list(getattr(executor, "_processes", {}).values()):
+                with contextlib.suppress(Exception):
+                    process.kill()
+        executor.shutdown(wait=ok, cancel_futures=True)
+
+
+def _result(chunk: Chunk, future: Future) -> EncodedChunk:
+    where = f"{chunk.path} (bytes {chunk.start}-{chunk.end})"
+    try:
+        return future.result()
+    except PreprocessError:
+        raise  # Interrupted, raised by our signal handler while we waited
+    except BrokenProcessPool:
+        raise PreprocessError(f"a worker process died (killed, or out of memory?) while working on {where}") from None
+    except CorpusError as e:
+        raise PreprocessError(f"{where}: {e}") from None
+    except Exception as e:
+        # a bug: keep the worker's traceback (concurrent.futures attaches it as the cause)
+        raise PreprocessError(f"a worker failed on {where}: {type(e).__name__}: {e}") from e
+
+
+def _account(result: EncodedChunk, report: PreprocessReport, options: PreprocessOptions,
+             line_base: dict[int, int]) -> None:
+    """Fold a chunk's counts into the report; problems get their absolute file:line."""
+    chunk = result.chunk
+    base = line_base.get(chunk.file_index, 0)
+    line_base[chunk.file_index] = base + result.lines
+    report.records += result.records
+    report.lines += result.lines
+    report.text_bytes += result.text_bytes
+    for kind, count in result.problem_counts.items():
+        report.problem_counts[kind] = report.problem_counts.get(kind, 0) + count
+    for problem in result.problems:
+        located = f"{chunk.path}:{base + problem.line}: {problem.message}"
+        if options.strict:
+            raise CorpusError(f"{located} (--strict makes malformed lines fatal)")
+        if len(report.problems) < options.max_reported:
+            report.problems.append(located)
+
+
+def _check_not_empty(report: PreprocessReport) -> None:
+    for key, stats in report.keys.items():
+        if stats.documents == 0:
+            kinds = ", ".join(f"{kind} {n:,}" for kind, n in report.problem_counts.items())
+            detail = (f"{report.records:,} documents read, {stats.empty_documents:,} empty, "
+                      f"{report.malformed:,} malformed lines{': ' + kinds if kinds else ''}"
+                      + (f"; first: {report.problems[0]}" if report.problems else ""))
+            raise PreprocessError(f"no document with tokens for key {key!r} ({detail}); nothing written")
+
+
+class _Progress:
+    """tqdm bar in input MB with documents/s, refreshed every log_interval documents."""
+
+    def __init__(self, report: PreprocessReport, options: PreprocessOptions, started: float):
+        from tqdm import tqdm
+
+        self.report, self.interval, self.started = report, options.log_interval, started
+        self.bar = tqdm(total=report.disk_bytes, unit="B", unit_scale=True, unit_divisor=1000, dynamic_ncols=True,
+                        desc="preprocess", disable=not options.progress, mininterval=0, smoothing=0.1)
+        self.pending_bytes, self.pending_docs = 0, 0
+
+    def update(self, result: EncodedChunk) -> None:
+        self.pending_bytes += result.chunk.disk_bytes
+        self.pending_docs += result.records
+        if self.pending_docs >= self.interval:
+            self._flush()
+
+    def _flush(self) -> None:
+        elapsed = max(1e-9, time.perf_counter() - self.started)
+        self.bar.set_postfix_str(f"{self.report.records:,} docs, {self.report.records / elapsed:,.0f} docs/s",
+                                 refresh=False)
+        self.bar.update(self.pending_bytes)
+        self.pending_bytes, self.pending_docs = 0, 0
+
+    def close(self) -> None:
+        if self.pending_bytes or self.pending_docs:
+            self._flush()
+        self.bar.close()
+
+
+class _Interrupts:
+    """SIGINT and SIGTERM raise Interrupted in the main thread, so the cleanup code runs, except
+    inside ``deferred()``, which holds them until its block ends."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.pending: int | None = None
+
+    def __call__(self, signum: int, frame) -> None:
+        if self.depth and self.pending is None:
+            self.pending = signum
+            return
+        raise Interrupted(f"interrupted by {signal.Signals(signum).name}")
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Hold the signals until the block ends (a second one is not held: it forces). submit()
+        may be starting a worker process, and an interruption halfway through sending it its
+        start-up data leaves a half-started child that prints an EOFError traceback."""
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if not self.depth and self.pending is not None:
+                signum, self.pending = self.pending, None
+                raise Interrupted(f"interrupted by {signal.Signals(signum).name}")
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["_Interrupts"]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # signal handlers can only be set in the main thread
+            return
+        previous = {s: signal.signal(s, self) for s in self.SIGNALS}
+        try:
+            yield self
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+
+# --------------------------------------------------------------------------------------------
+# The report
+# --------------------------------------------------------------------------------------------
+
+
+def format_report(report: PreprocessReport) -> str:
+    mb = report.text_bytes / 1e6
+    rate = mb / report.elapsed if report.elapsed else 0.0
+    lines = [f"read {report.files} file{'s' if report.files != 1 else ''}: {report.records:,} documents, "
+             f"{report.lines:,} lines, {mb:,.1f} MB of text"
+             + (f" ({report.disk_bytes / 1e6:,.1f} MB on disk)" if report.disk_bytes != report.text_bytes else "")]
+    for key, stats in report.keys.items():
+        lines.append(f"key {key!r}: {stats.documents:,} documents, {stats.sentences:,} sentences, "
+                     f"{stats.tokens:,} tokens ({report.dtype}) -> {stats.output_prefix}.{{bin,idx}}")
+        lines.append(f"  skipped empty documents: {stats.empty_documents:,}")
+    kinds = ", ".join(f"{kind} {report.problem_counts.get(kind, 0):,}" for kind in PROBLEM_KINDS)
+    lines.append(f"malformed lines skipped: {report.malformed:,} ({kinds})")
+    for problem in report.problems:
+        lines.append(f"  {problem}")
+    if report.malformed > len(report.problems):
+        lines.append(f"  ... and {report.malformed - len(report.problems):,} more")
+    lines.append(f"elapsed {report.elapsed:,.1f} s: {rate:,.2f} MB/s, "
+                 f"{report.records / report.elapsed if report.elapsed else 0:,.0f} docs/s")
+    return "\n".join(lines)

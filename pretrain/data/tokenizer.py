@@ -1,0 +1,235 @@
+"""BERT WordPiece tokenizers: reading and checking a Google-format vocab.txt, building the Hugging
+Face ``tokenizers`` pipeline BERT uses, loading a tokenizer.json, and checking that lowercasing
+agrees with the vocabulary.
+
+The pipeline is Google BERT's: BertNormalizer (clean control characters, space out CJK
+characters, lowercase and strip accents for uncased vocabularies), BertPreTokenizer (whitespace
+and punctuation), WordPiece with ``##`` continuations and ``[UNK]`` for words it cannot cover
+(max 100 characters per word), the WordPiece decoder, and a ``[CLS] A [SEP] (B [SEP])`` template.
+
+Case consistency: a vocabulary built from lowercased text has no uppercase wordpieces, a cased one
+has many. Tokenizing cased text with an uncased vocabulary turns every capitalised word into
+``[UNK]``; lowercasing text for a cased vocabulary leaves its uppercase entries unused. Both are
+clear errors (``check_case``); a small share of uppercase entries only warns.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from tokenizers import Tokenizer, decoders
+from tokenizers.models import WordPiece
+from tokenizers.normalizers import BertNormalizer
+from tokenizers.pre_tokenizers import BertPreTokenizer
+from tokenizers.processors import TemplateProcessing
+
+__all__ = [
+    "SPECIAL_TOKENS",
+    "TOKENIZER_TYPES",
+    "TokenizerError",
+    "BertTokenizerInfo",
+    "read_vocab",
+    "check_special_tokens",
+    "check_case",
+    "bert_wordpiece_tokenizer",
+    "tokenizer_vocab",
+    "load_tokenizer",
+]
+
+# The tokens BERT pretraining needs; Google's vocabularies put [PAD] at 0.
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+# Megatron-LM's names for the two BERT tokenizers -> lowercase?
+TOKENIZER_TYPES = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False}
+# Share of cased entries (among entries with letters that have case) above which a vocabulary
+# counts as built from cased text.
+_CASED_SHARE = 0.01
+
+
+class TokenizerError(ValueError):
+    """A vocabulary or tokenizer that cannot be used, naming the file and the problem."""
+
+
+# --------------------------------------------------------------------------------------------
+# vocab.txt
+# --------------------------------------------------------------------------------------------
+
+
+def read_vocab(path: str) -> dict[str, int]:
+    """token -> id from a Google-format vocab.txt (one token per line, id = line number - 1)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise TokenizerError(f"vocab file {path!r} does not exist") from None
+    except OSError as e:
+        raise TokenizerError(f"vocab file {path!r}: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise TokenizerError(f"{path}:{line}: vocab file is not valid UTF-8") from None
+    if text.endswith("\n"):
+        text = text[:-1]
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(text.split("\n") if text else []):
+        token = token.rstrip("\r")
+        if not token:
+            raise TokenizerError(f"{path}:{index + 1}: empty line in vocab file (one token per line expected)")
+        if token in vocab:
+            raise TokenizerError(f"{path}:{index + 1}: token {token!r} repeats line {vocab[token] + 1}")
+        vocab[token] = index
+    check_special_tokens(vocab, path)
+    return vocab
+
+
+def check_special_tokens(vocab: Mapping[str, int], source: str) -> None:
+    missing = [t for t in SPECIAL_TOKENS if t not in vocab]
+    if missing:
+        raise TokenizerError(f"{source}: vocabulary lacks the special token{'s' if len(missing) > 1 else ''} "
+                             f"{', '.join(missing)} (BERT needs {' '.join(SPECIAL_TOKENS)})")
+
+
+def _case_counts(vocab: Mapping[str, int]) -> tuple[int, int, list[str]]:
+    """(entries with an uppercase letter, entries with a letter that has case, a few examples)."""
+    upper, cased, examples = 0, 0, []
+    for token in vocab:
+        if token.startswith("[") and token.endswith("]"):
+            continue  # [PAD], [unused12], ...
+        if token.lower() != token.upper():
+            cased += 1
+            if token != token.lower():
+                upper += 1
+                if len(examples) < 5:
+                    examples.append(token)
+    return upper, cased, examples
+
+
+def check_case(vocab: Mapping[str, int], lowercase: bool, source: str, allow_mismatch: bool = False) -> list[str]:
+    """Warnings about the vocabulary's case against ``lowercase``; raises TokenizerError on a
+    clear mismatch unless ``allow_mismatch`` (then it is a warning too)."""
+    upper, cased, examples = _case_counts(vocab)
+    problem, warning = None, None
+    if lowercase and upper > _CASED_SHARE * cased:
+        problem = (f"{source} has {upper} wordpieces with uppercase letters (e.g. {', '.join(map(repr, examples))}): "
+                   "it was built from cased text, but the tokenizer lowercases its input, so these entries can never be "
+                   "produced; use a cased tokenizer (--tokenizer-type BertWordPieceCase / --cased) or an uncased vocabulary")
+    elif lowercase and upper:
+        warning = (f"{source} has {upper} wordpieces with uppercase letters (e.g. {', '.join(map(repr, examples))}) "
+                   "that a lowercasing tokenizer never produces")
+    elif not lowercase and cased and not upper:
+        problem = (f"{source} has no wordpiece with an uppercase letter: it was built from lowercased text, but the "
+                   "tokenizer keeps case, so capitalised words would become [UNK]; use a lowercasing tokenizer "
+                   "(--tokenizer-type BertWordPieceLowerCase / --lowercase) or a cased vocabulary")
+    elif not lowercase and upper < _CASED_SHARE * cased:
+        warning = (f"{source} has only {upper} wordpieces with uppercase letters among {cased}: "
+                   "is it really a cased vocabulary?")
+    if problem and not allow_mismatch:
+        raise TokenizerError(problem + " (--allow-case-mismatch proceeds anyway)")
+    return [w for w in (problem, warning) if w]
+
+
+# --------------------------------------------------------------------------------------------
+# The tokenizer
+# --------------------------------------------------------------------------------------------
+
+
+def bert_wordpiece_tokenizer(vocab: Mapping[str, int], lowercase: bool) -> Tokenizer:
+    """Google BERT's tokenizer over ``vocab`` (which must hold SPECIAL_TOKENS)."""
+    tokenizer = Tokenizer(WordPiece(dict(vocab), unk_token="[UNK]", max_input_chars_per_word=100))
+    # strip_accents=None follows lowercase, as in Google's BasicTokenizer and transformers
+    tokenizer.normalizer = BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
+                                          lowercase=lowercase)
+    tokenizer.pre_tokenizer = BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    tokenizer.post_processor = TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
+    )
+    # Registered as special so decode(skip_special_tokens=True) and transformers know them.
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    return tokenizer
+
+
+def tokenizer_vocab(tokenizer: Tokenizer) -> dict[str, int]:
+    return tokenizer.get_vocab(with_added_tokens=True)
+
+
+def _json_lowercase(config: dict) -> bool | None:
+    """The lowercase flag of a tokenizer.json's normalizer (None if it has no normalizer)."""
+    normalizer = config.get("normalizer")
+    if not normalizer:
+        return None
+    parts = normalizer.get("normalizers", [normalizer]) if normalizer.get("type") == "Sequence" else [normalizer]
+    return any(p.get("type") == "Lowercase" or (p.get("type") == "BertNormalizer" and p.get("lowercase"))
+               for p in parts)
+
+
+@dataclass
+class BertTokenizerInfo:
+    """A loaded tokenizer and what the data pipeline needs to know about it."""
+
+    tokenizer: Tokenizer
+    lowercase: bool
+    vocab_size: int  # ids are < vocab_size (added tokens included)
+    special_ids: dict[str, int]
+    source: str  # the file it came from
+    warnings: list[str] = field(default_factory=list)
+
+    def to_str(self) -> str:
+        return self.tokenizer.to_str()
+
+
+def load_tokenizer(vocab_file: str | None = None, tokenizer_json: str | None = None,
+                   tokenizer_type: str | None = None, allow_case_mismatch: bool = False) -> BertTokenizerInfo:
+    """A BERT tokenizer from exactly one of ``vocab_file`` (vocab.txt) or ``tokenizer_json``.
+
+    ``tokenizer_type`` (a TOKENIZER_TYPES name) sets lowercasing; without it, a vocab.txt gets
+    the case its entries show and a tokenizer.json keeps its own normalizer. A tokenizer.json
+    whose normalizer contradicts ``tokenizer_type`` is an error.
+    """
+    if (vocab_file is None) == (tokenizer_json is None):
+        raise TokenizerError("give exactly one of a vocab file (vocab.txt) or a tokenizer.json")
+    if tokenizer_type is not None and tokenizer_type not in TOKENIZER_TYPES:
+        raise TokenizerError(f"unknown tokenizer type {tokenizer_type!r}; expected one of {', '.join(TOKENIZER_TYPES)}")
+    wanted = TOKENIZER_TYPES.get(tokenizer_type) if tokenizer_type else None
+    notes: list[str] = []
+    if vocab_file is not None:
+        source = vocab_file
+        vocab = read_vocab(vocab_file)
+        if wanted is None:
+            upper, cased, _ = _case_counts(vocab)
+            wanted = not upper > _CASED_SHARE * cased
+            notes.append(f"{vocab_file}: no --tokenizer-type given; the vocabulary looks "
+                         f"{'uncased, lowercasing' if wanted else 'cased, keeping case'} (BertWordPiece"
+                         f"{'LowerCase' if wanted else 'Case'})")
+        tokenizer = bert_wordpiece_tokenizer(vocab, wanted)
+    else:
+        source = tokenizer_json
+        try:
+            with open(tokenizer_json, encoding="utf-8") as f:
+                config = json.load(f)
+            tokenizer = Tokenizer.from_str(json.dumps(config))
+        except FileNotFoundError:
+            raise TokenizerError(f"tokenizer file {tokenizer_json!r} does not exist") from None
+        except (OSError, ValueError, Exception) as e:  # tokenizers raises a bare Exception on bad content
+            raise TokenizerError(f"{tokenizer_json}: not a Hugging Face tokenizer.json ({e})") from None
+        has_lowercase = bool(_json_lowercase(config))
+        if wanted is not None and wanted != has_lowercase:
+            raise TokenizerError(f"{tokenizer_json}: its normalizer {'lowercases' if has_lowercase else 'keeps case'}, "
+                                 f"but --tokenizer-type {tokenizer_type} asks for the opposite")
+        wanted = has_lowercase
+        vocab = tokenizer_vocab(tokenizer)
+        check_special_tokens(vocab, tokenizer_json)
+    notes += check_case(vocab, wanted, source, allow_case_mismatch)
+    vocab = tokenizer_vocab(tokenizer)
+    return BertTokenizerInfo(
+        tokenizer=tokenizer,
+        lowercase=wanted,
+        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        special_ids={t: vocab[t] for t in SPECIAL_TOKENS},
+        source=os.fspath(source),
+        warnings=notes,
+    )

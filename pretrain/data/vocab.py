@@ -1,0 +1,143 @@
+"""Training a WordPiece vocabulary from raw text and writing it as Google BERT's vocab.txt plus a
+Hugging Face tokenizer.json.
+
+The trainer is Hugging Face ``tokenizers``' WordPieceTrainer behind the same normalizer and
+pre-tokenizer the tokenizer applies later (tokenizer.bert_wordpiece_tokenizer), so the vocabulary
+is learned from exactly the words it will see. Special tokens come first, so [PAD] is id 0 as in
+Google's vocabularies (Google's also reserve [unused*] slots; we do not need them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+from tokenizers import Tokenizer
+from tokenizers.models import WordPiece
+from tokenizers.normalizers import BertNormalizer
+from tokenizers.pre_tokenizers import BertPreTokenizer
+from tokenizers.trainers import WordPieceTrainer
+
+from .atomic import atomic_outputs
+from .corpus import PROBLEM_KINDS, CorpusError, Problem, expand_inputs, iter_documents
+from .tokenizer import SPECIAL_TOKENS, bert_wordpiece_tokenizer, check_special_tokens
+
+__all__ = ["VocabOptions", "VocabReport", "train_wordpiece", "write_vocab", "build_vocab"]
+
+
+@dataclass(frozen=True)
+class VocabOptions:
+    vocab_size: int = 30522  # BERT-base's size (specials and alphabet included)
+    min_frequency: int = 2  # a merge must occur at least this often
+    limit_alphabet: int = 1000  # keep at most this many initial characters (rare ones become [UNK])
+    lowercase: bool = True
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.vocab_size < len(SPECIAL_TOKENS) + 1:
+            out.append(f"--vocab-size must be at least {len(SPECIAL_TOKENS) + 1}, got {self.vocab_size}")
+        if self.min_frequency < 0:
+            out.append(f"--min-frequency must be >= 0, got {self.min_frequency}")
+        if self.limit_alphabet < 1:
+            out.append(f"--limit-alphabet must be >= 1, got {self.limit_alphabet}")
+        return out
+
+
+@dataclass
+class VocabReport:
+    files: int = 0
+    documents: int = 0
+    text_chars: int = 0
+    problem_counts: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # "file:line: message", the first few
+    vocab_size: int = 0
+    outputs: list[str] = field(default_factory=list)
+
+
+def train_wordpiece(texts: Iterable[str], options: VocabOptions) -> Tokenizer:
+    """A BERT WordPiece tokenizer whose vocabulary is learned from ``texts``."""
+    trainer = WordPieceTrainer(
+        vocab_size=options.vocab_size,
+        min_frequency=options.min_frequency,
+        limit_alphabet=options.limit_alphabet,
+        special_tokens=list(SPECIAL_TOKENS),
+        continuing_subword_prefix="##",
+        show_progress=False,
+    )
+    model = Tokenizer(WordPiece(unk_token="[UNK]"))
+    model.normalizer = BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
+                                      lowercase=options.lowercase)
+    model.pre_tokenizer = BertPreTokenizer()
+    model.train_from_iterator(_batches(texts), trainer=trainer)
+    vocab = model.get_vocab()
+    check_special_tokens(vocab, "trained vocabulary")
+    # Rebuild with the full pipeline (decoder, template, registered specials) around the result.
+    return bert_wordpiece_tokenizer(vocab, options.lowercase)
+
+
+def _batches(texts: Iterable[str], size: int = 1000) -> Iterator[list[str]]:
+    # Batches let the trainer count words on several threads.
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def write_vocab(tokenizer: Tokenizer, vocab_path: str, tokenizer_json_path: str | None) -> None:
+    """vocab.txt (one token per line, by id) and optionally tokenizer.json, each written under a
+    temporary name and renamed when complete."""
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    if [vocab[t] for t in tokens] != list(range(len(tokens))):
+        raise ValueError("vocabulary ids are not contiguous from 0")  # cannot happen with WordPieceTrainer
+    finals = [vocab_path] + ([tokenizer_json_path] if tokenizer_json_path else [])
+    with atomic_outputs(finals) as temps:
+        with open(temps[vocab_path], "w", encoding="utf-8") as f:
+            f.write("".join(t + "\n" for t in tokens))
+        if tokenizer_json_path:
+            tokenizer.save(temps[tokenizer_json_path], pretty=True)
+
+
+def build_vocab(inputs: Sequence[str], input_format: str, json_keys: Sequence[str], options: VocabOptions,
+                vocab_path: str, tokenizer_json_path: str | None, strict: bool = False,
+                max_reported: int = 5) -> VocabReport:
+    """Train on the documents of ``inputs`` and write the files; malformed lines are skipped and
+    counted (an error under ``strict``)."""
+    problems = options.problems()
+    if problems:
+        raise ValueError("; ".join(problems))
+    paths = expand_inputs(inputs)
+    report = VocabReport(files=len(paths))
+
+    def texts() -> Iterator[str]:
+        line_base = {}  # file -> lines of its chunks so far (chunks come in order)
+        for chunk, parsed in iter_documents(paths, input_format, json_keys):
+            base = line_base.get(chunk.path, 0)
+            line_base[chunk.path] = base + parsed.lines
+            for kind, count in parsed.problem_counts.items():
+                report.problem_counts[kind] = report.problem_counts.get(kind, 0) + count
+            for p in parsed.problems:
+                located = _located(chunk.path, base, p)
+                if strict:
+                    raise CorpusError(f"{located} (--strict)")
+                if len(report.problems) < max_reported:
+                    report.problems.append(located)
+            for values in parsed.documents:
+                report.documents += 1
+                for text in values:
+                    report.text_chars += len(text)
+                    yield text
+
+    tokenizer = train_wordpiece(texts(), options)
+    report.problem_counts = {k: report.problem_counts[k] for k in PROBLEM_KINDS if k in report.problem_counts}
+    write_vocab(tokenizer, vocab_path, tokenizer_json_path)
+    report.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    report.outputs = [vocab_path] + ([tokenizer_json_path] if tokenizer_json_path else [])
+    return report
+
+
+def _located(path: str, line_base: int, problem: Problem) -> str:
+    return f"{path}:{line_base + problem.line}: {problem.message}"

@@ -1,0 +1,77 @@
+"""Train a BERT WordPiece vocabulary from raw text.
+
+usage: python tools/build_vocab.py --input FILE|GLOB [...] --output-dir DIR
+           [--input-format jsonl|text-lines|text-blank-lines] [--json-keys text ...]
+           [--lowercase | --cased] [--vocab-size 30522] [--min-frequency 2] [--limit-alphabet 1000]
+           [--strict]
+
+Writes DIR/vocab.txt (Google BERT's format: one token per line, id = line number - 1, [PAD] = 0,
+then [UNK] [CLS] [SEP] [MASK]) and DIR/tokenizer.json (the complete Hugging Face tokenizer:
+BertNormalizer, BertPreTokenizer, WordPiece, WordPiece decoder, [CLS]/[SEP] template), each under
+a temporary name renamed when complete. Exit status: 0 done, 1 error, 2 bad usage.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python tools/build_vocab.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", nargs="+", required=True, metavar="FILE|GLOB",
+                        help="input files or globs (quote globs); .gz .bz2 .xz .zst are decompressed")
+    parser.add_argument("--input-format", default="jsonl", choices=("jsonl", "text-lines", "text-blank-lines"),
+                        help="jsonl: one JSON object per line (default); text-lines: one document per line; "
+                             "text-blank-lines: documents separated by blank lines")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys whose text is used (default: text)")
+    case = parser.add_mutually_exclusive_group()
+    case.add_argument("--lowercase", dest="lowercase", action="store_true", default=True,
+                      help="lowercase and strip accents (uncased BERT; the default)")
+    case.add_argument("--cased", dest="lowercase", action="store_false", help="keep case and accents (cased BERT)")
+    parser.add_argument("--vocab-size", type=int, default=30522, help="entries, special tokens included (default 30522)")
+    parser.add_argument("--min-frequency", type=int, default=2, help="minimum count of a merged pair (default 2)")
+    parser.add_argument("--limit-alphabet", type=int, default=1000,
+                        help="keep the N most frequent characters; rarer ones become [UNK] (default 1000)")
+    parser.add_argument("--output-dir", required=True, help="directory for vocab.txt and tokenizer.json")
+    parser.add_argument("--strict", action="store_true", help="a malformed input line is an error, not a counted skip")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from pretrain.data.corpus import CorpusError
+    from pretrain.data.tokenizer import TokenizerError
+    from pretrain.data.vocab import VocabOptions, build_vocab
+
+    options = VocabOptions(vocab_size=args.vocab_size, min_frequency=args.min_frequency,
+                           limit_alphabet=args.limit_alphabet, lowercase=args.lowercase)
+    started = time.perf_counter()
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+        report = build_vocab(args.input, args.input_format, args.json_keys, options,
+                             vocab_path=os.path.join(args.output_dir, "vocab.txt"),
+                             tokenizer_json_path=os.path.join(args.output_dir, "tokenizer.json"), strict=args.strict)
+    except KeyboardInterrupt:
+        print("build_vocab: interrupted; no output written", file=sys.stderr)
+        return 130
+    except (CorpusError, TokenizerError, ValueError, OSError) as e:
+        print(f"build_vocab: error: {e}", file=sys.stderr)
+        return 1
+    malformed = sum(report.problem_counts.values())
+    print(f"read {report.files} file{'s' if report.files != 1 else ''}: {report.documents:,} documents, "
+          f"{report.text_chars / 1e6:,.1f} M characters")
+    print(f"malformed lines skipped: {malformed:,}"
+          + (f" ({', '.join(f'{k} {v:,}' for k, v in report.problem_counts.items())})" if malformed else ""))
+    for problem in report.problems:
+        print(f"  {problem}")
+    note = "" if report.vocab_size == args.vocab_size else " (the corpus supports no more)"
+    print(f"vocabulary: {report.vocab_size:,} entries{note}, {'lowercased' if args.lowercase else 'cased'}")
+    print(f"wrote {', '.join(report.outputs)} in {time.perf_counter() - started:,.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Raw text -> Megatron indexed datasets for BERT pretraining.
+
+usage: python tools/preprocess_data.py --input FILE|GLOB [...] --output-prefix PREFIX
+           (--vocab-file vocab.txt | --tokenizer-json tokenizer.json) [--tokenizer-type T]
+           [--input-format jsonl|text-lines|text-blank-lines] [--json-keys text ...]
+           [--split-sentences [--keep-newlines]] [--append-eod] [--workers N] [--partitions N]
+           [--dtype auto|uint16|int32|int64] [--strict] [--log-interval DOCS]
+
+Writes <PREFIX>_<key>_sentence.{bin,idx} (with --split-sentences: one item per sentence) or
+<PREFIX>_<key>_document.{bin,idx} (one item per document), readable by megatron-core's
+IndexedDataset. Flags follow Megatron-LM's tools/preprocess_data.py where the concept is the
+same. Exit status: 0 done, 1 error (nothing written), 2 bad usage, 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+# Library imports happen inside main(): worker processes start by re-importing this file, and
+# must not pay for megatron-core (torch) on the way.
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python tools/preprocess_data.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_argument_group("input")
+    group.add_argument("--input", nargs="+", required=True, metavar="FILE|GLOB",
+                       help="input files or globs (quote globs); .gz .bz2 .xz .zst are decompressed")
+    group.add_argument("--input-format", default="jsonl", choices=("jsonl", "text-lines", "text-blank-lines"),
+                       help="jsonl: one JSON object per line (default); text-lines: one document per line; "
+                            "text-blank-lines: documents separated by blank lines")
+    group.add_argument("--json-keys", nargs="+", default=["text"],
+                       help="keys of the JSON objects to extract, one output per key (default: text); "
+                            "for plain text it only names the output")
+    group.add_argument("--split-sentences", action="store_true",
+                       help="split documents into sentences (blingfire); one item per sentence")
+    group.add_argument("--keep-newlines", action="store_true",
+                       help="with --split-sentences: a line break inside a document always ends a sentence "
+                            "(by default line breaks are spaces, right for hard-wrapped text)")
+    group.add_argument("--strict", action="store_true",
+                       help="a malformed line (bad JSON, missing key, non-string value, invalid UTF-8) is an "
+                            "error instead of a counted skip")
+    group = parser.add_argument_group("tokenizer")
+    source = group.add_mutually_exclusive_group(required=True)
+    source.add_argument("--vocab-file", help="Google BERT vocab.txt (e.g. from tools/build_vocab.py)")
+    source.add_argument("--tokenizer-json", help="Hugging Face tokenizer.json (e.g. from tools/build_vocab.py)")
+    group.add_argument("--tokenizer-type", choices=("BertWordPieceLowerCase", "BertWordPieceCase"),
+                       help="lowercase or keep case; default: what the vocabulary shows (vocab.txt) or the "
+                            "tokenizer.json's own normalizer. A choice contradicting the vocabulary is an error")
+    group.add_argument("--allow-case-mismatch", action="store_true",
+                       help="only warn when --tokenizer-type contradicts the vocabulary's case")
+    group.add_argument("--append-eod", action="store_true",
+                       help="append [SEP] to the last sentence of every document (BERT vocabularies have no "
+                            "end-of-document token)")
+    group = parser.add_argument_group("output")
+    group.add_argument("--output-prefix", required=True, help="path prefix of the outputs")
+    group.add_argument("--dtype", default="auto", choices=("auto", "uint16", "int32", "int64"),
+                       help="token dtype; auto: uint16 below 65500 vocabulary entries, else int32")
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                       help="worker processes (default: the CPUs available)")
+    group.add_argument("--partitions", type=int, default=1,
+                       help="write the input in N consecutive parts to separate files, then merge them "
+                            "(document order kept; the output is the same)")
+    group.add_argument("--keep-sequential-samples", action="store_true",
+                       help="accepted for Megatron compatibility; partitions always keep the input order")
+    group.add_argument("--log-interval", type=int, default=1000, help="documents between progress updates")
+    group.add_argument("--chunk-bytes", type=int, default=1 << 20,
+                       help="input bytes per work unit (default 1 MiB)")
+    group.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from pretrain.data.corpus import CorpusError
+    from pretrain.data.indexed import DataError
+    from pretrain.data.preprocess import Interrupted, PreprocessError, PreprocessOptions, format_report, preprocess
+    from pretrain.data.tokenizer import TokenizerError
+
+    options = PreprocessOptions(
+        inputs=tuple(args.input), output_prefix=args.output_prefix, vocab_file=args.vocab_file,
+        tokenizer_json=args.tokenizer_json, tokenizer_type=args.tokenizer_type,
+        allow_case_mismatch=args.allow_case_mismatch, json_keys=tuple(args.json_keys),
+        input_format=args.input_format, split_sentences=args.split_sentences, keep_newlines=args.keep_newlines,
+        append_eod=args.append_eod, workers=args.workers, partitions=args.partitions,
+        log_interval=args.log_interval, dtype=args.dtype, strict=args.strict, chunk_bytes=args.chunk_bytes,
+        progress=not args.quiet,
+    )
+    try:
+        report = preprocess(options, log=lambda line: print(line, file=sys.stderr))
+    except Interrupted as e:
+        print(f"preprocess_data: {e}; no output written", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("preprocess_data: interrupted; no output written", file=sys.stderr)
+        return 130
+    except (CorpusError, TokenizerError, DataError, PreprocessError, ValueError, OSError) as e:
+        cause = getattr(e.__cause__, "__cause__", None)
+        if cause is not None and getattr(cause, "tb", None):
+            print(f"worker traceback:{cause.tb}", file=sys.stderr)
+        print(f"preprocess_data: error: {e}", file=sys.stderr)
+        print("preprocess_data: no output written", file=sys.stderr)
+        return 1
+    print(format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
