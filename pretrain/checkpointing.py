@@ -166,3 +166,19 @@ def load_checkpoint(engine, load_dir: str, cfg: Config, parallel, tracker) -> tu
         raise CheckpointError(f"{rng_path} is missing: the checkpoint was written by a different number of ranks")
     restore_rng_state(torch.load(rng_path, weights_only=False), tracker)
     return client_state["step"], client_state["consumed_samples"]
+
+
+def init_from_checkpoint(engine, load_dir: str, cfg: Config, parallel, optimizer_states: bool) -> int:
+    """Load the weights (and optionally optimizer moments) of load_dir's latest checkpoint into a
+    fresh run: no step, data position, LR schedule or RNG state. Returns the step it was saved at."""
+    tag = latest_tag(load_dir)
+    if tag is None:
+        raise CheckpointError(f"train.init_from: no checkpoint in {load_dir} (no 'latest' file)")
+    path = os.path.join(load_dir, tag)
+    check_compatible(read_meta(load_dir, tag), cfg, parallel, path)
+    loaded, client_state = engine.load_checkpoint(load_dir, tag=tag, load_module_only=not optimizer_states,
+                                                  load_optimizer_states=optimizer_states,
+                                                  load_lr_scheduler_states=False)
+    if loaded is None:
+        raise CheckpointError(f"DeepSpeed could not load {path}")
+    return int((client_state or {}).get("step", -1))

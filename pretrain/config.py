@@ -47,7 +47,9 @@ PARAMETER_KINDS = ("weight", "bias", "layernorm", "embedding")
 OPTIMIZERS = ("lamb", "adamw")
 DECAYS = ("linear", "poly", "constant")
 PRECISIONS = ("fp32", "bf16", "fp16")
-DATA_KINDS = ("synthetic",)  # "indexed" comes with the indexed dataset
+DATA_KINDS = ("synthetic", "indexed")
+SEGMENT_PAIRS = ("nsp", "sop", "none")
+MASKING_MODES = ("static", "dynamic")
 
 
 class ConfigError(ValueError):
@@ -125,12 +127,24 @@ class SchedulerConfig:
 
 @dataclass
 class DataConfig:
-    kind: str = "synthetic"  # only "synthetic" for now
+    kind: str = "synthetic"  # "synthetic" (no files; tests, demos) | "indexed" (preprocessed .bin/.idx)
     seq_length: int = 128
     max_predictions_per_seq: int = 20  # masked positions per sequence (padded to this)
     masked_lm_prob: float = 0.15
     num_samples: int = 100000  # synthetic dataset size
-    seed: int = 1234  # data generation / shuffling seed
+    seed: int = 1234  # data generation / shuffling / masking seed
+    # indexed data (kind: indexed)
+    paths: list[str] = field(default_factory=list)  # dataset prefixes: <prefix>.bin/.idx from tools/preprocess_data.py
+    weights: list[float] = field(default_factory=list)  # blending weights, one per path; empty = equal
+    vocab_file: str | None = None  # vocab.txt or tokenizer.json the data was preprocessed with
+    split: str = "949,50,1"  # train,valid,test shares of each corpus's documents (Megatron's rule)
+    segment_pairs: str = "nsp"  # "nsp" (BERT) | "sop" (ALBERT/Megatron sentence order) | "none" (one segment)
+    short_seq_prob: float = 0.1  # share of samples cut to a random shorter target length
+    whole_word_masking: bool = True  # mask a word's '##' pieces together
+    max_ngram: int = 1  # 1 = BERT; n > 1 masks spans of up to n words, length drawn with p ~ 1/length
+    masking: str = "static"  # "static" (a sample's masks fixed) | "dynamic" (redrawn every epoch)
+    index_cache_dir: str | None = None  # where sample indices are cached; default <data dir>/index-cache
+    num_workers: int = 2  # loader processes per rank preparing batches ahead of the trainer (0 = inline)
 
 
 @dataclass
@@ -147,6 +161,11 @@ class TrainConfig:
     save_interval: int = 0  # 0 = only at end / on SIGTERM
     keep_last: int = 3  # checkpoints kept; 0 = keep all
     load_dir: str | None = None  # resume from the latest checkpoint here
+    # start from another run's latest checkpoint (e.g. phase 2 from phase 1): its weights (and, with
+    # init_optimizer_states, its optimizer moments), but step 0, new data position and LR schedule;
+    # a checkpoint in load_dir takes precedence, so a restarted phase-2 run resumes itself
+    init_from: str | None = None
+    init_optimizer_states: bool = False
     tensorboard_dir: str | None = None
     deepspeed_config: str | None = None  # path to a user DeepSpeed JSON adding DeepSpeed-only options
     dist_timeout_minutes: float = 10.0  # collective timeout: a dead/hung rank makes the others exit
@@ -291,6 +310,31 @@ class Config:
             p.append(f"data.masked_lm_prob ({d.masked_lm_prob}) must be in (0, 1]")
         _positive(p, "data.num_samples", d.num_samples)
         _non_negative(p, "data.seed", d.seed)  # numpy seeds must be >= 0
+        _one_of(p, "data.segment_pairs", d.segment_pairs, SEGMENT_PAIRS)
+        _one_of(p, "data.masking", d.masking, MASKING_MODES)
+        if not 0.0 <= d.short_seq_prob <= 1.0:
+            p.append(f"data.short_seq_prob ({d.short_seq_prob}) must be in [0, 1]")
+        _positive(p, "data.max_ngram", d.max_ngram)
+        _non_negative(p, "data.num_workers", d.num_workers)
+        if d.kind == "indexed":
+            if not d.paths:
+                p.append("data.paths must list at least one dataset prefix when data.kind is indexed")
+            if not d.vocab_file:
+                p.append("data.vocab_file is required when data.kind is indexed")
+            if d.weights and len(d.weights) != len(d.paths):
+                p.append(f"data.weights has {len(d.weights)} entries for {len(d.paths)} data.paths")
+            if any(not w > 0 for w in d.weights):
+                p.append(f"data.weights ({d.weights}) must all be > 0")
+            split = d.split.split(",")
+            try:
+                shares = [float(x) for x in split]
+            except ValueError:
+                shares = []
+            if not 1 <= len(shares) <= 3 or min(shares) < 0 or sum(shares) <= 0:
+                p.append(f"data.split ({d.split!r}) must be up to three comma-separated non-negative shares "
+                         "with a positive sum, e.g. '949,50,1'")
+            if d.segment_pairs != "none" and d.seq_length < 4:
+                p.append(f"data.seq_length ({d.seq_length}) must be >= 4 for segment pairs")
 
         # train
         for name in ("global_batch_size", "micro_batch_size", "train_steps", "log_interval",

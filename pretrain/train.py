@@ -38,6 +38,11 @@ def main(argv=None) -> int:
 
             if not torch.cuda.is_available():
                 raise ConfigError("train.precision=fp16 needs a GPU (DeepSpeed has no fp16 on CPU); use bf16 or fp32")
+        from .data.provider import data_file_problems
+
+        problems = data_file_problems(cfg)
+        if problems:
+            raise ConfigError(problems)
     except ConfigError as error:
         print(f"invalid configuration ({args.config}):\n{error}", file=sys.stderr)
         return 2
@@ -45,6 +50,9 @@ def main(argv=None) -> int:
         print(f"{args.config}: valid for {world_size} rank(s)")
         return 0
 
+    from .checkpointing import CheckpointError
+    from .data.indexed import DataError
+    from .data.wordpiece import VocabError
     from .parallel import init_parallel, shutdown_parallel
     from .training import Trainer
 
@@ -52,6 +60,11 @@ def main(argv=None) -> int:
                              cfg.train.dist_timeout_minutes)
     try:
         Trainer(cfg, parallel).train()
+    except (DataError, VocabError, CheckpointError) as error:
+        # Bad input found after start-up (every rank finds the same): one clear line, no traceback.
+        if parallel.rank == parallel.logging_rank:
+            print(f"error: {error}", file=sys.stderr)
+        return 1
     finally:
         shutdown_parallel()
     return 0

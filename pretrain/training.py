@@ -14,7 +14,7 @@ import torch.distributed as dist
 from . import checkpointing
 from .config import Config, build_deepspeed_config
 from .data.samples import MicroBatchIterator
-from .data.synthetic import SyntheticDataset
+from .data.provider import pretraining_datasets
 from .model.bert import HF_NAME_TABLE, PretrainingLoss, build_model, init_weights, logical_parameters
 from .model.rng import RngTracker, seed_streams
 from .optim import Lamb, build_optimizer, layout_for_deepspeed, make_lr_scheduler
@@ -102,11 +102,9 @@ class Trainer:
         self.ds_config = build_deepspeed_config(cfg, parallel.world_size)
         self.engine = self._build_engine()
 
-        d = cfg.data
-        self.train_data = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions_per_seq,
-                                           d.num_samples, d.seed, d.masked_lm_prob)
-        self.valid_data = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions_per_seq,
-                                           d.num_samples, d.seed + 1, d.masked_lm_prob)
+        # Rank 0 builds missing sample indices while the others wait; all then map the cache.
+        self.train_data, self.valid_data = pretraining_datasets(cfg, is_builder=parallel.rank == 0,
+                                                                barrier=dist.barrier, log=self.log)
         self.writer = None
         if cfg.train.tensorboard_dir and parallel.rank == parallel.logging_rank:
             from torch.utils.tensorboard import SummaryWriter
@@ -162,8 +160,10 @@ class Trainer:
 
     def data_iterator(self, dataset, consumed_samples: int) -> MicroBatchIterator:
         p = self.parallel
+        # Middle pipeline stages never draw from it: no loader processes for them.
+        workers = self.cfg.data.num_workers if (p.is_first_stage or p.is_last_stage) else 0
         return MicroBatchIterator(dataset, consumed_samples, self.cfg.train.micro_batch_size, p.dp_rank, p.dp_size,
-                                  p.device)
+                                  p.device, num_workers=workers)
 
     # ----------------------------------------------------------------------------- steps
     def train_step(self, data_iter) -> dict:
@@ -241,13 +241,20 @@ class Trainer:
         self.log(f"saved checkpoint {self.cfg.train.save_dir}/{tag}")
 
     def resume(self) -> None:
-        if not self.cfg.train.load_dir:
-            return
-        found = checkpointing.load_checkpoint(self.engine, self.cfg.train.load_dir, self.cfg, self.parallel, self.tracker)
+        t = self.cfg.train
+        found = None
+        if t.load_dir:
+            found = checkpointing.load_checkpoint(self.engine, t.load_dir, self.cfg, self.parallel, self.tracker)
+            if found is None and t.load_dir != t.save_dir and not t.init_from:
+                raise checkpointing.CheckpointError(f"no checkpoint in {t.load_dir} (no 'latest' file)")
         if found is None:
-            if self.cfg.train.load_dir != self.cfg.train.save_dir:
-                raise checkpointing.CheckpointError(f"no checkpoint in {self.cfg.train.load_dir} (no 'latest' file)")
-            self.log(f"no checkpoint in {self.cfg.train.load_dir} yet: starting from scratch")
+            if t.init_from:
+                saved_at = checkpointing.init_from_checkpoint(self.engine, t.init_from, self.cfg, self.parallel,
+                                                              t.init_optimizer_states)
+                what = "weights and optimizer states" if t.init_optimizer_states else "weights"
+                self.log(f"initialised {what} from {t.init_from} (its step {saved_at}); starting at step 0")
+            elif t.load_dir:
+                self.log(f"no checkpoint in {t.load_dir} yet: starting from scratch")
             return
         self.step, self.consumed_samples = found
         self.log(f"resumed from {self.cfg.train.load_dir} at step {self.step} ({self.consumed_samples} samples)")
@@ -277,7 +284,8 @@ class Trainer:
                 window_steps += 1
                 if self.step % t.log_interval == 0 or self.step == last_step:
                     elapsed = time.perf_counter() - window_start
-                    self._log_train(metrics, elapsed / window_steps, flops)
+                    waited, data_iter.wait_seconds = data_iter.wait_seconds, 0.0
+                    self._log_train(metrics, elapsed / window_steps, flops, waited / window_steps)
                     window_start, window_steps = time.perf_counter(), 0
                 if t.eval_interval and self.step % t.eval_interval == 0:
                     self._log_eval(self.evaluate())
@@ -305,7 +313,8 @@ class Trainer:
             self.writer.add_scalar(f"{prefix}/{name}", value, self.step)
             self.writer.add_scalar(f"{prefix}-vs-samples/{name}", value, self.consumed_samples)
 
-    def _log_train(self, metrics: dict, seconds_per_step: float, flops_per_sample: float) -> None:
+    def _log_train(self, metrics: dict, seconds_per_step: float, flops_per_sample: float,
+                   data_wait_per_step: float) -> None:
         t = self.cfg.train
         tokens = t.global_batch_size * self.cfg.data.seq_length
         perf = {
@@ -313,6 +322,7 @@ class Trainer:
             "samples_per_second": t.global_batch_size / seconds_per_step,
             "model_tflops_per_rank": flops_per_sample * t.global_batch_size / seconds_per_step / 1e12 / self.parallel.world_size,
             "iteration_time": seconds_per_step,
+            "data_wait_time": data_wait_per_step,  # the part of iteration_time spent waiting for batches
             "peak_memory_gb": _peak_memory_gb(self.parallel.device),
         }
         params_norm = self.params_norm()  # a collective: every rank computes it
@@ -328,6 +338,7 @@ class Trainer:
             f"step {self.step}/{t.train_steps} | loss {metrics['loss']:.4f} | lm {metrics['lm_loss']:.4f} "
             f"| nsp {metrics['nsp_loss']:.4f} | mlm acc {metrics['mlm_accuracy']:.3f} | lr {metrics['learning_rate']:.3e} "
             f"| grad norm {metrics['grad_norm']:.3f} | {perf['tokens_per_second']:.0f} tok/s "
+            f"| data wait {1e3 * data_wait_per_step:.0f} ms/step "
             f"| {perf['model_tflops_per_rank'] * 1e3:.1f} GFLOP/s/rank | ETA {_duration(eta)}",
             flush=True,
         )

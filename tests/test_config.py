@@ -43,12 +43,17 @@ def test_all_expected_configs_are_shipped():
     names = {p.name for p in SHIPPED_YAML}
     assert {"pretrain-defaults.yaml", "bert-tiny.yaml", "bert-mini.yaml", "bert-small.yaml",
             "bert-medium.yaml", "bert-base.yaml", "bert-large.yaml"} <= names
+    assert {f"bert-{size}-phase{n}.yaml" for size in ("base", "large") for n in (1, 2)} <= names
     assert {p.name for p in SHIPPED_JSON} >= {"zero0.json", "zero1.json", "zero2.json", "zero3.json", "bf16.json"}
 
 
 @pytest.mark.parametrize("path", SHIPPED_YAML, ids=lambda p: p.name)
 def test_shipped_yaml_loads_and_validates(path):
     cfg = load_config(str(path))
+    if cfg.data.kind == "indexed":  # the phase configs leave the data to the command line
+        with pytest.raises(ConfigError, match="data.paths must list.*\n.*data.vocab_file is required"):
+            cfg.validate()
+        cfg = load_config(str(path), ["data.paths=[corpus_text_sentence]", "data.vocab_file=vocab.txt"])
     cfg.validate()
     cfg.validate(world_size=1)
     cfg.validate(world_size=8)
@@ -242,7 +247,18 @@ def cfg_with(*overrides: str) -> Config:
     (["optimizer.name=sgd"], "optimizer.name ('sgd') must be one of: lamb, adamw"),
     (["scheduler.decay=cosine"], "scheduler.decay ('cosine') must be one of: linear, poly, constant"),
     (["train.precision=fp8"], "train.precision ('fp8') must be one of: fp32, bf16, fp16"),
-    (["data.kind=indexed"], "data.kind ('indexed') must be one of: synthetic"),
+    (["data.kind=files"], "data.kind ('files') must be one of: synthetic, indexed"),
+    (["data.segment_pairs=xyz"], "data.segment_pairs ('xyz') must be one of: nsp, sop, none"),
+    (["data.masking=sometimes"], "data.masking ('sometimes') must be one of: static, dynamic"),
+    (["data.short_seq_prob=1.5"], "data.short_seq_prob (1.5) must be in [0, 1]"),
+    (["data.max_ngram=0"], "data.max_ngram (0) must be > 0"),
+    (["data.num_workers=-1"], "data.num_workers (-1) must be >= 0"),
+    (["data.kind=indexed", "data.paths=[a]", "data.vocab_file=v.txt", "data.weights=[1,2]"],
+     "data.weights has 2 entries for 1 data.paths"),
+    (["data.kind=indexed", "data.paths=[a]", "data.vocab_file=v.txt", "data.weights=[0]"],
+     "data.weights ([0.0]) must all be > 0"),
+    (["data.kind=indexed", "data.paths=[a]", "data.vocab_file=v.txt", "data.split=9,x"],
+     "data.split ('9,x') must be up to three comma-separated non-negative shares with a positive sum, e.g. '949,50,1'"),
     (["model.vocab_size=0"], "model.vocab_size (0) must be > 0"),
     (["train.micro_batch_size=0"], "train.micro_batch_size (0) must be > 0"),
     (["optimizer.lr=0"], "optimizer.lr (0.0) must be > 0"),

@@ -7,6 +7,7 @@ does not depend on the layout and a resumed run continues it exactly.
 """
 from __future__ import annotations
 
+import time
 from typing import Iterator, Protocol
 
 import numpy as np
@@ -51,23 +52,56 @@ def micro_batch_indices(consumed_samples: int, micro_batch_size: int, dp_rank: i
     return range(start, start + micro_batch_size)
 
 
-class MicroBatchIterator:
-    """Endless iterator over this rank's micro-batches, starting at a consumed-samples position."""
+class _RankMicroBatches:
+    """Index lists of this rank's micro-batches, endlessly, from a consumed-samples position
+    (the batch sampler of the DataLoader)."""
 
-    def __init__(self, dataset: PretrainingDataset, consumed_samples: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int, device: torch.device):
-        self.dataset = dataset
+    def __init__(self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, dataset_size: int):
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.dataset_size = dataset_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        consumed = self.consumed_samples
+        while True:
+            indices = micro_batch_indices(consumed, self.micro_batch_size, self.dp_rank, self.dp_size)
+            yield [i % self.dataset_size for i in indices]
+            consumed += self.micro_batch_size * self.dp_size
+
+
+class MicroBatchIterator:
+    """Endless iterator over this rank's micro-batches, starting at a consumed-samples position.
+
+    With num_workers > 0, that many loader processes build batches ahead of the trainer (torch's
+    DataLoader, in order); `wait_seconds` accumulates the time the trainer spent waiting for
+    one, the figure that shows whether data keeps up.
+    """
+
+    def __init__(self, dataset: PretrainingDataset, consumed_samples: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int, device: torch.device, num_workers: int = 0, prefetch_factor: int = 4):
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.dp_size = dp_size
         self.device = device
+        self.wait_seconds = 0.0
+        batches = _RankMicroBatches(consumed_samples, micro_batch_size, dp_rank, dp_size, len(dataset))
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=batches, collate_fn=collate, num_workers=num_workers,
+            prefetch_factor=prefetch_factor if num_workers else None, pin_memory=device.type == "cuda",
+            # The loader draws a base seed for its workers; from its own generator, not the global
+            # one the dropout streams and exact resume depend on (our samples need no torch RNG).
+            generator=torch.Generator().manual_seed(0),
+        )
+        self._batches = iter(loader)
 
     def __iter__(self) -> Iterator:
         return self
 
     def __next__(self):
-        indices = micro_batch_indices(self.consumed_samples, self.micro_batch_size, self.dp_rank, self.dp_size)
+        started = time.perf_counter()
+        batch = next(self._batches)
+        self.wait_seconds += time.perf_counter() - started
         self.consumed_samples += self.micro_batch_size * self.dp_size
-        n = len(self.dataset)
-        return split_inputs_labels(collate([self.dataset[i % n] for i in indices]), self.device)
+        return split_inputs_labels(batch, self.device)

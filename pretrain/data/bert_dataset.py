@@ -1,0 +1,285 @@
+"""BERT pretraining samples over one or more Megatron indexed datasets.
+
+Layers, each a pure function of what it is given:
+- TokenStore: one `<prefix>.{bin,idx}` mapped read-only (sentences = items, documents).
+- a segment table per (corpus, split): sentence ranges of A and B and the pair label
+  (pretrain/data/segments.py), built once and cached on disk (index_cache.py);
+- corpus order per epoch: a keyed permutation (shuffle.py), epoch e of corpus c keyed by
+  (seed, c, e), so no permutation is ever materialised;
+- blending: megatron-core's compiled build_blending_indices (the greedy rule that keeps every
+  prefix of the sample sequence closest to the weights), cached like the segment tables;
+- the sample: tokens read, the pair truncated (longer side, random end), masked
+  (masking.py), padded. Its random draws come from a generator seeded by (seed, corpus,
+  segment row) for static masking, or (seed, corpus, epoch, segment row) for dynamic masking.
+
+Sample i is therefore the same for every layout, worker count and restart.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .index_cache import cached_index, file_fingerprint
+from .indexed import DataError, open_indexed_dataset
+from .masking import MaskingConfig, mask_tokens
+from .samples import SAMPLE_FIELDS
+from .segments import SegmentSettings, build_segments
+from .shuffle import FeistelPermutation
+from .wordpiece import WordPieceVocab
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+@dataclass(frozen=True)
+class SampleSettings:
+    seq_length: int
+    segment_pairs: str  # nsp | sop | none
+    short_seq_prob: float
+    masked_lm_prob: float
+    max_predictions: int
+    whole_word_masking: bool
+    max_ngram: int
+    dynamic_masking: bool
+    seed: int
+
+
+class TokenStore:
+    """Token ids of one indexed dataset: sentence s is tokens[offsets[s]:offsets[s] + lengths[s]]."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        dataset = open_indexed_dataset(prefix)
+        # Copies: the dataset's arrays are views of its .idx mapping, unmapped when it is collected.
+        self.lengths = np.array(dataset.sequence_lengths, dtype=np.int64)
+        self.document_bounds = np.array(dataset.document_indices, dtype=np.int64)
+        dtype = np.dtype(dataset.index.dtype)
+        pointers = np.asarray(dataset.index.sequence_pointers, dtype=np.int64)
+        self.offsets = pointers // dtype.itemsize
+        # a plain ndarray view of the mapping: slicing a np.memmap costs a subclass round trip
+        self.tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r").view(np.ndarray)
+        # Items written in order (every writer we know) are contiguous: a range of sentences
+        # is then one slice of the file.
+        self.contiguous = bool(np.array_equal(self.offsets[1:], self.offsets[:-1] + self.lengths[:-1]))
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.document_bounds) - 1
+
+    def span(self, begin: int, end: int) -> np.ndarray:
+        if begin >= end:
+            return np.zeros(0, dtype=np.int64)
+        if self.contiguous:
+            return self.tokens[self.offsets[begin]:self.offsets[end - 1] + self.lengths[end - 1]].astype(np.int64)
+        return np.concatenate([self.tokens[self.offsets[s]:self.offsets[s] + self.lengths[s]]
+                               for s in range(begin, end)]).astype(np.int64)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Every token id must exist in the vocabulary (a dataset made with another vocab fails here)."""
+        largest = int(self.tokens.max()) if self.tokens.size else -1
+        if largest >= vocab_size:
+            raise DataError(f"{self.prefix}.bin: token id {largest} is outside the vocabulary of {vocab_size} tokens "
+                            "(preprocessed with another vocabulary?)")
+
+
+def split_document_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:
+    """Megatron's split rule: "949,50,1" -> contiguous document ranges for train, valid, test."""
+    try:
+        weights = [float(w) for w in split.split(",")]
+    except ValueError:
+        raise DataError(f"data.split {split!r}: expected comma-separated numbers such as '949,50,1'") from None
+    weights += [0.0] * (3 - len(weights))
+    if len(weights) != 3 or min(weights) < 0 or sum(weights) <= 0:
+        raise DataError(f"data.split {split!r}: expected up to three non-negative weights with a positive sum")
+    total = sum(weights)
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + int(round(w / total * num_documents)))
+    excess = bounds[-1] - num_documents
+    bounds = [bounds[0]] + [b - excess for b in bounds[1:]]
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+
+
+class CorpusSplit:
+    """The segment table of one corpus's split, and how its epochs are ordered."""
+
+    def __init__(self, store: TokenStore, table: np.ndarray, counts: dict, corpus_id: int, seed: int):
+        # seed: the data seed, offset per split so train and valid rows draw different masks
+        self.store = store
+        self.table = table
+        self.counts = counts
+        self.corpus_id = corpus_id
+        self.seed = seed
+        self._orders: dict[int, FeistelPermutation] = {}
+
+    def __len__(self) -> int:
+        return int(self.table.shape[0])
+
+    def locate(self, k: int) -> tuple[int, int]:
+        """The k-th sample drawn from this split -> (epoch, segment row)."""
+        epoch, position = divmod(k, len(self))
+        order = self._orders.get(epoch)
+        if order is None:
+            order = self._orders[epoch] = FeistelPermutation(len(self), key=(self.seed << 40) ^ (self.corpus_id << 24) ^ epoch)
+            if len(self._orders) > 4:
+                self._orders.pop(min(self._orders))
+        return epoch, order(position)
+
+
+class BertPretrainingDataset:
+    """`num_samples` samples blended from the corpora's splits by weight (SAMPLE_FIELDS dicts)."""
+
+    def __init__(self, splits: list[CorpusSplit], blend: np.ndarray | None, num_samples: int,
+                 settings: SampleSettings, vocab: WordPieceVocab):
+        self.splits = splits
+        self.blend = blend  # structured [num_samples] (corpus, k) or None for one corpus
+        self.num_samples = num_samples
+        self.settings = settings
+        self.vocab = vocab
+        self.special = np.zeros(vocab.size, dtype=bool)
+        self.special[vocab.special_ids] = True
+        self.continuation = vocab.continuation_flags()
+        self.masking = MaskingConfig(settings.masked_lm_prob, settings.max_predictions, settings.whole_word_masking,
+                                     settings.max_ngram, vocab.mask_id, vocab.replacement_ids())
+        self.max_tokens = SegmentSettings(settings.segment_pairs, settings.seq_length, 0.0, 0).max_num_tokens
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index} outside range({self.num_samples})")
+        if self.blend is None:
+            corpus, k = 0, index
+        else:
+            corpus, k = int(self.blend["corpus"][index]), int(self.blend["k"][index])
+        split = self.splits[corpus]
+        epoch, row = split.locate(k)
+        return self.build_sample(split, row, epoch)
+
+    def build_sample(self, split: CorpusSplit, row: int, epoch: int) -> dict[str, np.ndarray]:
+        s = self.settings
+        a_begin, a_end, b_begin, b_end, label = (int(v) for v in split.table[row])
+        a, b = split.store.span(a_begin, a_end), split.store.span(b_begin, b_end)
+        sample_rng = np.random.default_rng([split.seed, split.corpus_id, row])
+        a, b = _truncate_pair(a, b, self.max_tokens, sample_rng)
+        mask_rng = np.random.default_rng([split.seed, split.corpus_id, row, epoch]) if s.dynamic_masking else sample_rng
+
+        vocab = self.vocab
+        pair = s.segment_pairs != "none"
+        n = a.size + 2 + (b.size + 1 if pair else 0)
+        tokens = np.empty(n, dtype=np.int64)
+        tokens[0] = vocab.cls_id
+        tokens[1:1 + a.size] = a
+        tokens[1 + a.size] = vocab.sep_id
+        token_types = np.zeros(s.seq_length, dtype=np.int64)
+        if pair:
+            tokens[2 + a.size:n - 1] = b
+            tokens[n - 1] = vocab.sep_id
+            token_types[2 + a.size:n] = 1
+        corrupted, positions, labels = mask_tokens(tokens, ~self.special[tokens], self.continuation[tokens], mask_rng,
+                                                   self.masking)
+        input_ids = np.full(s.seq_length, vocab.pad_id, dtype=np.int64)
+        input_ids[:n] = corrupted
+        padding_mask = np.zeros(s.seq_length, dtype=np.int64)
+        padding_mask[:n] = 1
+        masked_positions = np.zeros(s.max_predictions, dtype=np.int64)
+        masked_labels = np.zeros(s.max_predictions, dtype=np.int64)
+        masked_weights = np.zeros(s.max_predictions, dtype=np.float32)
+        masked_positions[:positions.size] = positions
+        masked_labels[:positions.size] = labels
+        masked_weights[:positions.size] = 1.0
+        return {"input_ids": input_ids, "token_type_ids": token_types, "padding_mask": padding_mask,
+                "masked_positions": masked_positions, "masked_labels": masked_labels,
+                "masked_weights": masked_weights, "nsp_label": np.array(label, dtype=SAMPLE_FIELDS["nsp_label"])}
+
+
+def _truncate_pair(a: np.ndarray, b: np.ndarray, max_tokens: int, rng: np.random.Generator):
+    """google-research/bert's truncate_seq_pair: trim the longer side (B on ties), one token at a
+    time from its front or its back (a fair coin each), until the pair fits."""
+    excess = a.size + b.size - max_tokens
+    if excess <= 0:
+        return a, b
+    la, lb = a.size, b.size
+    a_front = a_back = b_front = b_back = 0
+    for from_front in rng.random(excess) < 0.5:
+        if la > lb:
+            la -= 1
+            a_front, a_back = (a_front + 1, a_back) if from_front else (a_front, a_back + 1)
+        else:
+            lb -= 1
+            b_front, b_back = (b_front + 1, b_back) if from_front else (b_front, b_back + 1)
+    return a[a_front:a.size - a_back], b[b_front:b.size - b_back]
+
+
+# ----------------------------------------------------------------------------------------------- building
+
+
+@dataclass(frozen=True)
+class CorpusSpec:
+    prefix: str
+    weight: float
+
+
+def build_split_dataset(corpora: list[CorpusSpec], split_index: int, split: str, num_samples: int,
+                        settings: SampleSettings, vocab: WordPieceVocab, cache_dir: str | None, is_builder: bool,
+                        barrier: Callable[[], None] | None, log: Callable[[str], None],
+                        stores: dict[str, TokenStore] | None = None) -> BertPretrainingDataset | None:
+    """The dataset of one split (0 train, 1 valid, 2 test) blending `corpora`; None when the split
+    holds no documents in any corpus."""
+    stores = {} if stores is None else stores
+    segment_settings = SegmentSettings(settings.segment_pairs, settings.seq_length, settings.short_seq_prob,
+                                       settings.seed)
+    splits, weights = [], []
+    for corpus_id, spec in enumerate(corpora):
+        store = stores.get(spec.prefix)
+        if store is None:
+            store = stores[spec.prefix] = TokenStore(spec.prefix)
+            store.check_vocab(vocab.size)
+        first, last = split_document_ranges(store.num_documents, split)[split_index]
+        if last <= first:
+            continue
+        description = {"kind": "segments", "idx_sha256": file_fingerprint(spec.prefix + ".idx"),
+                       "documents": [first, last], "settings": segment_settings.__dict__}
+
+        def build(store=store, first=first, last=last):
+            try:
+                return build_segments(store.lengths, store.document_bounds, first, last, segment_settings)
+            except ValueError as err:
+                raise DataError(f"{spec.prefix} ({SPLIT_NAMES[split_index]} split): {err}") from None
+
+        table, counts = cached_index(cache_dir or _default_cache_dir(spec.prefix), "segments", description, build,
+                                     is_builder, barrier, log)
+        if len(table) == 0:
+            raise DataError(f"{spec.prefix} ({SPLIT_NAMES[split_index]} split, documents [{first}, {last})): no "
+                            f"samples could be made ({counts})")
+        splits.append(CorpusSplit(store, table, counts, corpus_id, settings.seed + 7919 * split_index))
+        weights.append(spec.weight)
+    if not splits:
+        return None
+    blend = None
+    if len(splits) > 1:
+        description = {"kind": "blend", "weights": weights, "num_samples": num_samples,
+                       "corpora": [file_fingerprint(s.store.prefix + ".idx") for s in splits]}
+        blend, _ = cached_index(cache_dir or _default_cache_dir(corpora[0].prefix), "blend", description,
+                                lambda: (_blending_indices(weights, num_samples), {"weights": weights}),
+                                is_builder, barrier, log)
+    return BertPretrainingDataset(splits, blend, num_samples, settings, vocab)
+
+
+def _blending_indices(weights: list[float], size: int) -> np.ndarray:
+    from megatron.core.datasets import helpers_cpp
+
+    normalized = np.asarray(weights, dtype=np.float64) / sum(weights)
+    corpus = np.zeros(size, dtype=np.int16)
+    k = np.zeros(size, dtype=np.int64)
+    helpers_cpp.build_blending_indices(corpus, k, normalized, len(weights), size, False)
+    out = np.empty(size, dtype=[("corpus", np.int16), ("k", np.int64)])
+    out["corpus"], out["k"] = corpus, k
+    return out
+
+
+def _default_cache_dir(prefix: str) -> str:
+    return str(Path(prefix).parent / "index-cache")

@@ -1,0 +1,60 @@
+"""What the sample builder needs to know about a WordPiece vocabulary: ids of the special
+tokens, which ids are '##' continuations, which ids a random replacement may draw.
+
+Read with tokenizer.py's readers (Google BERT's vocab.txt, or a Hugging Face tokenizer.json),
+so both halves of the pipeline accept and refuse the same files. Nothing here tokenizes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .tokenizer import TokenizerError, load_tokenizer, read_vocab, tokenizer_vocab
+
+VocabError = TokenizerError  # a vocabulary file that cannot be used; the message names the file
+
+
+@dataclass(frozen=True)
+class WordPieceVocab:
+    path: str
+    tokens: tuple[str, ...]  # id -> token
+    pad_id: int
+    unk_id: int
+    cls_id: int
+    sep_id: int
+    mask_id: int
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "WordPieceVocab":
+        path = str(path)
+        if path.endswith(".json"):
+            ids = tokenizer_vocab(load_tokenizer(tokenizer_json=path, allow_case_mismatch=True).tokenizer)
+        else:
+            ids = read_vocab(path)  # checks the special tokens
+        tokens = [""] * (max(ids.values()) + 1)
+        for token, i in ids.items():
+            tokens[i] = token
+        return cls(path, tuple(tokens), ids["[PAD]"], ids["[UNK]"], ids["[CLS]"], ids["[SEP]"], ids["[MASK]"])
+
+    @property
+    def special_ids(self) -> np.ndarray:
+        """Ids never chosen for masking nor drawn as random replacements: the five specials and
+        any other bracketed control token ([unused0], [BOS], ...)."""
+        return np.array([i for i, t in enumerate(self.tokens) if t.startswith("[") and t.endswith("]")], dtype=np.int64)
+
+    def continuation_flags(self) -> np.ndarray:
+        """bool[size]: token i continues the previous word (a '##' WordPiece)."""
+        return np.array([t.startswith("##") for t in self.tokens], dtype=bool)
+
+    def replacement_ids(self) -> np.ndarray:
+        """Ids the 10%-random replacement draws from: every non-special token."""
+        keep = np.ones(self.size, dtype=bool)
+        keep[self.special_ids] = False
+        return np.flatnonzero(keep).astype(np.int64)
+
