@@ -57,3 +57,52 @@ def test_fp32_gemm_linear_skips_gradients_nobody_needs():
 def test_linear_leaves_fp32_to_torch():
     x, w, b = torch.randn(4, 8), torch.randn(5, 8), torch.randn(5)
     assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+
+
+# ------------------------------------------------------------------------------------------ dropout
+
+def test_dropout_keeps_one_minus_p_and_preserves_expectation():
+    from pretrain.model.layers import dropout
+
+    x = torch.ones(400, 1000)
+    torch.manual_seed(0)
+    out = dropout(x, 0.1, True)
+    kept = out != 0
+    assert abs(kept.float().mean().item() - 0.9) < 0.003
+    assert torch.allclose(out[kept], torch.full_like(out[kept], 1 / 0.9))
+    torch.manual_seed(0)
+    assert torch.equal(dropout(x, 0.1, True), out), "the mask is a function of the generator state"
+    assert dropout(x, 0.1, False) is x and dropout(x, 0.0, True) is x
+    half = dropout(x.bfloat16(), 0.5, True)
+    assert half.dtype == torch.bfloat16 and set(half.unique().tolist()) <= {0.0, 2.0}
+
+
+def test_attention_with_dropout_is_softmax_attention_with_the_drawn_mask():
+    from pretrain.model.layers import self_attention as attention
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 16, 8, generator=g) for _ in range(3))
+    attend = torch.ones(2, 1, 1, 16, dtype=torch.bool)
+    attend[1, ..., 11:] = False  # padding of the second sequence
+    assert torch.allclose(attention(q, k, v, attend, 0.0),
+                          F.scaled_dot_product_attention(q, k, v, attn_mask=attend), atol=1e-6)
+    torch.manual_seed(7)
+    out = attention(q, k, v, attend, 0.2)
+    torch.manual_seed(7)
+    keep = (torch.rand(2, 3, 16, 16) >= 0.2).double() / 0.8
+    scores = (q.double() @ k.double().transpose(-1, -2)) / 8 ** 0.5
+    probs = torch.softmax(scores.masked_fill(~attend, float("-inf")), dim=-1)
+    assert torch.allclose(out.double(), (probs * keep) @ v.double(), atol=1e-5)
+
+
+def test_bf16_attention_matches_fp32_attention_on_the_same_operands():
+    from pretrain.model.layers import self_attention
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 3, 16, 8, generator=g).bfloat16() for _ in range(3))
+    attend = torch.ones(2, 1, 1, 16, dtype=torch.bool)
+    attend[0, ..., 9:] = False
+    out = self_attention(q, k, v, attend, 0.0)
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=attend)
+    assert out.dtype == torch.bfloat16
+    assert _max_rel(out, exact) <= BF16_ULP
