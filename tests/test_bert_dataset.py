@@ -335,3 +335,23 @@ def test_data_from_another_vocabulary_is_refused(corpus, tmp_path):
     small.write_text("\n".join(SPECIALS + WORDS[:20]) + "\n")
     with pytest.raises(DataError, match=r"corpus_text_sentence.bin: token id \d+ is outside the vocabulary of 26"):
         make_dataset([prefix], WordPieceVocab.from_file(small), tmp_path)
+
+
+def test_index_is_built_once_and_keyed_by_its_inputs(corpus, vocab, tmp_path):
+    prefix, _ = corpus
+    logged = []
+
+    def build(**kw):
+        corpora = [CorpusSpec(str(prefix), 1.0)]
+        return build_split_dataset(corpora, 0, "1,0,0", 100, settings(**kw), vocab, str(tmp_path / "cache"), True,
+                                   None, logged.append)
+
+    first = build()
+    assert len(logged) == 1 and "built index" in logged[0]
+    again = build()
+    assert len(logged) == 1, "the second build must come from the cache"
+    assert np.array_equal(first.splits[0].table, again.splits[0].table)
+    build(short_seq_prob=0.3)
+    assert len(logged) == 2, "another setting is another index"
+    assert len(list((tmp_path / "cache").glob("segments-*.npy"))) == 2
+    assert not list((tmp_path / "cache").glob("*.tmp-*"))

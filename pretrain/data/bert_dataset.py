@@ -241,7 +241,7 @@ def build_split_dataset(corpora: list[CorpusSpec], split_index: int, split: str,
         first, last = split_document_ranges(store.num_documents, split)[split_index]
         if last <= first:
             continue
-        description = {"kind": "segments", "idx_sha256": file_fingerprint(spec.prefix + ".idx"),
+        description = {"kind": "segments", "idx": file_fingerprint(spec.prefix + ".idx"),
                        "documents": [first, last], "settings": segment_settings.__dict__}
 
         def build(store=store, first=first, last=last):

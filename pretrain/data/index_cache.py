@@ -18,12 +18,17 @@ import numpy as np
 INDEX_FORMAT = 1  # bump when a builder's output changes for the same inputs
 
 
-def file_fingerprint(path: str | Path) -> str:
-    """sha256 of a file's bytes (the .idx: sentence lengths and document bounds decide the index)."""
-    digest = hashlib.sha256()
+def file_fingerprint(path: str | Path, edge_bytes: int = 1 << 22) -> str:
+    """Identity of a data file for cache keys: its size, modification time and a sha256 of its
+    first and last 4 MiB. Every rank computes it at start-up, so it must not read a multi-GB
+    .idx in full; a file rewritten in place changes its size or mtime."""
+    stat = os.stat(path)
+    digest = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
+        digest.update(f.read(edge_bytes))
+        if stat.st_size > edge_bytes:
+            f.seek(max(edge_bytes, stat.st_size - edge_bytes))
+            digest.update(f.read(edge_bytes))
     return digest.hexdigest()
 
 
