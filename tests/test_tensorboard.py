@@ -8,7 +8,8 @@ from distributed import run_ranks
 PROMISED = {
     "train": ["loss", "lm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "learning_rate", "grad_norm",
               "params_norm"],
-    "perf": ["tokens_per_second", "samples_per_second", "model_tflops_per_rank", "iteration_time", "peak_memory_gb"],
+    "perf": ["tokens_per_second", "samples_per_second", "model_tflops_per_rank", "iteration_time", "data_wait_time",
+             "peak_memory_gb"],
     "eval": ["loss", "lm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "perplexity"],
 }
 

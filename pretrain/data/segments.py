@@ -89,8 +89,8 @@ def build_segments(sentence_lengths: np.ndarray, document_bounds: np.ndarray, fi
             remaining = end - 1 - i
             # A pair needs two sentences in its chunk, and a document's last sentence is never left
             # alone (it joins the chunk before it), so the NSP/SOP coin below is always fair.
-            ready = chunk_tokens >= target and chunk_size >= min_sentences and (pairs_needed and remaining != 1
-                                                                               or not pairs_needed)
+            leaves_lone_sentence = pairs_needed and remaining == 1
+            ready = chunk_tokens >= target and chunk_size >= min_sentences and not leaves_lone_sentence
             if not (ready or remaining == 0):
                 i += 1
                 continue
