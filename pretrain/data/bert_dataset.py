@@ -76,12 +76,11 @@ class TokenStore:
         return np.concatenate([self.tokens[self.offsets[s]:self.offsets[s] + self.lengths[s]]
                                for s in range(begin, end)]).astype(np.int64)
 
-    def check_vocab(self, vocab_size: int) -> None:
-        """Every token id must exist in the vocabulary (a dataset made with another vocab fails here)."""
-        largest = int(self.tokens.max()) if self.tokens.size else -1
-        if largest >= vocab_size:
-            raise DataError(f"{self.prefix}.bin: token id {largest} is outside the vocabulary of {vocab_size} tokens "
-                            "(preprocessed with another vocabulary?)")
+    def largest_token_id(self, first_doc: int, last_doc: int) -> int:
+        """The largest id in documents [first_doc, last_doc) (-1 if they hold no tokens)."""
+        begin, end = int(self.document_bounds[first_doc]), int(self.document_bounds[last_doc])
+        tokens = self.span(begin, end) if end > begin else None
+        return int(tokens.max()) if tokens is not None and tokens.size else -1
 
 
 def split_document_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:
@@ -237,7 +236,6 @@ def build_split_dataset(corpora: list[CorpusSpec], split_index: int, split: str,
         store = stores.get(spec.prefix)
         if store is None:
             store = stores[spec.prefix] = TokenStore(spec.prefix)
-            store.check_vocab(vocab.size)
         first, last = split_document_ranges(store.num_documents, split)[split_index]
         if last <= first:
             continue
@@ -246,12 +244,18 @@ def build_split_dataset(corpora: list[CorpusSpec], split_index: int, split: str,
 
         def build(store=store, first=first, last=last):
             try:
-                return build_segments(store.lengths, store.document_bounds, first, last, segment_settings)
+                table, counts = build_segments(store.lengths, store.document_bounds, first, last, segment_settings)
             except ValueError as err:
                 raise DataError(f"{spec.prefix} ({SPLIT_NAMES[split_index]} split): {err}") from None
+            # Read once by the building rank and cached, not by every rank at every start-up.
+            counts["largest_token_id"] = store.largest_token_id(first, last)
+            return table, counts
 
         table, counts = cached_index(cache_dir or _default_cache_dir(spec.prefix), "segments", description, build,
                                      is_builder, barrier, log)
+        if counts["largest_token_id"] >= vocab.size:  # a dataset made with another vocabulary
+            raise DataError(f"{spec.prefix}.bin: token id {counts['largest_token_id']} is outside the vocabulary of "
+                            f"{vocab.size} tokens (preprocessed with another vocabulary?)")
         if len(table) == 0:
             raise DataError(f"{spec.prefix} ({SPLIT_NAMES[split_index]} split, documents [{first}, {last})): no "
                             f"samples could be made ({counts})")

@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-INDEX_FORMAT = 1  # bump when a builder's output changes for the same inputs
+INDEX_FORMAT = 2  # bump when a builder's output changes for the same inputs
 
 
 def file_fingerprint(path: str | Path, edge_bytes: int = 1 << 22) -> str:
