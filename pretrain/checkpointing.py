@@ -90,6 +90,8 @@ def save_checkpoint(engine, save_dir: str, step: int, consumed_samples: int, cfg
     torch.save(rng_state(tracker), rng_path + ".tmp")
     os.replace(rng_path + ".tmp", rng_path)
     if parallel.rank == 0:
+        if cfg.data.vocab_file:
+            save_vocab(cfg.data.vocab_file, tag_dir)
         meta = {
             "step": step,
             "consumed_samples": consumed_samples,
@@ -105,6 +107,20 @@ def save_checkpoint(engine, save_dir: str, step: int, consumed_samples: int, cfg
         _prune(save_dir, keep_last, keep=tag)
     dist.barrier()
     return tag
+
+
+def save_vocab(vocab_file: str, tag_dir: str) -> None:
+    """Keep the tokenizer with the weights (conversion to Hugging Face format needs it): a
+    vocab.txt as is; a tokenizer.json as is plus the vocab.txt it implies."""
+    if not vocab_file.endswith(".json"):
+        shutil.copyfile(vocab_file, os.path.join(tag_dir, "vocab.txt"))
+        return
+    from .data.tokenizer import load_tokenizer, tokenizer_vocab
+
+    shutil.copyfile(vocab_file, os.path.join(tag_dir, "tokenizer.json"))
+    vocab = tokenizer_vocab(load_tokenizer(tokenizer_json=vocab_file).tokenizer)
+    _atomic_write(os.path.join(tag_dir, "vocab.txt"), "".join(f"{token}\n" for token, _ in
+                                                            sorted(vocab.items(), key=lambda item: item[1])))
 
 
 def _prune(save_dir: str, keep_last: int, keep: str) -> None:
@@ -132,22 +148,29 @@ def read_meta(load_dir: str, tag: str) -> dict:
         return json.load(f)
 
 
+def layout_differences(meta: dict, cfg: Config, parallel) -> list[str]:
+    ours = layout_of(cfg, parallel)
+    return [f"{key}: checkpoint {meta['layout'].get(key)} vs run {ours[key]}"
+            for key in ("tensor_parallel", "pipeline_parallel", "data_parallel", "zero_stage", "precision", "optimizer")
+            if meta["layout"].get(key) != ours[key]]
+
+
+def shape_differences(meta: dict, cfg: Config) -> list[str]:
+    return [f"model.{key}: checkpoint {meta['model_shape'].get(key)} vs run {value}"
+            for key, value in model_shape_of(cfg).items() if meta["model_shape"].get(key) != value]
+
+
+def restores_exactly(meta: dict, cfg: Config, parallel) -> bool:
+    """A checkpoint the trainer wrote in this very layout: DeepSpeed restores it bit for bit."""
+    return meta.get("exact_resume", True) and not layout_differences(meta, cfg, parallel) \
+        and not shape_differences(meta, cfg)
+
+
 def check_compatible(meta: dict, cfg: Config, parallel, path: str) -> None:
     """Refuse a checkpoint of another layout or model shape, listing every difference."""
-    differences = []
-    ours_layout = layout_of(cfg, parallel)
-    for key in ("tensor_parallel", "pipeline_parallel", "data_parallel", "zero_stage", "optimizer"):
-        if meta["layout"].get(key) != ours_layout[key]:
-            differences.append(f"{key}: checkpoint {meta['layout'].get(key)} vs run {ours_layout[key]}")
-    ours_shape = model_shape_of(cfg)
-    for key, value in ours_shape.items():
-        if meta["model_shape"].get(key) != value:
-            differences.append(f"model.{key}: checkpoint {meta['model_shape'].get(key)} vs run {value}")
+    differences = layout_differences(meta, cfg, parallel) + shape_differences(meta, cfg)
     if differences:
-        raise CheckpointError(
-            f"checkpoint {path} does not match this run (resharding is not supported by the trainer):\n  "
-            + "\n  ".join(differences)
-        )
+        raise CheckpointError(f"checkpoint {path} does not match this run's layout:\n  " + "\n  ".join(differences))
 
 
 def load_checkpoint(engine, load_dir: str, cfg: Config, parallel, tracker) -> tuple[int, int] | None:
@@ -168,17 +191,15 @@ def load_checkpoint(engine, load_dir: str, cfg: Config, parallel, tracker) -> tu
     return client_state["step"], client_state["consumed_samples"]
 
 
-def init_from_checkpoint(engine, load_dir: str, cfg: Config, parallel, optimizer_states: bool) -> int:
-    """Load the weights (and optionally optimizer moments) of load_dir's latest checkpoint into a
-    fresh run: no step, data position, LR schedule or RNG state. Returns the step it was saved at."""
-    tag = latest_tag(load_dir)
-    if tag is None:
-        raise CheckpointError(f"train.init_from: no checkpoint in {load_dir} (no 'latest' file)")
-    path = os.path.join(load_dir, tag)
-    check_compatible(read_meta(load_dir, tag), cfg, parallel, path)
+def init_from_checkpoint(engine, tag_dir: str, cfg: Config, parallel, optimizer_states: bool) -> int:
+    """Load the weights (and optionally optimizer moments) of a checkpoint of this run's layout
+    into a fresh run: no step, data position, LR schedule or RNG state. Returns the step it was
+    saved at. (Other layouts and Hugging Face directories: pretrain.interop.apply.init_from.)"""
+    load_dir, tag = os.path.split(os.path.normpath(tag_dir))
+    check_compatible(read_meta(load_dir, tag), cfg, parallel, tag_dir)
     loaded, client_state = engine.load_checkpoint(load_dir, tag=tag, load_module_only=not optimizer_states,
                                                   load_optimizer_states=optimizer_states,
                                                   load_lr_scheduler_states=False)
     if loaded is None:
-        raise CheckpointError(f"DeepSpeed could not load {path}")
+        raise CheckpointError(f"DeepSpeed could not load {tag_dir}")
     return int((client_state or {}).get("step", -1))

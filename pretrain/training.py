@@ -14,10 +14,12 @@ import torch.distributed as dist
 from . import checkpointing
 from .config import Config, build_deepspeed_config
 from .data.samples import MicroBatchIterator
+from .interop import apply as checkpoint_loading
 from .data.provider import pretraining_datasets
 from .model.bert import HF_NAME_TABLE, PretrainingLoss, build_model, init_weights, logical_parameters
 from .model.rng import RngTracker, seed_streams
 from .optim import Lamb, build_optimizer, layout_for_deepspeed, make_lr_scheduler
+from .optim.groups import group_by_kind
 from .parallel import Parallel
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -25,15 +27,11 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 
 def optimizer_param_groups(model: torch.nn.Module, optimizer_cfg) -> list[dict]:
     """Group parameters by the configured weight-decay and layer-adaptation exclusions (by kind)."""
-    groups: dict[tuple[bool, bool], list] = {}
-    for lp in logical_parameters(model):
-        if not lp.param.requires_grad:
-            continue
-        key = (lp.kind not in optimizer_cfg.no_weight_decay, lp.kind not in optimizer_cfg.no_layer_adaptation)
-        groups.setdefault(key, []).append(lp.param)
+    trainable = [(lp.param, lp.kind) for lp in logical_parameters(model) if lp.param.requires_grad]
     return [
         {"params": params, "weight_decay": optimizer_cfg.weight_decay if decay else 0.0, "layer_adaptation": adapt}
-        for (decay, adapt), params in sorted(groups.items(), reverse=True)
+        for decay, adapt, params in group_by_kind(trainable, optimizer_cfg.no_weight_decay,
+                                                  optimizer_cfg.no_layer_adaptation)
     ]
 
 
@@ -244,15 +242,16 @@ class Trainer:
         t = self.cfg.train
         found = None
         if t.load_dir:
-            found = checkpointing.load_checkpoint(self.engine, t.load_dir, self.cfg, self.parallel, self.tracker)
+            found = checkpoint_loading.resume(self.engine, self.model, t.load_dir, self.cfg, self.parallel,
+                                              self.tracker, self.log)
             if found is None and t.load_dir != t.save_dir and not t.init_from:
                 raise checkpointing.CheckpointError(f"no checkpoint in {t.load_dir} (no 'latest' file)")
         if found is None:
             if t.init_from:
-                saved_at = checkpointing.init_from_checkpoint(self.engine, t.init_from, self.cfg, self.parallel,
-                                                              t.init_optimizer_states)
+                loaded = checkpoint_loading.init_from(self.engine, self.model, t.init_from, self.cfg, self.parallel,
+                                                      t.init_optimizer_states)
                 what = "weights and optimizer states" if t.init_optimizer_states else "weights"
-                self.log(f"initialised {what} from {t.init_from} (its step {saved_at}); starting at step 0")
+                self.log(f"initialised {what} from {loaded}; starting at step 0")
             elif t.load_dir:
                 self.log(f"no checkpoint in {t.load_dir} yet: starting from scratch")
             return

@@ -31,49 +31,50 @@ from .rng import RngTracker
 
 TIED_EMBEDDING_KEY = "word_embeddings"
 
-# The one table from our parameters to Hugging Face BertForPreTraining names (and the kind that
-# weight-decay / layer-adaptation exclusions refer to). "{i}" is the transformer layer index.
-# Conversion tools build on this table; nothing else may spell these names.
-HF_NAME_TABLE: dict[str, dict[str, tuple[str, str]]] = {
+# The one table from our parameters to Hugging Face BertForPreTraining names, the kind that
+# weight-decay / layer-adaptation exclusions refer to, and the dimension tensor parallelism cuts
+# the parameter along (None: replicated). "{i}" is the transformer layer index. Conversion tools
+# build on this table; nothing else may spell these names.
+HF_NAME_TABLE: dict[str, dict[str, tuple[str, str, int | None]]] = {
     "WordEmbedding": {
-        "embedding.weight": ("bert.embeddings.word_embeddings.weight", "embedding"),
+        "embedding.weight": ("bert.embeddings.word_embeddings.weight", "embedding", 0),
     },
     "EmbeddingTail": {
-        "position_embeddings.weight": ("bert.embeddings.position_embeddings.weight", "embedding"),
-        "token_type_embeddings.weight": ("bert.embeddings.token_type_embeddings.weight", "embedding"),
-        "layernorm.weight": ("bert.embeddings.LayerNorm.weight", "layernorm"),
-        "layernorm.bias": ("bert.embeddings.LayerNorm.bias", "layernorm"),
+        "position_embeddings.weight": ("bert.embeddings.position_embeddings.weight", "embedding", None),
+        "token_type_embeddings.weight": ("bert.embeddings.token_type_embeddings.weight", "embedding", None),
+        "layernorm.weight": ("bert.embeddings.LayerNorm.weight", "layernorm", None),
+        "layernorm.bias": ("bert.embeddings.LayerNorm.bias", "layernorm", None),
     },
     "TransformerLayer": {
-        "query.weight": ("bert.encoder.layer.{i}.attention.self.query.weight", "weight"),
-        "query.bias": ("bert.encoder.layer.{i}.attention.self.query.bias", "bias"),
-        "key.weight": ("bert.encoder.layer.{i}.attention.self.key.weight", "weight"),
-        "key.bias": ("bert.encoder.layer.{i}.attention.self.key.bias", "bias"),
-        "value.weight": ("bert.encoder.layer.{i}.attention.self.value.weight", "weight"),
-        "value.bias": ("bert.encoder.layer.{i}.attention.self.value.bias", "bias"),
-        "attention_output.weight": ("bert.encoder.layer.{i}.attention.output.dense.weight", "weight"),
-        "attention_output.bias": ("bert.encoder.layer.{i}.attention.output.dense.bias", "bias"),
-        "attention_layernorm.weight": ("bert.encoder.layer.{i}.attention.output.LayerNorm.weight", "layernorm"),
-        "attention_layernorm.bias": ("bert.encoder.layer.{i}.attention.output.LayerNorm.bias", "layernorm"),
-        "intermediate.weight": ("bert.encoder.layer.{i}.intermediate.dense.weight", "weight"),
-        "intermediate.bias": ("bert.encoder.layer.{i}.intermediate.dense.bias", "bias"),
-        "output.weight": ("bert.encoder.layer.{i}.output.dense.weight", "weight"),
-        "output.bias": ("bert.encoder.layer.{i}.output.dense.bias", "bias"),
-        "output_layernorm.weight": ("bert.encoder.layer.{i}.output.LayerNorm.weight", "layernorm"),
-        "output_layernorm.bias": ("bert.encoder.layer.{i}.output.LayerNorm.bias", "layernorm"),
+        "query.weight": ("bert.encoder.layer.{i}.attention.self.query.weight", "weight", 0),
+        "query.bias": ("bert.encoder.layer.{i}.attention.self.query.bias", "bias", 0),
+        "key.weight": ("bert.encoder.layer.{i}.attention.self.key.weight", "weight", 0),
+        "key.bias": ("bert.encoder.layer.{i}.attention.self.key.bias", "bias", 0),
+        "value.weight": ("bert.encoder.layer.{i}.attention.self.value.weight", "weight", 0),
+        "value.bias": ("bert.encoder.layer.{i}.attention.self.value.bias", "bias", 0),
+        "attention_output.weight": ("bert.encoder.layer.{i}.attention.output.dense.weight", "weight", 1),
+        "attention_output.bias": ("bert.encoder.layer.{i}.attention.output.dense.bias", "bias", None),
+        "attention_layernorm.weight": ("bert.encoder.layer.{i}.attention.output.LayerNorm.weight", "layernorm", None),
+        "attention_layernorm.bias": ("bert.encoder.layer.{i}.attention.output.LayerNorm.bias", "layernorm", None),
+        "intermediate.weight": ("bert.encoder.layer.{i}.intermediate.dense.weight", "weight", 0),
+        "intermediate.bias": ("bert.encoder.layer.{i}.intermediate.dense.bias", "bias", 0),
+        "output.weight": ("bert.encoder.layer.{i}.output.dense.weight", "weight", 1),
+        "output.bias": ("bert.encoder.layer.{i}.output.dense.bias", "bias", None),
+        "output_layernorm.weight": ("bert.encoder.layer.{i}.output.LayerNorm.weight", "layernorm", None),
+        "output_layernorm.bias": ("bert.encoder.layer.{i}.output.LayerNorm.bias", "layernorm", None),
     },
     "PretrainingHeads": {
-        "pooler.weight": ("bert.pooler.dense.weight", "weight"),
-        "pooler.bias": ("bert.pooler.dense.bias", "bias"),
-        "nsp.weight": ("cls.seq_relationship.weight", "weight"),
-        "nsp.bias": ("cls.seq_relationship.bias", "bias"),
-        "mlm_dense.weight": ("cls.predictions.transform.dense.weight", "weight"),
-        "mlm_dense.bias": ("cls.predictions.transform.dense.bias", "bias"),
-        "mlm_layernorm.weight": ("cls.predictions.transform.LayerNorm.weight", "layernorm"),
-        "mlm_layernorm.bias": ("cls.predictions.transform.LayerNorm.bias", "layernorm"),
+        "pooler.weight": ("bert.pooler.dense.weight", "weight", None),
+        "pooler.bias": ("bert.pooler.dense.bias", "bias", None),
+        "nsp.weight": ("cls.seq_relationship.weight", "weight", None),
+        "nsp.bias": ("cls.seq_relationship.bias", "bias", None),
+        "mlm_dense.weight": ("cls.predictions.transform.dense.weight", "weight", None),
+        "mlm_dense.bias": ("cls.predictions.transform.dense.bias", "bias", None),
+        "mlm_layernorm.weight": ("cls.predictions.transform.LayerNorm.weight", "layernorm", None),
+        "mlm_layernorm.bias": ("cls.predictions.transform.LayerNorm.bias", "layernorm", None),
     },
     "MlmOutputBias": {
-        "bias": ("cls.predictions.bias", "bias"),
+        "bias": ("cls.predictions.bias", "bias", 0),
     },
 }
 
@@ -101,20 +102,24 @@ def logical_parameters(model: nn.Module) -> list[LogicalParam]:
             if local_name not in table:
                 raise KeyError(f"{type(module).__name__}.{local_name} has no entry in HF_NAME_TABLE")
             seen.add(id(param))
-            hf_name, kind = table[local_name]
+            hf_name, kind, partition_dim = table[local_name]
             sharded = getattr(param, "tensor_model_parallel", False)
-            found.append(
-                LogicalParam(
-                    hf_name.format(i=getattr(module, "layer_index", "")),
-                    kind,
-                    param,
-                    param.partition_dim if sharded else None,
-                )
-            )
+            if (param.partition_dim if sharded else None) != partition_dim:
+                raise KeyError(f"{type(module).__name__}.{local_name}: HF_NAME_TABLE says partition dim "
+                               f"{partition_dim}, the layer says {param.partition_dim if sharded else None}")
+            found.append(LogicalParam(hf_name.format(i=getattr(module, "layer_index", "")), kind, param,
+                                      partition_dim))
     owned = {id(p) for p in model.parameters()}
     if owned != seen:
         raise KeyError("model has parameters outside HF_NAME_TABLE's modules")
     return found
+
+
+def spec_modules(num_layers: int) -> list[tuple[str, int | None]]:
+    """(module type, transformer layer index) of each entry of `stage_specs`, in order: what the
+    checkpoint files of each module structure are named after (see `checkpoint_param_names`)."""
+    return [("WordEmbedding", None), ("EmbeddingTail", None), *[("TransformerLayer", i) for i in range(num_layers)],
+            ("PretrainingHeads", None), ("WordEmbedding", None), ("MlmOutputBias", None)]
 
 
 def stage_specs(model_cfg, padded_vocab_size: int, params_dtype: torch.dtype, rng: RngTracker) -> list:
@@ -123,7 +128,7 @@ def stage_specs(model_cfg, padded_vocab_size: int, params_dtype: torch.dtype, rn
     hidden = model_cfg.hidden_size
     word = partial(TiedLayerSpec, TIED_EMBEDDING_KEY, WordEmbedding, padded_vocab_size, hidden, mp_config,
                    tied_weight_attr=["weight"])
-    return [
+    specs = [
         # No forward_fn on the first use: DeepSpeed saves a pipeline layer only if it is the module
         # itself, and re-broadcasts the tied weight from this first owner after loading.
         word(),
@@ -134,6 +139,57 @@ def stage_specs(model_cfg, padded_vocab_size: int, params_dtype: torch.dtype, rn
         word(forward_fn=decode_tokens),
         LayerSpec(MlmOutputBias, model_cfg.vocab_size, padded_vocab_size, mp_config),
     ]
+    described = [(spec.typename.__name__, spec.module_args[0] if spec.typename is TransformerLayer else None)
+                 for spec in specs]
+    assert described == spec_modules(model_cfg.num_layers), "spec_modules is out of date"
+    return specs
+
+
+def pipeline_stage_bounds(num_layers: int, pipeline_parallel: int) -> list[int]:
+    """Spec index where each pipeline stage starts (plus the end), as PipelineModule's
+    "type:TransformerLayer" partitioning computes it."""
+    from deepspeed.runtime.utils import partition_balanced
+
+    weights = [1 if kind == "TransformerLayer" else 0 for kind, _ in spec_modules(num_layers)]
+    return partition_balanced(weights=weights, num_parts=pipeline_parallel)
+
+
+def checkpoint_param_names(num_layers: int, pipelined: bool) -> list[tuple[int, str, str]]:
+    """(spec index, parameter name in the engine's module, Hugging Face name) of every parameter,
+    in each spec's order; the tied word embedding once, at its first use (spec 0).
+
+    SequentialBert names them tied.word_embeddings.* and layers.<k>.* (k counts the untied
+    specs); DeepSpeed's PipelineModule tied_modules.word_embeddings.* and <spec index>.*.
+    """
+    names, untied = [], 0
+    for index, (kind, layer) in enumerate(spec_modules(num_layers)):
+        tied = kind == "WordEmbedding"
+        if tied and index > 0:
+            continue
+        if tied:
+            prefix = f"tied_modules.{TIED_EMBEDDING_KEY}" if pipelined else f"tied.{TIED_EMBEDDING_KEY}"
+        else:
+            prefix = str(index) if pipelined else f"layers.{untied}"
+            untied += 1
+        for local, (hf_name, _, _) in HF_NAME_TABLE[kind].items():
+            names.append((index, f"{prefix}.{local}", hf_name.format(i=layer if layer is not None else "")))
+    return names
+
+
+def hf_parameter_info(model_cfg) -> dict[str, tuple[tuple[int, ...], str, int | None]]:
+    """Hugging Face name -> (full shape with the unpadded vocabulary, kind, TP partition dim)."""
+    h, f, v = model_cfg.hidden_size, model_cfg.ffn_size, model_cfg.vocab_size
+    shapes = {
+        "embedding.weight": (v, h), "position_embeddings.weight": (model_cfg.max_position_embeddings, h),
+        "token_type_embeddings.weight": (model_cfg.type_vocab_size, h), "intermediate.weight": (f, h),
+        "intermediate.bias": (f,), "output.weight": (h, f), "nsp.weight": (2, h), "nsp.bias": (2,), "bias": (v,),
+    }
+    info = {}
+    for kind, layer in spec_modules(model_cfg.num_layers):
+        for local, (hf_name, param_kind, dim) in HF_NAME_TABLE[kind].items():
+            default = (h,) if local.endswith("bias") or "layernorm" in local else (h, h)
+            info[hf_name.format(i=layer if layer is not None else "")] = (shapes.get(local, default), param_kind, dim)
+    return info
 
 
 class SequentialBert(nn.Module):
@@ -160,6 +216,16 @@ class SequentialBert(nn.Module):
         for step in self._steps:
             inputs = step(inputs)
         return inputs
+
+    def encode(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """What Hugging Face's BertModel returns: the last layer's hidden states and the pooled
+        [CLS] vector (tanh of the pooler)."""
+        for step in self._steps:
+            if isinstance(step, PretrainingHeads):
+                hidden = inputs[0]
+                return hidden, torch.tanh(step.pooler(hidden[:, 0]))
+            inputs = step(inputs)
+        raise RuntimeError("the model has no PretrainingHeads stage")
 
 
 def build_model(model_cfg, padded_vocab_size, params_dtype, rng, pipeline_topology=None, loss_fn=None) -> nn.Module:
@@ -244,11 +310,14 @@ class PretrainingLoss:
         mlm_logits, nsp_logits = outputs
         masked_labels, masked_weights, nsp_labels = labels
         weights = masked_weights.float()
-        with torch.no_grad():  # before the loss: megatron's cross entropy works in place on fp32 logits
+        with torch.no_grad():
             predicted = vocab_parallel_argmax(mlm_logits, self.tp_group, self.tp_rank)
             mlm_correct = ((predicted == masked_labels).float() * weights).sum()
             nsp_correct = (nsp_logits.argmax(-1) == nsp_labels).float().sum()
-        per_token = tensor_parallel.vocab_parallel_cross_entropy(mlm_logits.float(), masked_labels)
+        # megatron's cross entropy overwrites fp32 logits in place: work on a copy, so that the
+        # logits stay what the model output (the pipeline engine returns them from eval_batch)
+        fp32_logits = mlm_logits.float() if mlm_logits.dtype != torch.float32 else mlm_logits.clone()
+        per_token = tensor_parallel.vocab_parallel_cross_entropy(fp32_logits, masked_labels)
         count = weights.sum()
         lm_loss = (per_token * weights).sum() / count.clamp(min=1.0)
         nsp_loss = F.cross_entropy(nsp_logits.float(), nsp_labels)

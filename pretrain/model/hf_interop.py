@@ -17,12 +17,24 @@ def pad_vocab(hf_name: str, tensor: torch.Tensor, padded_vocab_size: int) -> tor
     return torch.cat([tensor, padding])
 
 
-def load_hf_state_dict(model: nn.Module, state: dict, padded_vocab_size: int, tp_rank: int, tp_size: int) -> None:
-    """Copy a BertForPreTraining state dict into this rank's part of the model."""
+def local_value(hf_name: str, full: torch.Tensor, padded_vocab_size: int, partition_dim: int | None,
+                tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's part of a whole (unpadded) Hugging Face tensor, as fp32."""
+    return local_shard(pad_vocab(hf_name, full.detach().to(torch.float32), padded_vocab_size), partition_dim,
+                       tp_rank, tp_size)
+
+
+def load_hf_state_dict(model: nn.Module, state: dict, padded_vocab_size: int, tp_rank: int,
+                       tp_size: int) -> dict[int, torch.Tensor]:
+    """Copy a BertForPreTraining state dict into this rank's part of the model. Returns the
+    local values by id() of the parameter they went into."""
     params = logical_parameters(model)
     missing = [lp.hf_name for lp in params if lp.hf_name not in state]
     if missing:
         raise KeyError(f"Hugging Face state dict lacks {len(missing)} tensors: {', '.join(missing)}")
+    values = {}
     for lp in params:
-        full = pad_vocab(lp.hf_name, state[lp.hf_name].detach().to(torch.float32), padded_vocab_size)
-        assign_local(lp.param, local_shard(full, lp.tp_partition_dim, tp_rank, tp_size))
+        values[id(lp.param)] = local_value(lp.hf_name, state[lp.hf_name], padded_vocab_size, lp.tp_partition_dim,
+                                           tp_rank, tp_size)
+        assign_local(lp.param, values[id(lp.param)])
+    return values

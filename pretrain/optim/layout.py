@@ -27,10 +27,12 @@ import torch.distributed as dist
 
 class Segment(NamedTuple):
     """`numel` elements of logical parameter `logical_index`, starting at flat offset `start`
-    of the tensor the optimizer steps."""
+    of the tensor the optimizer steps and at flat offset `param_offset` of the (TP-local)
+    parameter itself."""
     logical_index: int
     start: int
     numel: int
+    param_offset: int = 0
 
 
 class NormLayout:
@@ -46,8 +48,11 @@ class NormLayout:
     """
 
     def __init__(self, tensors_segments: Iterable[tuple[torch.Tensor, Sequence[Segment]]],
-                 tp_sharded: Sequence[bool], dp_group=None, tp_group=None):
+                 tp_sharded: Sequence[bool], dp_group=None, tp_group=None, params: Sequence[torch.Tensor] = ()):
         self.num_logical = len(tp_sharded)
+        # The model parameter of each logical index, when built from an engine (for checkpoint
+        # loading, which copies a parameter's values into the tensors the optimizer steps).
+        self.params = list(params)
         self.tp_sharded = [bool(s) for s in tp_sharded]
         self.dp_group = dp_group
         self.tp_group = tp_group
@@ -102,12 +107,13 @@ def _group_or_none(group):
 def layout_for_params(param_groups_params: Sequence[Sequence[torch.Tensor]], tp_group=None) -> NormLayout:
     """Layout when the optimizer steps the parameters themselves (plain runs, ZeRO-0, pipeline
     engines with ZeRO-0): every tensor is one whole logical parameter, or one TP shard."""
-    entries, sharded = [], []
+    entries, sharded, owners = [], [], []
     for params in param_groups_params:
         for p in params:
             entries.append((p, [Segment(len(sharded), 0, p.numel())] if p.numel() else []))
             sharded.append(_is_tp_sharded(p))
-    return NormLayout(entries, sharded, dp_group=None, tp_group=_group_or_none(tp_group))
+            owners.append(p)
+    return NormLayout(entries, sharded, dp_group=None, tp_group=_group_or_none(tp_group), params=owners)
 
 
 def _same_ranks(a, b) -> bool:
@@ -139,21 +145,22 @@ def _hp_mapped_layout(lp_groups, hp_partitions, partition_groups, dp_group, tp_g
     if len(lp_groups) != len(hp_partitions):
         raise RuntimeError(f"layout_for_deepspeed: {kind} has {len(lp_groups)} model groups but "
                            f"{len(hp_partitions)} fp32 partitions")
-    entries, sharded = [], []
+    entries, sharded, owners = [], [], []
     for lp_params, flat in zip(lp_groups, hp_partitions):
         segments = []
         for p in lp_params:
             index = len(sharded)  # same enumeration on every rank: all ranks hold all lp params
             sharded.append(_is_tp_sharded(p))
+            owners.append(p)
             mapping = getattr(p, "_hp_mapping", None)
             if mapping is None:
                 continue
             address = mapping.get_hp_fragment_address()
             if address.numel > 0:
-                segments.append(Segment(index, address.start, address.numel))
+                segments.append(Segment(index, address.start, address.numel, mapping.lp_fragment_address.start))
         entries.append((flat, segments))
     group = _partition_group(partition_groups, dp_group, kind)
-    return NormLayout(entries, sharded, dp_group=group, tp_group=_group_or_none(tp_group))
+    return NormLayout(entries, sharded, dp_group=group, tp_group=_group_or_none(tp_group), params=owners)
 
 
 def _stage3_layout(opt, dp_group, tp_group) -> NormLayout:
@@ -163,17 +170,18 @@ def _stage3_layout(opt, dp_group, tp_group) -> NormLayout:
     [r*ps, (r+1)*ps) of it, ps = partition_numel(); elements past ds_numel are padding."""
     if getattr(opt, "params_in_nvme_and_cpu", False) or getattr(opt, "swap_optimizer", False):
         raise NotImplementedError("layout_for_deepspeed: ZeRO-3 with NVMe offload is not supported by Lamb")
-    entries, sharded, groups = [], [], []
+    entries, sharded, groups, owners = [], [], [], []
     for params, flat in zip(opt.fp16_groups, opt.fp32_partitioned_groups_flat):
         segments, offset = [], 0
         for p in params:
             index = len(sharded)
             sharded.append(_is_tp_sharded(p))
+            owners.append(p)
             ps = p.partition_numel()
             rank = dist.get_rank(group=p.ds_process_group)
             real = max(0, min(ps, p.ds_numel - rank * ps))
             if real > 0:
-                segments.append(Segment(index, offset, real))
+                segments.append(Segment(index, offset, real, rank * ps))
             offset += ps
             groups.append(p.ds_process_group)
         if offset != flat.numel():
@@ -181,18 +189,19 @@ def _stage3_layout(opt, dp_group, tp_group) -> NormLayout:
                                f"its params' partitions add up to {offset}")
         entries.append((flat, segments))
     group = _partition_group(groups, dp_group, "DeepSpeedZeroOptimizer_Stage3")
-    return NormLayout(entries, sharded, dp_group=group, tp_group=_group_or_none(tp_group))
+    return NormLayout(entries, sharded, dp_group=group, tp_group=_group_or_none(tp_group), params=owners)
 
 
 def _unfused_layout(opt, tp_group) -> NormLayout:
     """FP16_UnfusedOptimizer (fp16, or bf16 with ZeRO-0 off the pipeline): one whole fp32
     copy per parameter; TP flags live on the model's low-precision parameters."""
-    entries, sharded = [], []
+    entries, sharded, owners = [], [], []
     for lp_params, fp32_params in zip(opt.fp16_groups, opt.fp32_groups):
         for lp, hp in zip(lp_params, fp32_params):
             entries.append((hp, [Segment(len(sharded), 0, hp.numel())] if hp.numel() else []))
             sharded.append(_is_tp_sharded(lp))
-    return NormLayout(entries, sharded, dp_group=None, tp_group=_group_or_none(tp_group))
+            owners.append(lp)
+    return NormLayout(entries, sharded, dp_group=None, tp_group=_group_or_none(tp_group), params=owners)
 
 
 def layout_for_deepspeed(engine, tp_group=None, dp_group=None) -> NormLayout:

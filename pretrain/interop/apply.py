@@ -1,0 +1,150 @@
+"""Load a checkpoint of any layout (or a Hugging Face directory) into a running engine.
+
+The trainer's own checkpoints of the *same* layout are restored by DeepSpeed (exact resume,
+checkpointing.py). Everything else comes here as whole logical tensors (native.py, hf.py) and
+each rank copies its part into:
+
+* the model's parameters (its TP shard; ZeRO-3 partitions through GatheredParameters), and
+* the tensors the optimizer steps: DeepSpeed's fp32 master partitions (ZeRO-1/2/3, bf16) and
+  the optimizer's exp_avg / exp_avg_sq / step, located with the same DeepSpeed bookkeeping
+  LAMB uses (optim/layout.py), so any DP size and ZeRO stage can take any checkpoint.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import checkpointing
+from ..checkpointing import SHAPE_FIELDS, CheckpointError
+from ..model.bert import logical_parameters
+from ..model.hf_interop import load_hf_state_dict, local_value
+from ..model.rng import seed_streams
+from ..optim import Lamb, layout_for_deepspeed
+from .native import MOMENTS, LogicalCheckpoint, read_native, read_meta, resolve_tag_dir
+
+
+def is_hf_directory(path: str) -> bool:
+    return os.path.exists(os.path.join(path, "config.json")) and not os.path.exists(os.path.join(path, "latest"))
+
+
+def read_any(path: str, with_optimizer: bool) -> LogicalCheckpoint:
+    """A native checkpoint (any layout) or a Hugging Face BERT directory."""
+    if is_hf_directory(path):
+        from .hf import read_hf
+
+        return read_hf(path)
+    return read_native(path, with_optimizer=with_optimizer)
+
+
+def native_meta(path: str) -> tuple[str, dict] | None:
+    """(tag directory, meta.json) of a native checkpoint, None for a Hugging Face directory."""
+    if is_hf_directory(path):
+        return None
+    tag_dir = resolve_tag_dir(path)
+    return tag_dir, read_meta(tag_dir)
+
+
+def check_model_matches(ckpt: LogicalCheckpoint, cfg, path: str) -> None:
+    """Shapes must agree; the vocabulary padding (a layout matter) may differ."""
+    differences = [f"model.{name}: checkpoint {getattr(ckpt.config.model, name)} vs run {getattr(cfg.model, name)}"
+                   for name in SHAPE_FIELDS if name != "make_vocab_size_divisible_by"
+                   and getattr(ckpt.config.model, name) != getattr(cfg.model, name)]
+    if differences:
+        raise CheckpointError(f"checkpoint {path} does not fit this run's model:\n  " + "\n  ".join(differences))
+
+
+def _client_optimizer(engine) -> torch.optim.Optimizer:
+    """Our torch optimizer, which holds the optimizer state of the tensors DeepSpeed steps: the
+    one DeepSpeed's wrapper (ZeRO, bf16) keeps as `.optimizer`, or the engine's own (ZeRO-0 fp32)."""
+    inner = getattr(engine.optimizer, "optimizer", None)
+    optimizer = inner if isinstance(inner, torch.optim.Optimizer) else engine.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise CheckpointError(f"unsupported optimizer wrapper {type(engine.optimizer).__name__}")
+    return optimizer
+
+
+def _fresh_state(optimizer, tensor: torch.Tensor, step: int) -> dict:
+    # Lamb counts steps in an int; torch's AdamW in a float32 scalar tensor on the parameter's device.
+    count = step if isinstance(optimizer, Lamb) else torch.tensor(float(step), dtype=torch.float32,
+                                                                    device=tensor.device)
+    return {"step": count, "exp_avg": torch.zeros_like(tensor), "exp_avg_sq": torch.zeros_like(tensor)}
+
+
+@torch.no_grad()
+def load_into_engine(engine, model, ckpt: LogicalCheckpoint, cfg, parallel, with_optimizer: bool,
+                     with_schedule: bool) -> None:
+    """Copy `ckpt` into this rank's parameters, fp32 masters and (optionally) optimizer state."""
+    padded, tp_rank, tp_size = cfg.model.padded_vocab_size(parallel.tp_size), parallel.tp_rank, parallel.tp_size
+    weights = load_hf_state_dict(model, ckpt.weights, padded, tp_rank, tp_size)
+    values: dict[int, dict[str, torch.Tensor]] = {}
+    for lp in logical_parameters(model):
+        entry = values[id(lp.param)] = {"weight": weights[id(lp.param)].flatten()}
+        if with_optimizer and ckpt.moments is not None:
+            for k in MOMENTS:
+                entry[k] = local_value(lp.hf_name, ckpt.moments[lp.hf_name][k], padded, lp.tp_partition_dim,
+                                       tp_rank, tp_size).flatten()
+
+    layout = layout_for_deepspeed(engine)
+    optimizer = _client_optimizer(engine)
+    for tensor, segments in layout.entries():
+        flat = tensor.data.view(-1)
+        state = None
+        if with_optimizer and ckpt.moments is not None:
+            state = optimizer.state[tensor] = _fresh_state(optimizer, tensor, ckpt.optimizer_step)
+        for seg in segments:
+            entry = values[id(layout.params[seg.logical_index])]
+            span = slice(seg.param_offset, seg.param_offset + seg.numel)
+            flat[seg.start:seg.start + seg.numel].copy_(entry["weight"][span])
+            if state is not None:
+                for k in MOMENTS:
+                    state[k].view(-1)[seg.start:seg.start + seg.numel].copy_(entry[k][span])
+    if with_schedule:
+        steps = ckpt.scheduler_steps
+        engine.lr_scheduler.load_state_dict({"last_epoch": steps, "_step_count": steps + 1})
+        engine.global_steps, engine.global_samples = ckpt.step, ckpt.consumed_samples
+
+
+def resume(engine, model, load_dir: str, cfg, parallel, tracker, log) -> tuple[int, int] | None:
+    """Continue the run saved in load_dir: exactly (DeepSpeed) when it was written in this
+    layout, otherwise layout-free with weights, optimizer state, step, samples and LR schedule.
+    Returns (step, consumed_samples), or None when load_dir holds no checkpoint yet."""
+    tag = checkpointing.latest_tag(load_dir)
+    if tag is None:
+        return None
+    tag_dir = os.path.join(load_dir, tag)
+    meta = read_meta(tag_dir)
+    if checkpointing.restores_exactly(meta, cfg, parallel):
+        return checkpointing.load_checkpoint(engine, load_dir, cfg, parallel, tracker)
+    ckpt = read_native(tag_dir, with_optimizer=True)
+    check_model_matches(ckpt, cfg, tag_dir)
+    if ckpt.config.optimizer.name != cfg.optimizer.name:
+        raise CheckpointError(f"checkpoint {tag_dir} was trained with {ckpt.config.optimizer.name}, this run uses "
+                              f"{cfg.optimizer.name}: resume with the same optimizer, or start a new run from its "
+                              "weights with train.init_from")
+    load_into_engine(engine, model, ckpt, cfg, parallel, with_optimizer=True, with_schedule=True)
+    # The dropout streams of another layout cannot be carried over: new ones, distinct per step.
+    seed_streams(tracker, cfg.train.seed + ckpt.step, parallel.tp_rank, parallel.pp_rank, parallel.dp_rank)
+    differences = checkpointing.layout_differences(meta, cfg, parallel)
+    log(f"{tag_dir}: {'; '.join(differences) or 'a converted checkpoint'}: loaded layout-free (weights, "
+        f"{'optimizer state, ' if ckpt.moments is not None else 'no optimizer state (fresh moments), '}"
+        "step, samples, LR schedule; new dropout RNG streams)")
+    return ckpt.step, ckpt.consumed_samples
+
+
+def init_from(engine, model, path: str, cfg, parallel, optimizer_states: bool) -> str:
+    """Start a new run (step 0) from the weights, and optionally the optimizer moments, of a
+    native checkpoint of any layout or a Hugging Face directory. Returns what was loaded."""
+    found = native_meta(path)
+    if found is not None:
+        tag_dir, meta = found
+        if checkpointing.restores_exactly(meta, cfg, parallel):
+            saved_at = checkpointing.init_from_checkpoint(engine, tag_dir, cfg, parallel,
+                                                          optimizer_states)
+            return f"{tag_dir} (its step {saved_at})"
+    ckpt = read_any(path, with_optimizer=optimizer_states)
+    check_model_matches(ckpt, cfg, path)
+    if optimizer_states and ckpt.moments is None:
+        raise CheckpointError(f"train.init_optimizer_states: {path} holds no optimizer state")
+    load_into_engine(engine, model, ckpt, cfg, parallel, with_optimizer=optimizer_states, with_schedule=False)
+    return f"{ckpt.source} (its step {ckpt.step}, loaded layout-free)" + "".join(f"\n  {n}" for n in ckpt.notes)

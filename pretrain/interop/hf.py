@@ -1,0 +1,302 @@
+"""Hugging Face BERT directories <-> `LogicalCheckpoint`.
+
+Reads BertForPreTraining, BertForMaskedLM and BertModel checkpoints (with or without the
+`bert.` prefix; model.safetensors, pytorch_model.bin or their sharded index; TensorFlow-era
+LayerNorm.gamma/beta names; a decoder weight stored tied or as an identical copy). Heads the
+architecture does not have are initialised as our trainer would and listed in the notes.
+Writes config.json + model.safetensors + tokenizer files that transformers' from_pretrained
+loads as BertForPreTraining with no missing or unexpected keys.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from ..checkpointing import CheckpointError
+from ..config import Config, ConfigError
+from ..data.tokenizer import SPECIAL_TOKENS, TokenizerError, load_tokenizer, read_vocab
+from ..model.bert import HF_NAME_TABLE, full_initial_value, hf_parameter_info
+from .native import TOKENIZER_FILES, VOCAB_FILE, LogicalCheckpoint, copy_vocab_files
+
+ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WORD_EMBEDDINGS = HF_NAME_TABLE["WordEmbedding"]["embedding.weight"][0]
+MLM_BIAS = HF_NAME_TABLE["MlmOutputBias"]["bias"][0]
+DECODER_WEIGHT, DECODER_BIAS = "cls.predictions.decoder.weight", "cls.predictions.decoder.bias"
+BUFFERS = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids")
+# Parameters by head: a checkpoint of an architecture without the head gets them initialised.
+HEADS = {"pooler": "bert.pooler.", "next-sentence head": "cls.seq_relationship.", "MLM head": "cls.predictions."}
+ARCHITECTURE_HEADS = {
+    "BertForPreTraining": ("pooler", "next-sentence head", "MLM head"),
+    "BertForMaskedLM": ("MLM head",),
+    "BertModel": (),  # its pooler is optional (add_pooling_layer=False leaves it out)
+}
+
+
+def _head_of(name: str) -> str | None:
+    return next((head for head, prefix in HEADS.items() if name.startswith(prefix)), None)
+
+
+# ----------------------------------------------------------------------------- reading
+def read_hf_config(path: str) -> tuple[dict, str]:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        native = any(os.path.exists(os.path.join(path, f)) for f in ("latest", "meta.json"))
+        raise CheckpointError(f"{config_path} is missing: {path} is not a Hugging Face model directory"
+                              + (" (it is a native checkpoint)" if native else ""))
+    try:
+        with open(config_path) as f:
+            hf = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{config_path}: cannot read ({e})") from None
+    problems = []
+    if hf.get("model_type") != "bert":
+        problems.append(f"model_type is {hf.get('model_type')!r}, not 'bert'")
+    architectures = hf.get("architectures") or []
+    architecture = architectures[0] if architectures else None  # None: inferred from the tensors
+    if architecture is not None and architecture not in ARCHITECTURES:
+        problems.append(f"unknown architecture {architecture!r} (architectures: {architectures}); "
+                        f"supported: {', '.join(ARCHITECTURES)}")
+    if hf.get("hidden_act", "gelu") != "gelu":
+        problems.append(f"hidden_act {hf.get('hidden_act')!r}: only 'gelu' (erf) is supported")
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        problems.append(f"position_embedding_type {hf.get('position_embedding_type')!r}: only 'absolute' is supported")
+    if problems:
+        raise CheckpointError(f"{config_path}:\n  " + "\n  ".join(problems))
+    return hf, architecture
+
+
+def config_from_hf(hf: dict, source: str) -> Config:
+    keys = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
+            "num_attention_heads": "num_attention_heads", "ffn_hidden_size": "intermediate_size",
+            "max_position_embeddings": "max_position_embeddings", "type_vocab_size": "type_vocab_size",
+            "layernorm_epsilon": "layer_norm_eps", "hidden_dropout": "hidden_dropout_prob",
+            "attention_dropout": "attention_probs_dropout_prob", "init_std": "initializer_range"}
+    missing = [theirs for theirs in keys.values() if theirs not in hf and theirs not in ("layer_norm_eps",
+               "hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range", "type_vocab_size")]
+    if missing:
+        raise CheckpointError(f"{source}: config.json lacks {', '.join(missing)}")
+    model = {ours: hf[theirs] for ours, theirs in keys.items() if theirs in hf}
+    try:
+        cfg = Config.from_dict({"model": model}, source=source)
+    except ConfigError as e:
+        raise CheckpointError(f"{source}: config.json does not describe a model we can build:\n  "
+                              + "\n  ".join(e.problems)) from None
+    return cfg
+
+
+def _load_weight_file(path: str) -> dict[str, torch.Tensor]:
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot read weights ({type(e).__name__}: {e})") from None
+
+
+def read_hf_weights(path: str) -> tuple[dict[str, torch.Tensor], str]:
+    for name in WEIGHT_FILES:
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            continue
+        if not name.endswith(".index.json"):
+            return _load_weight_file(file), file
+        with open(file) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        state = {}
+        for shard in shards:
+            state.update(_load_weight_file(os.path.join(path, shard)))
+        return state, file
+    raise CheckpointError(f"{path}: no weights file (looked for {', '.join(WEIGHT_FILES)})")
+
+
+def _canonical(name: str) -> str:
+    """Our spelling of a Hugging Face key: `bert.` prefix, LayerNorm weight/bias."""
+    if name.startswith(("embeddings.", "encoder.", "pooler.")):
+        name = "bert." + name
+    if name.endswith("LayerNorm.gamma"):
+        name = name[: -len("gamma")] + "weight"
+    elif name.endswith("LayerNorm.beta"):
+        name = name[: -len("beta")] + "bias"
+    return name
+
+
+def _untie_decoder(state: dict[str, torch.Tensor], file: str) -> None:
+    """Drop the decoder copies that BERT ties to the word embeddings and the MLM bias."""
+    decoder = state.pop(DECODER_WEIGHT, None)
+    if decoder is not None and WORD_EMBEDDINGS in state:
+        if decoder.shape != state[WORD_EMBEDDINGS].shape or not torch.equal(decoder, state[WORD_EMBEDDINGS]):
+            raise CheckpointError(f"{file}: {DECODER_WEIGHT} differs from {WORD_EMBEDDINGS}: this model has an "
+                                  "untied MLM decoder, which BERT (and our model) ties to the word embeddings")
+    bias = state.pop(DECODER_BIAS, None)
+    if bias is not None:
+        if MLM_BIAS not in state:
+            state[MLM_BIAS] = bias
+        elif bias.shape != state[MLM_BIAS].shape or not torch.equal(bias, state[MLM_BIAS]):
+            raise CheckpointError(f"{file}: {DECODER_BIAS} differs from {MLM_BIAS}")
+
+
+def read_hf(path: str, seed: int = 1234) -> LogicalCheckpoint:
+    """A Hugging Face BERT directory as a LogicalCheckpoint; heads its architecture lacks are
+    initialised (normal(0, initializer_range) from `seed`, as the trainer initialises)."""
+    hf, architecture = read_hf_config(path)
+    cfg = config_from_hf(hf, f"{path}/config.json")
+    raw, file = read_hf_weights(path)
+    state = {}
+    for name, tensor in raw.items():
+        canonical = _canonical(name)
+        if canonical in state:
+            raise CheckpointError(f"{file}: {name} and another key both mean {canonical}")
+        state[canonical] = tensor
+    for buffer in BUFFERS:
+        state.pop(buffer, None)
+    _untie_decoder(state, file)
+    inferred = architecture is None
+    if inferred:  # old configs name no architecture: go by the heads present
+        architecture = next(a for a, heads in ARCHITECTURE_HEADS.items()
+                            if all(any(n.startswith(HEADS[h]) for n in state) for h in heads))
+
+    info = hf_parameter_info(cfg.model)
+    unexpected = sorted(set(state) - set(info))
+    mismatched = [f"{n}: file {tuple(state[n].shape)}, config.json implies {tuple(info[n][0])}"
+                  for n in info if n in state and tuple(state[n].shape) != tuple(info[n][0])]
+    required_heads = ARCHITECTURE_HEADS[architecture]
+    missing = [n for n in info if n not in state]
+    missing_required = [n for n in missing if _head_of(n) is None or _head_of(n) in required_heads]
+    problems = []
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensor(s) for {architecture}: {', '.join(unexpected)}")
+    if missing_required:
+        problems.append(f"{len(missing_required)} missing tensor(s) for {architecture}: {', '.join(missing_required)}")
+    if mismatched:
+        problems.append(f"{len(mismatched)} shape mismatch(es):\n    " + "\n    ".join(mismatched))
+    if problems:
+        raise CheckpointError(f"{file}:\n  " + "\n  ".join(problems))
+
+    notes = [f"read {architecture}{' (inferred: config.json names no architecture)' if inferred else ''} "
+             f"from {file} ({len(raw)} tensors)"]
+    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in state.values()})
+    if dtypes != ["float32"]:
+        notes.append(f"weights stored as {', '.join(dtypes)}: converted to float32")
+    weights = {n: state[n].to(torch.float32).contiguous() for n in info if n in state}
+    initialised: dict[str, list[str]] = {}
+    for name in missing:
+        shape, kind, _ = info[name]
+        weights[name] = full_initial_value(name, kind, shape, cfg.model.init_std, seed, cfg.model.vocab_size)
+        initialised.setdefault(_head_of(name), []).append(name)
+    for head, names in initialised.items():
+        notes.append(f"{architecture} has no {head}: initialised {len(names)} tensor(s) "
+                     f"(normal(0, {cfg.model.init_std}) weights, zero biases, unit LayerNorm; seed {seed}): "
+                     + ", ".join(names))
+    vocab_dir = None
+    if os.path.exists(os.path.join(path, VOCAB_FILE)):
+        check_vocab_fits(os.path.join(path, VOCAB_FILE), cfg.model.vocab_size)
+        vocab_dir = path
+    else:
+        notes.append(f"{path} has no {VOCAB_FILE}: the output carries no vocabulary")
+    return LogicalCheckpoint(config=cfg, weights=weights, source=path, vocab_dir=vocab_dir, notes=notes)
+
+
+def check_vocab_fits(vocab_file: str, vocab_size: int) -> None:
+    try:
+        size = len(read_vocab(vocab_file))
+    except TokenizerError as e:
+        raise CheckpointError(str(e)) from None
+    if size > vocab_size:
+        raise CheckpointError(f"{vocab_file} has {size} tokens but the model's vocab_size is {vocab_size}")
+
+
+# ----------------------------------------------------------------------------- writing
+def hf_config(cfg: Config, pad_token_id: int = 0) -> dict:
+    m = cfg.model
+    return {
+        "architectures": ["BertForPreTraining"],
+        "model_type": "bert",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "intermediate_size": m.ffn_size,
+        "hidden_act": "gelu",
+        "hidden_dropout_prob": m.hidden_dropout,
+        "attention_probs_dropout_prob": m.attention_dropout,
+        "max_position_embeddings": m.max_position_embeddings,
+        "type_vocab_size": m.type_vocab_size,
+        "initializer_range": m.init_std,
+        "layer_norm_eps": m.layernorm_epsilon,
+        "pad_token_id": pad_token_id,
+        "position_embedding_type": "absolute",
+        "classifier_dropout": None,
+        "use_cache": True,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }
+
+
+def _write_tokenizer_files(vocab_dir: str, out_dir: str, max_length: int) -> int:
+    """vocab.txt, tokenizer.json, tokenizer_config.json, special_tokens_map.json; returns [PAD]'s id."""
+    copy_vocab_files(vocab_dir, out_dir)
+    vocab_file = os.path.join(out_dir, VOCAB_FILE)
+    try:
+        info = load_tokenizer(vocab_file=vocab_file)
+    except TokenizerError as e:
+        raise CheckpointError(str(e)) from None
+    if not os.path.exists(os.path.join(out_dir, "tokenizer.json")):
+        info.tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    specials = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+                "mask_token": "[MASK]"}
+    if not os.path.exists(os.path.join(out_dir, "tokenizer_config.json")):
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "BertTokenizer", "do_lower_case": info.lowercase,
+                       "model_max_length": max_length, **specials}, f, indent=2)
+    if not os.path.exists(os.path.join(out_dir, "special_tokens_map.json")):
+        with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
+            json.dump(specials, f, indent=2)
+    return info.special_ids[SPECIAL_TOKENS[0]]
+
+
+def write_hf(ckpt: LogicalCheckpoint, out_dir: str, vocab_file: str | None = None) -> list[str]:
+    """Write `ckpt` as a Hugging Face BertForPreTraining directory (temporary sibling directory,
+    renamed into place when complete). Returns the files written."""
+    from safetensors.torch import save_file
+
+    vocab_dir = ckpt.vocab_dir
+    if vocab_file is not None:
+        if not os.path.exists(vocab_file):
+            raise CheckpointError(f"--vocab-file {vocab_file} does not exist")
+        vocab_dir = None
+    elif vocab_dir is None:
+        raise CheckpointError(f"{ckpt.source} carries no {VOCAB_FILE} (trained on synthetic data, or converted "
+                              "without one): pass --vocab-file")
+    check_vocab_fits(vocab_file or os.path.join(vocab_dir, VOCAB_FILE), ckpt.config.model.vocab_size)
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise CheckpointError(f"{out_dir} already exists and is not empty; choose a new output directory")
+    info = hf_parameter_info(ckpt.config.model)
+    tmp = f"{out_dir.rstrip(os.sep)}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        if vocab_file is not None:
+            shutil.copyfile(vocab_file, os.path.join(tmp, VOCAB_FILE))
+            pad_id = _write_tokenizer_files(tmp, tmp, ckpt.config.model.max_position_embeddings)
+        else:
+            pad_id = _write_tokenizer_files(vocab_dir, tmp, ckpt.config.model.max_position_embeddings)
+        tensors = {name: ckpt.weights[name].to(torch.float32).contiguous() for name in info}
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_config(ckpt.config, pad_id), f, indent=2)
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return sorted(os.listdir(out_dir))
+
+
+__all__ = ["read_hf", "write_hf", "hf_config", "ARCHITECTURES", "TOKENIZER_FILES"]

@@ -1,0 +1,112 @@
+"""Convert BERT checkpoints between Hugging Face format and our native (DeepSpeed) layouts.
+
+usage:
+  python tools/convert_checkpoint.py hf-to-native --input HF_DIR --output DIR --tp T --pp P
+  python tools/convert_checkpoint.py native-to-hf --input DIR --output HF_DIR [--vocab-file vocab.txt]
+  python tools/convert_checkpoint.py reshard --input DIR --output DIR --tp T --pp P [--no-optimizer]
+
+hf-to-native reads BertForPreTraining, BertForMaskedLM or BertModel directories
+(model.safetensors, pytorch_model.bin or their sharded index; with or without the `bert.` prefix;
+LayerNorm.gamma/beta names). Heads the architecture lacks are initialised and listed.
+
+native-to-hf reads a checkpoint of any TP x PP x DP layout and ZeRO stage (DIR is a save_dir,
+following its `latest`, or one iter_* directory), joins TP shards and ZeRO partitions (fp32
+master weights where the run kept them), drops vocabulary padding, and writes config.json,
+model.safetensors, vocab.txt and tokenizer files for transformers' BertForPreTraining.
+
+reshard rewrites a native checkpoint at another TP x PP, with its optimizer moments, step, sample
+count and LR-schedule position: training resumes from it in any DP size and ZeRO stage.
+
+Outputs are written to a temporary directory and renamed when complete: a failed conversion
+leaves nothing behind. Exit status: 0 done, 1 error, 2 bad usage.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python tools/convert_checkpoint.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    to_native = commands.add_parser("hf-to-native", help="Hugging Face directory -> native checkpoint")
+    to_hf = commands.add_parser("native-to-hf", help="native checkpoint (any layout) -> Hugging Face directory")
+    reshard = commands.add_parser("reshard", help="native checkpoint -> native checkpoint at another TP x PP")
+    for sub in (to_native, to_hf, reshard):
+        sub.add_argument("--input", required=True)
+        sub.add_argument("--output", required=True, help="new (or empty) directory")
+    for sub in (to_native, reshard):
+        sub.add_argument("--tp", type=int, required=True, help="tensor-parallel size of the output")
+        sub.add_argument("--pp", type=int, required=True, help="pipeline-parallel size of the output")
+    to_native.add_argument("--seed", type=int, default=1234, help="seed for initialising missing heads")
+    reshard.add_argument("--no-optimizer", action="store_true", help="write the model weights only")
+    to_hf.add_argument("--vocab-file", help="vocab.txt to ship, when the checkpoint carries none "
+                                            "(e.g. trained on synthetic data)")
+    return parser.parse_args(argv)
+
+
+def describe_layout(path: str) -> str:
+    from pretrain.interop.native import read_meta, resolve_tag_dir
+
+    layout = read_meta(resolve_tag_dir(path))["layout"]
+    return (f"TP{layout['tensor_parallel']} x PP{layout['pipeline_parallel']} x DP{layout['data_parallel']}, "
+            f"ZeRO-{layout['zero_stage']}, {layout.get('precision', 'fp32')}")
+
+
+def run(args) -> list[str]:
+    from pretrain.interop.hf import read_hf, write_hf
+    from pretrain.interop.native import read_native, write_native
+
+    if args.command == "hf-to-native":
+        ckpt = read_hf(args.input, seed=args.seed)
+        tag_dir = write_native(ckpt, args.output, args.tp, args.pp, converted_from=os.path.abspath(args.input))
+        return ckpt.notes + [f"wrote {tag_dir} (TP{args.tp} x PP{args.pp}, weights only)"]
+    if args.command == "native-to-hf":
+        layout = describe_layout(args.input)
+        ckpt = read_native(args.input, with_optimizer=False)
+        files = write_hf(ckpt, args.output, vocab_file=args.vocab_file)
+        return [f"read {ckpt.source} ({layout}, step {ckpt.step})",
+                f"wrote {args.output}: {', '.join(files)}"]
+    layout = describe_layout(args.input)
+    ckpt = read_native(args.input, with_optimizer=not args.no_optimizer)
+    if args.no_optimizer:
+        moments = "left out (--no-optimizer)"
+    elif ckpt.moments is None:
+        moments = "none in the input"
+    else:
+        moments = f"exp_avg and exp_avg_sq of every parameter, optimizer step {ckpt.optimizer_step}"
+    tag_dir = write_native(ckpt, args.output, args.tp, args.pp, with_optimizer=not args.no_optimizer)
+    return [f"read {ckpt.source} ({layout}, step {ckpt.step}, {ckpt.consumed_samples} samples)",
+            f"optimizer state: {moments}",
+            f"wrote {tag_dir} (TP{args.tp} x PP{args.pp}); RNG streams are not carried over (layout-specific)"]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # Conversion runs on the CPU whatever the machine has; keep the libraries' import chatter out.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    from pretrain.checkpointing import CheckpointError
+    import pretrain.interop.hf  # noqa: F401  (imports first: "done in" times the conversion alone)
+
+    started = time.perf_counter()
+    try:
+        lines = run(args)
+    except KeyboardInterrupt:
+        print("convert_checkpoint: interrupted; no output written", file=sys.stderr)
+        return 130
+    except (CheckpointError, OSError) as e:
+        print(f"convert_checkpoint: error: {e}", file=sys.stderr)
+        return 1
+    for line in lines:
+        print(line)
+    print(f"done in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
