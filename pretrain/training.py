@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 from . import checkpointing
 from .config import Config, build_deepspeed_config
+from .data.provider import pretraining_datasets
 from .data.samples import MicroBatchIterator
 from .interop import apply as checkpoint_loading
-from .data.provider import pretraining_datasets
 from .model.bert import HF_NAME_TABLE, PretrainingLoss, build_model, init_weights, logical_parameters
 from .model.rng import RngTracker, seed_streams
 from .optim import Lamb, build_optimizer, layout_for_deepspeed, make_lr_scheduler

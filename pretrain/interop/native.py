@@ -77,6 +77,8 @@ def resolve_tag_dir(path: str) -> str:
 
 def read_meta(tag_dir: str) -> dict:
     path = os.path.join(tag_dir, META)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: {tag_dir} is not a complete checkpoint of this trainer")
     try:
         with open(path) as f:
             meta = json.load(f)
