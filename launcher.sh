@@ -3,6 +3,7 @@
 #
 #   launcher.sh [--launcher torchrun|deepspeed] [--nproc-per-node N] [--master-port P]
 #               pretrain --config configs/bert-base.yaml [section.key=value ...]
+#   launcher.sh [...] finetune TASK [--config FILE] [section.key=value ...]
 #   launcher.sh [...] tool tools/SCRIPT.py [ARGS...]
 #
 # The world size is nproc-per-node; tensor/pipeline parallel sizes come from the config
@@ -26,11 +27,11 @@ while [[ $# -gt 0 ]]; do
     --nproc-per-node) nproc="$2"; shift 2 ;;
     --master-port) master_port="$2"; shift 2 ;;
     -h|--help) usage 0 ;;
-    pretrain|tool) break ;;
+    pretrain|finetune|tool) break ;;
     *) echo "launcher.sh: unknown option '$1'" >&2; usage ;;
   esac
 done
-[[ $# -gt 0 ]] || { echo "launcher.sh: name a program: pretrain or tool" >&2; usage; }
+[[ $# -gt 0 ]] || { echo "launcher.sh: name a program: pretrain, finetune or tool" >&2; usage; }
 program="$1"; shift
 
 if [[ -z "$nproc" ]]; then
@@ -44,6 +45,7 @@ fi
 case "$program" in
   pretrain) target=(-m pretrain "$@")
             python -m pretrain --check-config --world-size "$nproc" "$@" ;;
+  finetune) target=(-m finetune "$@") ;;
   tool)     [[ $# -gt 0 ]] || { echo "launcher.sh: tool needs a script path" >&2; exit 2; }
             target=("$@") ;;
 esac

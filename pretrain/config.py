@@ -417,9 +417,8 @@ def _yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)
 
 
-_FIELD_TYPES: dict[str, dict[str, Any]] = {
-    name: typing.get_type_hints(cls) for name, cls in SECTIONS.items()
-}
+def _field_types(sections: dict[str, type]) -> dict[str, dict[str, Any]]:
+    return {name: typing.get_type_hints(cls) for name, cls in sections.items()}
 
 
 class _WrongType(Exception):
@@ -461,23 +460,24 @@ def _value_desc(value: Any) -> str:
     return "null" if value is None else f"{type(value).__name__} {value!r}"
 
 
-def _check_tree(d: Any, source: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
+def _check_tree(d: Any, source: str, sections: dict[str, type] = SECTIONS) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """Check a {section: {field: value}} tree: unknown sections/keys and value types.
     Returns the known, type-converted entries and the problems (one line each)."""
+    field_types = _field_types(sections)
     if not isinstance(d, dict):
         return {}, [f"{source}: expected a mapping of sections, got {_value_desc(d)}"]
     clean: dict[str, dict[str, Any]] = {}
     problems: list[str] = []
     for section, entries in d.items():
-        if section not in SECTIONS:
-            problems.append(f"{source}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}")
+        if section not in sections:
+            problems.append(f"{source}: unknown section {section!r}; valid sections: {', '.join(sections)}")
             continue
         if entries is None:  # a section with every line commented out
             entries = {}
         if not isinstance(entries, dict):
             problems.append(f"{source}: section {section!r} must be a mapping, got {_value_desc(entries)}")
             continue
-        fields = _FIELD_TYPES[section]
+        fields = field_types[section]
         clean[section] = {}
         for key, value in entries.items():
             if key not in fields:
@@ -527,7 +527,7 @@ def _read_yaml(path: str) -> dict:
     return data
 
 
-def _load_tree(path: str, stack: tuple[str, ...], problems: list[str]) -> dict:
+def _load_tree(path: str, stack: tuple[str, ...], problems: list[str], sections: dict[str, type]) -> dict:
     """The file's checked contents merged over its (recursively loaded) bases."""
     real = os.path.realpath(path)
     if real in stack:
@@ -543,13 +543,13 @@ def _load_tree(path: str, stack: tuple[str, ...], problems: list[str]) -> dict:
     merged: dict = {}
     for base in bases:  # later bases win over earlier ones
         base_path = os.path.normpath(os.path.join(os.path.dirname(path), base))
-        merged = _deep_merge(merged, _load_tree(base_path, stack + (real,), problems))
-    clean, file_problems = _check_tree(data, path)
+        merged = _deep_merge(merged, _load_tree(base_path, stack + (real,), problems, sections))
+    clean, file_problems = _check_tree(data, path, sections)
     problems.extend(file_problems)
     return _deep_merge(merged, clean)
 
 
-def _parse_overrides(overrides: Sequence[str], problems: list[str]) -> dict:
+def _parse_overrides(overrides: Sequence[str], problems: list[str], sections: dict[str, type]) -> dict:
     source = "command line"
     tree: dict[str, dict[str, Any]] = {}
     for item in overrides:
@@ -566,7 +566,7 @@ def _parse_overrides(overrides: Sequence[str], problems: list[str]) -> dict:
             continue
         section, name = parts
         tree.setdefault(section, {})[name] = value  # later overrides win
-    clean, check_problems = _check_tree(tree, source)
+    clean, check_problems = _check_tree(tree, source, sections)
     problems.extend(check_problems)
     return clean
 
@@ -579,14 +579,20 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
     `base:` paths are relative to the file naming them; this file's values win over its bases.
     Override values are parsed as YAML (`train.save_dir=null`, `optimizer.no_weight_decay=[bias]`).
     """
+    return _build(load_sections(path, overrides, SECTIONS))
+
+
+def load_sections(path: str | None, overrides: Sequence[str], sections: dict[str, type]) -> dict[str, dict[str, Any]]:
+    """The checked {section: {field: value}} tree of a YAML file (+ bases) and overrides, for any
+    set of dataclass sections (load_config's rules; fine-tuning has sections of its own)."""
     if isinstance(overrides, str):
         raise TypeError("overrides must be a sequence of 'section.field=value' strings, not one string")
     problems: list[str] = []
-    tree = _load_tree(path, (), problems) if path is not None else {}
-    tree = _deep_merge(tree, _parse_overrides(overrides, problems))
+    tree = _load_tree(path, (), problems, sections) if path is not None else {}
+    tree = _deep_merge(tree, _parse_overrides(overrides, problems, sections))
     if problems:
         raise ConfigError(problems)
-    return _build(tree)
+    return tree
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,7 +21,10 @@ from ..data.tokenizer import SPECIAL_TOKENS, TokenizerError, load_tokenizer, rea
 from ..model.bert import HF_NAME_TABLE, full_initial_value, hf_parameter_info
 from .native import TOKENIZER_FILES, VOCAB_FILE, LogicalCheckpoint, copy_vocab_files
 
-ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel")
+ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel", "BertForSequenceClassification",
+                 "BertForMultipleChoice", "BertForQuestionAnswering")
+# Task heads of fine-tuned checkpoints: kept aside (LogicalCheckpoint.extra) for the fine-tuner.
+TASK_HEAD_PREFIXES = ("classifier.", "qa_outputs.")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 WORD_EMBEDDINGS = HF_NAME_TABLE["WordEmbedding"]["embedding.weight"][0]
 MLM_BIAS = HF_NAME_TABLE["MlmOutputBias"]["bias"][0]
@@ -33,6 +36,9 @@ ARCHITECTURE_HEADS = {
     "BertForPreTraining": ("pooler", "next-sentence head", "MLM head"),
     "BertForMaskedLM": ("MLM head",),
     "BertModel": (),  # its pooler is optional (add_pooling_layer=False leaves it out)
+    "BertForSequenceClassification": ("pooler",),
+    "BertForMultipleChoice": ("pooler",),
+    "BertForQuestionAnswering": (),
 }
 
 
@@ -162,6 +168,7 @@ def read_hf(path: str, seed: int = 1234) -> LogicalCheckpoint:
                             if all(any(n.startswith(HEADS[h]) for n in state) for h in heads))
 
     info = hf_parameter_info(cfg.model)
+    extra = {n: state.pop(n).to(torch.float32) for n in list(state) if n.startswith(TASK_HEAD_PREFIXES)}
     unexpected = sorted(set(state) - set(info))
     mismatched = [f"{n}: file {tuple(state[n].shape)}, config.json implies {tuple(info[n][0])}"
                   for n in info if n in state and tuple(state[n].shape) != tuple(info[n][0])]
@@ -199,7 +206,7 @@ def read_hf(path: str, seed: int = 1234) -> LogicalCheckpoint:
         vocab_dir = path
     else:
         notes.append(f"{path} has no {VOCAB_FILE}: the output carries no vocabulary")
-    return LogicalCheckpoint(config=cfg, weights=weights, source=path, vocab_dir=vocab_dir, notes=notes)
+    return LogicalCheckpoint(config=cfg, weights=weights, source=path, vocab_dir=vocab_dir, notes=notes, extra=extra)
 
 
 def check_vocab_fits(vocab_file: str, vocab_size: int) -> None:
@@ -212,10 +219,10 @@ def check_vocab_fits(vocab_file: str, vocab_size: int) -> None:
 
 
 # ----------------------------------------------------------------------------- writing
-def hf_config(cfg: Config, pad_token_id: int = 0) -> dict:
+def hf_config(cfg: Config, pad_token_id: int = 0, architecture: str = "BertForPreTraining") -> dict:
     m = cfg.model
     return {
-        "architectures": ["BertForPreTraining"],
+        "architectures": [architecture],
         "model_type": "bert",
         "vocab_size": m.vocab_size,
         "hidden_size": m.hidden_size,
@@ -260,9 +267,12 @@ def _write_tokenizer_files(vocab_dir: str, out_dir: str, max_length: int) -> int
     return info.special_ids[SPECIAL_TOKENS[0]]
 
 
-def write_hf(ckpt: LogicalCheckpoint, out_dir: str, vocab_file: str | None = None) -> list[str]:
+def write_hf(ckpt: LogicalCheckpoint, out_dir: str, vocab_file: str | None = None,
+             architecture: str = "BertForPreTraining", config_extra: dict | None = None) -> list[str]:
     """Write `ckpt` as a Hugging Face BertForPreTraining directory (temporary sibling directory,
-    renamed into place when complete). Returns the files written."""
+    renamed into place when complete). Returns the files written. A fine-tuned model names its
+    `architecture` (e.g. BertForSequenceClassification): its encoder and pooler, plus the task
+    head in ckpt.extra, plus `config_extra` (num_labels, id2label, ...) in config.json."""
     from safetensors.torch import save_file
 
     vocab_dir = ckpt.vocab_dir
@@ -286,10 +296,12 @@ def write_hf(ckpt: LogicalCheckpoint, out_dir: str, vocab_file: str | None = Non
             pad_id = _write_tokenizer_files(tmp, tmp, ckpt.config.model.max_position_embeddings)
         else:
             pad_id = _write_tokenizer_files(vocab_dir, tmp, ckpt.config.model.max_position_embeddings)
-        tensors = {name: ckpt.weights[name].to(torch.float32).contiguous() for name in info}
+        names = [n for n in info if architecture == "BertForPreTraining" or n.startswith("bert.")]
+        tensors = {name: ckpt.weights[name].to(torch.float32).contiguous() for name in names}
+        tensors.update({name: t.to(torch.float32).contiguous() for name, t in (ckpt.extra or {}).items()})
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_config(ckpt.config, pad_id), f, indent=2)
+            json.dump({**hf_config(ckpt.config, pad_id, architecture), **(config_extra or {})}, f, indent=2)
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)
         os.replace(tmp, out_dir)

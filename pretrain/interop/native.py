@@ -50,6 +50,7 @@ class LogicalCheckpoint:
     source: str = ""
     vocab_dir: str | None = None  # directory holding vocab.txt and tokenizer files, if any
     notes: list[str] = field(default_factory=list)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # a fine-tuned model's task head (HF names)
 
 
 # ----------------------------------------------------------------------------- locating

@@ -1,0 +1,113 @@
+"""Fine-tuning configuration: YAML sections with dotted overrides (pretrain.config's loader and
+rules: unknown keys and wrong types are errors, all problems reported at once)."""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+from pretrain.config import ConfigError, load_sections
+
+from .glue import TASKS as GLUE_TASKS
+
+TASK_NAMES = tuple(GLUE_TASKS)
+
+
+@dataclass
+class TaskSection:
+    name: str = ""  # a GLUE task: cola sst2 mrpc stsb qqp mnli qnli rte wnli
+    data_dir: str | None = None  # the task's directory in the standard GLUE layout (train.tsv, dev.tsv, test.tsv)
+    train_file: str | None = None  # instead of data_dir/train.tsv: a .tsv (standard layout), .csv, .json or .jsonl
+    dev_files: list[str] = field(default_factory=list)  # instead of the task's dev files
+    test_files: list[str] = field(default_factory=list)  # instead of the task's test files (predictions only)
+    text_a_column: str | None = None  # CSV/JSON column names (default: the task's usual names)
+    text_b_column: str | None = None
+    label_column: str = "label"
+    max_seq_length: int = 128
+
+
+@dataclass
+class ModelSection:
+    init_from: str = ""  # native checkpoint (any layout) or Hugging Face BERT directory
+    vocab_file: str | None = None  # default: the checkpoint's own vocab.txt / tokenizer.json
+    classifier_dropout: float = 0.1
+    hidden_dropout: float | None = None  # None: the checkpoint's
+    attention_dropout: float | None = None
+
+
+@dataclass
+class ParallelSection:
+    tensor_parallel: int = 1
+    zero_stage: int = 0  # 0, 1 or 2
+
+
+@dataclass
+class TrainSection:
+    epochs: float = 3.0
+    global_batch_size: int = 32
+    micro_batch_size: int = 8
+    lr: float = 2e-5
+    warmup_ratio: float = 0.1  # share of the steps with linear warmup, then linear decay to 0
+    weight_decay: float = 0.01  # not on biases and LayerNorm
+    grad_clip: float = 1.0
+    seed: int = 42
+    precision: str = "fp32"
+    eval_batch_size: int = 32  # per rank
+    output_dir: str = "outputs/finetune"
+    tensorboard_dir: str | None = None  # default: <output_dir>/tensorboard
+    eval_only: bool = False  # evaluate (and predict) with model.init_from as it is
+    keep_best: bool = True  # keep the weights of the best dev epoch in <output_dir>/best
+    log_interval: int = 20
+    progress: bool = True  # tqdm bars on the logging rank
+
+
+SECTIONS: dict[str, type] = {"task": TaskSection, "model": ModelSection, "parallel": ParallelSection,
+                             "train": TrainSection}
+
+
+@dataclass
+class FinetuneConfig:
+    task: TaskSection = field(default_factory=TaskSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    train: TrainSection = field(default_factory=TrainSection)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return asdict(self)
+
+    def validate(self, world_size: int) -> None:
+        t, m, p, tr = self.task, self.model, self.parallel, self.train
+        problems = []
+        if t.name not in TASK_NAMES:
+            problems.append(f"task.name {t.name!r} must be one of {', '.join(TASK_NAMES)}")
+        if not (t.data_dir or t.train_file or t.dev_files):
+            problems.append("give task.data_dir (standard GLUE layout) or task.train_file / task.dev_files")
+        for path in [t.data_dir, t.train_file, *t.dev_files, *t.test_files, m.vocab_file]:
+            if path and not os.path.exists(path):
+                problems.append(f"{path} does not exist")
+        if not m.init_from:
+            problems.append("model.init_from is required: a native checkpoint or a Hugging Face BERT directory")
+        elif not os.path.exists(m.init_from):
+            problems.append(f"model.init_from {m.init_from} does not exist")
+        if t.max_seq_length < 8:
+            problems.append(f"task.max_seq_length ({t.max_seq_length}) must be at least 8")
+        if p.zero_stage not in (0, 1, 2):
+            problems.append(f"parallel.zero_stage ({p.zero_stage}) must be 0, 1 or 2 for fine-tuning")
+        if p.tensor_parallel < 1 or world_size % p.tensor_parallel:
+            problems.append(f"parallel.tensor_parallel ({p.tensor_parallel}) must divide the world size ({world_size})")
+        else:
+            dp = world_size // p.tensor_parallel
+            if tr.global_batch_size % (tr.micro_batch_size * dp):
+                problems.append(f"train.global_batch_size ({tr.global_batch_size}) must be a multiple of "
+                                f"micro_batch_size x data-parallel size ({tr.micro_batch_size} x {dp})")
+        if tr.precision not in ("fp32", "bf16"):
+            problems.append(f"train.precision {tr.precision!r} must be fp32 or bf16")
+        if tr.epochs <= 0 or tr.lr <= 0 or not 0 <= tr.warmup_ratio < 1:
+            problems.append("train.epochs and train.lr must be > 0 and 0 <= train.warmup_ratio < 1")
+        if problems:
+            raise ConfigError(problems)
+
+
+def load_finetune_config(path: str | None, overrides: Sequence[str] = ()) -> FinetuneConfig:
+    tree = load_sections(path, overrides, SECTIONS)
+    return FinetuneConfig(**{name: cls(**tree.get(name, {})) for name, cls in SECTIONS.items()})

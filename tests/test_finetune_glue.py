@@ -1,0 +1,146 @@
+"""GLUE fine-tuning end to end on small synthetic tasks built to be learnable: a tiny random BERT
+reaches near-perfect dev scores; TP1 and TP2 agree; a Hugging Face checkpoint and its native
+conversion fine-tune alike; the best weights load in transformers and predict what we predicted."""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distributed import REPO, run_ranks
+
+WORDS = [f"w{i}" for i in range(12)]
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+QUIET = ["train.progress=false", "model.hidden_dropout=0", "model.attention_dropout=0", "model.classifier_dropout=0"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random-init tiny BertForPreTraining directory (vocab: specials + w0..w11 + fillers)."""
+    from transformers import BertConfig, BertForPreTraining
+
+    root = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    BertForPreTraining(BertConfig(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=128, max_position_embeddings=32)).save_pretrained(root / "hf")
+    (root / "hf" / "vocab.txt").write_text("\n".join(SPECIALS + WORDS + [f"x{i}" for i in range(15)]) + "\n")
+    return root
+
+
+def write_tsv(path, header, rows):
+    path.write_text("\n".join(["\t".join(header)] + ["\t".join(map(str, r)) for r in rows]) + "\n")
+    return path
+
+
+def repeat_task(root, seed=2, train=1500, dev=200):
+    """RTE layout; entailment iff sentence2 repeats sentence1."""
+    rng = random.Random(seed)
+    files = {}
+    for split, n in (("train", train), ("dev", dev)):
+        rows = []
+        for i in range(n):
+            a = [rng.choice(WORDS) for _ in range(4)]
+            same = rng.random() < 0.5
+            b = a if same else [rng.choice(WORDS) for _ in range(4)]
+            rows.append((i, " ".join(a), " ".join(b), "entailment" if same else "not_entailment"))
+        files[split] = write_tsv(root / f"repeat_{split}.tsv", ["index", "sentence1", "sentence2", "label"], rows)
+    return files
+
+
+def finetune(task, overrides, nprocs=1, expect_success=True):
+    if nprocs == 1:
+        done = subprocess.run([sys.executable, "-m", "finetune", task, *QUIET, *overrides], cwd=REPO,
+                              capture_output=True, text=True, timeout=600)
+        if expect_success:
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done
+    return run_ranks(["-m", "finetune", task, *QUIET, *overrides], nprocs, timeout=600, expect_success=expect_success)
+
+
+def test_pair_classification_learns_and_best_weights_load_in_transformers(tiny, tmp_path):
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    files = repeat_task(tmp_path)
+    out = tmp_path / "out"
+    finetune("rte", [f"model.init_from={tiny / 'hf'}", f"task.train_file={files['train']}",
+                     f"task.dev_files=[{files['dev']}]", f"train.output_dir={out}", "train.epochs=14", "train.lr=1e-3",
+                     "task.max_seq_length=12"])
+    summary = json.loads((out / "metrics.json").read_text())
+    assert summary["best"]["metrics"]["accuracy"] >= 0.9  # chance: 0.5
+    assert summary["history"][0]["metrics"]["accuracy"] < 0.8  # it learned, it was not given
+    assert os.path.exists(out / "tensorboard")
+
+    # the best epoch's weights, in Hugging Face format, predict what we predicted
+    model = BertForSequenceClassification.from_pretrained(out / "best", attn_implementation="eager").eval()
+    tokenizer = AutoTokenizer.from_pretrained(out / "best")
+    rows = [line.split("\t") for line in files["dev"].read_text().splitlines()[1:]]
+    batch = tokenizer([r[1] for r in rows], [r[2] for r in rows], padding="max_length", max_length=12,
+                      truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        hf = model(**batch).logits.argmax(-1).tolist()
+    ours = [line.split("\t")[1] for line in (out / "predictions" / "repeat_dev.tsv").read_text().splitlines()[1:]]
+    assert [model.config.id2label[i] for i in hf] == ours
+    assert json.loads((out / "best" / "finetune_result.json").read_text())["epoch"] == summary["best"]["epoch"]
+
+
+def test_regression_learns(tiny, tmp_path):
+    """STS-B layout; the score is 5/4 x the number of w0 in sentence1."""
+    rng = random.Random(3)
+    header = ["index", "genre", "filename", "year", "old_index", "source1", "source2", "sentence1", "sentence2", "score"]
+    files = {}
+    for split, n in (("train", 1200), ("dev", 200)):
+        rows = []
+        for i in range(n):
+            k = rng.randrange(5)
+            a = ["w0"] * k + [rng.choice(WORDS[1:]) for _ in range(4 - k)]
+            rng.shuffle(a)
+            rows.append((i, "g", "f", "y", i, "s", "s", " ".join(a), " ".join(rng.choice(WORDS) for _ in range(3)),
+                         f"{1.25 * k:.3f}"))
+        files[split] = write_tsv(tmp_path / f"{split}.tsv", header, rows)
+    out = tmp_path / "out"
+    finetune("stsb", [f"model.init_from={tiny / 'hf'}", f"task.data_dir={tmp_path}", f"train.output_dir={out}",
+                      "train.epochs=6", "train.lr=1e-3", "task.max_seq_length=12", "train.keep_best=false"])
+    best = json.loads((out / "metrics.json").read_text())["best"]["metrics"]
+    assert best["pearson"] > 0.95 and best["spearman"] > 0.9
+
+
+def test_tp1_and_tp2_agree_and_a_converted_checkpoint_fine_tunes(tiny, tmp_path):
+    """The same run at TP1 from the Hugging Face directory and at TP2 from its native conversion."""
+    files = repeat_task(tmp_path, seed=5, train=256, dev=64)
+    native = tmp_path / "native"
+    subprocess.run([sys.executable, "tools/convert_checkpoint.py", "hf-to-native", "--input", str(tiny / "hf"),
+                    "--output", str(native), "--tp", "1", "--pp", "1"], cwd=REPO, check=True, capture_output=True)
+    common = [f"task.train_file={files['train']}", f"task.dev_files=[{files['dev']}]", "train.epochs=2",
+              "train.lr=1e-3", "task.max_seq_length=12", "train.keep_best=false", "train.global_batch_size=32",
+              "train.micro_batch_size=8"]
+    finetune("rte", common + [f"model.init_from={tiny / 'hf'}", f"train.output_dir={tmp_path / 'tp1'}"])
+    finetune("rte", common + [f"model.init_from={native}", f"train.output_dir={tmp_path / 'tp2'}",
+                              "parallel.tensor_parallel=2"], nprocs=2)
+    tp1, tp2 = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("tp1", "tp2"))
+    assert len(tp1["train_losses"]) == len(tp2["train_losses"]) == 16
+    assert tp2["train_losses"] == pytest.approx(tp1["train_losses"], rel=1e-4)
+    assert [h["metrics"]["accuracy"] for h in tp2["history"]] == [h["metrics"]["accuracy"] for h in tp1["history"]]
+
+
+def test_eval_only_predicts_a_submission_and_bad_vocab_is_refused(tiny, tmp_path):
+    files = repeat_task(tmp_path, seed=7, train=64, dev=32)
+    test = write_tsv(tmp_path / "test.tsv", ["index", "sentence1", "sentence2"], [(0, "w1 w2", "w1 w2"), (1, "w3", "w4")])
+    out = tmp_path / "out"
+    finetune("rte", [f"model.init_from={tiny / 'hf'}", f"task.dev_files=[{files['dev']}]", f"task.test_files=[{test}]",
+                     "train.eval_only=true", f"train.output_dir={out}", "task.max_seq_length=12"])
+    lines = (out / "submission" / "RTE.tsv").read_text().splitlines()
+    assert lines[0] == "index\tprediction" and [l.split("\t")[0] for l in lines[1:]] == ["0", "1"]
+    assert all(l.split("\t")[1] in ("entailment", "not_entailment") for l in lines[1:])
+
+    big_vocab = tmp_path / "vocab.txt"
+    big_vocab.write_text("\n".join(SPECIALS + [f"t{i}" for i in range(100)]) + "\n")
+    done = finetune("rte", [f"model.init_from={tiny / 'hf'}", f"task.dev_files=[{files['dev']}]", "train.eval_only=true",
+                            f"model.vocab_file={big_vocab}", f"train.output_dir={out}"], expect_success=False)
+    assert done.returncode == 1
+    assert "has 105 tokens, the checkpoint's vocabulary 32: they do not belong together" in done.stderr
+    done = finetune("rte", ["model.init_from=/nonexistent", "train.epochs=0"], expect_success=False)
+    assert done.returncode == 2
+    assert "model.init_from /nonexistent does not exist" in done.stderr and "task.data_dir" in done.stderr
