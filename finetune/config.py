@@ -10,13 +10,13 @@ from pretrain.config import ConfigError, load_sections
 
 from .glue import TASKS as GLUE_TASKS
 
-TASK_NAMES = tuple(GLUE_TASKS)
+TASK_NAMES = (*GLUE_TASKS, "swag", "squad", "squad2")
 
 
 @dataclass
 class TaskSection:
-    name: str = ""  # a GLUE task: cola sst2 mrpc stsb qqp mnli qnli rte wnli
-    data_dir: str | None = None  # the task's directory in the standard GLUE layout (train.tsv, dev.tsv, test.tsv)
+    name: str = ""  # a GLUE task (cola sst2 mrpc stsb qqp mnli qnli rte wnli), swag, squad (1.1) or squad2 (2.0)
+    data_dir: str | None = None  # the task's directory: GLUE's standard layout (train.tsv, dev.tsv, test.tsv), SWAG's train/val/test.csv
     train_file: str | None = None  # instead of data_dir/train.tsv: a .tsv (standard layout), .csv, .json or .jsonl
     dev_files: list[str] = field(default_factory=list)  # instead of the task's dev files
     test_files: list[str] = field(default_factory=list)  # instead of the task's test files (predictions only)
@@ -24,6 +24,12 @@ class TaskSection:
     text_b_column: str | None = None
     label_column: str = "label"
     max_seq_length: int = 128
+    # SQuAD (google-research/bert's run_squad.py defaults)
+    doc_stride: int = 128  # step between the starts of a context's windows
+    max_query_length: int = 64  # longer questions are truncated
+    n_best_size: int = 20
+    max_answer_length: int = 30  # tokens
+    null_score_diff_threshold: float = 0.0  # 2.0: answer "" when null score - best score exceeds it
 
 
 @dataclass
@@ -81,7 +87,7 @@ class FinetuneConfig:
         if t.name not in TASK_NAMES:
             problems.append(f"task.name {t.name!r} must be one of {', '.join(TASK_NAMES)}")
         if not (t.data_dir or t.train_file or t.dev_files):
-            problems.append("give task.data_dir (standard GLUE layout) or task.train_file / task.dev_files")
+            problems.append("give task.data_dir (the task's standard layout) or task.train_file / task.dev_files")
         for path in [t.data_dir, t.train_file, *t.dev_files, *t.test_files, m.vocab_file]:
             if path and not os.path.exists(path):
                 problems.append(f"{path} does not exist")
@@ -91,6 +97,11 @@ class FinetuneConfig:
             problems.append(f"model.init_from {m.init_from} does not exist")
         if t.max_seq_length < 8:
             problems.append(f"task.max_seq_length ({t.max_seq_length}) must be at least 8")
+        if t.name.startswith("squad") and t.max_seq_length - t.max_query_length - 3 < 1:
+            problems.append(f"task.max_seq_length ({t.max_seq_length}) leaves no room for the context after "
+                            f"max_query_length ({t.max_query_length}) + 3 special tokens")
+        if t.doc_stride < 1 or t.n_best_size < 1 or t.max_answer_length < 1:
+            problems.append("task.doc_stride, task.n_best_size and task.max_answer_length must be >= 1")
         if p.zero_stage not in (0, 1, 2):
             problems.append(f"parallel.zero_stage ({p.zero_stage}) must be 0, 1 or 2 for fine-tuning")
         if p.tensor_parallel < 1 or world_size % p.tensor_parallel:

@@ -49,6 +49,7 @@ class GlueTask:
     metric: str  # key of glue_metrics.METRICS
     train: Columns
     test: Columns
+    train_file: str = "train.tsv"
     dev_files: tuple[str, ...] = ("dev.tsv",)
     test_files: tuple[tuple[str, str], ...] = (("test.tsv", ""),)  # (file, submission suffix)
     named: tuple[str, str | None] = ("sentence1", "sentence2")  # default CSV/JSON column names

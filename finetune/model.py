@@ -17,26 +17,39 @@ from torch import nn
 from pretrain.model.bert import build_model, logical_parameters
 from pretrain.model.hf_interop import load_hf_state_dict
 
-# Head parameter names, as Hugging Face's BertFor{SequenceClassification, MultipleChoice} spell them.
-HEAD_WEIGHT, HEAD_BIAS = "classifier.weight", "classifier.bias"
+def _seeded_linear(in_features: int, out_features: int, init_std: float, seed: int, name: str) -> nn.Linear:
+    """A linear layer initialised like BERT's heads (normal weights, zero bias) from a seed, so
+    every rank builds the same one without touching the global generator."""
+    layer = nn.Linear(in_features, out_features)
+    key = int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+    with torch.no_grad():
+        layer.weight.copy_(torch.empty_like(layer.weight).normal_(0.0, init_std, generator=torch.Generator().manual_seed(key)))
+        layer.bias.zero_()
+    return layer
 
 
 class ClassifierHead(nn.Module):
-    """Dropout + linear on the pooled [CLS] vector (classification, regression, multiple choice)."""
+    """Dropout + linear on the pooled [CLS] vector (classification, regression, multiple choice).
+    Its parameters are named as in transformers' BertFor{SequenceClassification,MultipleChoice}."""
 
     def __init__(self, hidden_size: int, num_outputs: int, dropout: float, init_std: float, seed: int):
         super().__init__()
         self.dropout = nn.Dropout(dropout)
-        self.classifier = nn.Linear(hidden_size, num_outputs)
-        generator = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(f"{seed}/head".encode()).digest()[:8],
-                                                                 "little") & (2**63 - 1))
-        with torch.no_grad():  # the same on every rank: a seeded draw, not the global generator
-            self.classifier.weight.copy_(torch.empty_like(self.classifier.weight).normal_(0.0, init_std,
-                                                                                          generator=generator))
-            self.classifier.bias.zero_()
+        self.classifier = _seeded_linear(hidden_size, num_outputs, init_std, seed, "head")
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.dropout(pooled))
+
+
+class SpanHead(nn.Module):
+    """Start and end logits of every token (transformers' BertForQuestionAnswering.qa_outputs)."""
+
+    def __init__(self, hidden_size: int, init_std: float, seed: int):
+        super().__init__()
+        self.qa_outputs = _seeded_linear(hidden_size, 2, init_std, seed, "span-head")
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.qa_outputs(hidden)
 
 
 class SequenceClassifier(nn.Module):
@@ -53,6 +66,15 @@ class SequenceClassifier(nn.Module):
         return self.head(pooled)
 
 
+class MultipleChoiceClassifier(SequenceClassifier):
+    """Inputs [batch, choices, seq]: each choice through the encoder, one logit each -> [batch, choices]."""
+
+    def forward(self, input_ids, token_type_ids, attention_mask):
+        batch, choices, seq = input_ids.shape
+        logits = super().forward(input_ids.view(-1, seq), token_type_ids.view(-1, seq), attention_mask.view(-1, seq))
+        return logits.view(batch, choices)
+
+
 def build_encoder(model_cfg, tp_rank: int, tp_size: int, tracker) -> nn.Module:
     bert = build_model(model_cfg, model_cfg.padded_vocab_size(tp_size), torch.float32, tracker)
     for module in bert.tied.values():
@@ -67,18 +89,39 @@ def load_encoder(bert: nn.Module, weights: dict, model_cfg, tp_rank: int, tp_siz
     load_hf_state_dict(bert, weights, model_cfg.padded_vocab_size(tp_size), tp_rank, tp_size)
 
 
-def load_head(head: ClassifierHead, extra: dict, source: str) -> bool:
-    """Take a fine-tuned checkpoint's classifier when it fits this task; True if it did."""
-    weight, bias = extra.get(HEAD_WEIGHT), extra.get(HEAD_BIAS)
-    if weight is None or bias is None:
+def load_head(head: nn.Module, extra: dict, source: str) -> bool:
+    """Take a fine-tuned checkpoint's task head when it has this one; True if it did."""
+    params = dict(head.named_parameters())
+    if not all(name in extra for name in params):
         return False
-    if weight.shape != head.classifier.weight.shape:
-        raise ValueError(f"{source}: its classifier has {weight.shape[0]} outputs, this task needs "
-                         f"{head.classifier.weight.shape[0]}")
+    for name, param in params.items():
+        if extra[name].shape != param.shape:
+            raise ValueError(f"{source}: its {name} has shape {tuple(extra[name].shape)}, this task needs "
+                             f"{tuple(param.shape)}")
     with torch.no_grad():
-        head.classifier.weight.copy_(weight)
-        head.classifier.bias.copy_(bias)
+        for name, param in params.items():
+            param.copy_(extra[name])
     return True
+
+
+class SpanModel(nn.Module):
+    """BERT + SpanHead: [batch, seq, 2] start/end logits."""
+
+    def __init__(self, bert: nn.Module, head: SpanHead):
+        super().__init__()
+        self.bert = bert
+        self.head = head
+
+    def forward(self, input_ids, token_type_ids, attention_mask):
+        no_positions = torch.zeros((input_ids.shape[0], 1), dtype=torch.long, device=input_ids.device)
+        hidden, _ = self.bert.encode((input_ids, token_type_ids, attention_mask, no_positions))
+        return self.head(hidden)
+
+
+def span_loss(logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Mean of the start and end cross entropies (run_squad.py's loss)."""
+    logits = logits.float()
+    return (F.cross_entropy(logits[..., 0], positions[:, 0]) + F.cross_entropy(logits[..., 1], positions[:, 1])) / 2
 
 
 def classification_loss(logits: torch.Tensor, labels: torch.Tensor, regression: bool) -> torch.Tensor:

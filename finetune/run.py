@@ -1,6 +1,6 @@
 """Command line: `python -m finetune TASK [--config FILE] [section.key=value ...]`.
 
-TASK is a GLUE task (cola sst2 mrpc stsb qqp mnli qnli rte wnli). The config (default
+TASK is a GLUE task (cola sst2 mrpc stsb qqp mnli qnli rte wnli) or swag. The config (default
 configs/finetune/TASK.yaml when it exists) and the overrides are validated against the world
 size before any process group starts. Started once per rank by a launcher (see launcher.sh);
 a single process needs none. Exit status: 0 done, 1 bad input found after start, 2 bad config.

@@ -1,4 +1,5 @@
-"""Fine-tuning loop for sentence(-pair) tasks (GLUE): data and tensor parallelism through the
+"""Fine-tuning loop for sentence(-pair) classification and regression (GLUE) and multiple
+choice (SWAG): data and tensor parallelism through the
 pretraining stack, AdamW with warmup and linear decay, evaluation each epoch, best-epoch weights,
 predictions, GLUE submission files, TensorBoard and progress bars.
 
@@ -30,10 +31,13 @@ from pretrain.optim import make_lr_scheduler
 from pretrain.optim.groups import group_by_kind
 
 from .config import FinetuneConfig
-from .glue import AX_FILES, TASKS, Example, GlueDataError, read_examples, write_submission
+from .glue import AX_FILES, TASKS, GlueDataError, read_examples, write_submission
 from .glue_metrics import METRICS
-from .model import HEAD_BIAS, HEAD_WEIGHT, ClassifierHead, SequenceClassifier, build_encoder, classification_loss, \
-    load_encoder, load_head
+from .model import ClassifierHead, MultipleChoiceClassifier, SequenceClassifier, SpanHead, SpanModel, build_encoder, \
+    classification_loss, load_encoder, load_head, span_loss
+from .squad import SQUAD_TASKS, SquadTask, build_features, postprocess, read_squad
+from .squad_metrics import evaluate_v1, evaluate_v2
+from .swag import SWAG, choice_pairs, read_swag, write_swag_submission
 
 MAIN_METRIC = {"matthews": "matthews_corr", "accuracy": "accuracy", "accuracy_f1": "accuracy",
                "pearson_spearman": "pearson"}
@@ -56,23 +60,31 @@ def _tokenizer_source(cfg: FinetuneConfig, ckpt: LogicalCheckpoint) -> dict:
 
 
 class Features:
-    """Tokenised examples as tensors (padded to max_seq_length)."""
+    """Tokenised examples as tensors padded to max_seq_length: [N, S], or [N, choices, S]."""
 
-    def __init__(self, tokenizer, examples: list[Example], max_length: int, task):
+    def __init__(self, tokenizer, texts: list, labels: torch.Tensor | None, max_length: int, choices: int = 1):
         tokenizer = tokenizer.__class__.from_str(tokenizer.to_str())  # our own copy: truncation/padding settings
         tokenizer.enable_truncation(max_length, strategy="longest_first")
         tokenizer.enable_padding(length=max_length, pad_id=tokenizer.token_to_id("[PAD]"), pad_token="[PAD]")
-        pairs = [(e.text_a, e.text_b) if e.text_b is not None else e.text_a for e in examples]
-        encoded = tokenizer.encode_batch(pairs)
-        self.input_ids = torch.tensor([e.ids for e in encoded], dtype=torch.long)
-        self.token_type_ids = torch.tensor([e.type_ids for e in encoded], dtype=torch.long)
-        self.attention_mask = torch.tensor([e.attention_mask for e in encoded], dtype=torch.long)
+        encoded = tokenizer.encode_batch(texts)
+        shape = (-1, choices, max_length) if choices > 1 else (-1, max_length)
+        self.input_ids = torch.tensor([e.ids for e in encoded], dtype=torch.long).view(shape)
+        self.token_type_ids = torch.tensor([e.type_ids for e in encoded], dtype=torch.long).view(shape)
+        self.attention_mask = torch.tensor([e.attention_mask for e in encoded], dtype=torch.long).view(shape)
+        self.labels = labels
+
+    @classmethod
+    def for_task(cls, tokenizer, examples: list, max_length: int, task) -> "Features":
         if examples[0].label is None:
-            self.labels = None
+            labels = None
         elif task.is_regression:
-            self.labels = torch.tensor([float(e.label) for e in examples], dtype=torch.float32)
+            labels = torch.tensor([float(e.label) for e in examples], dtype=torch.float32)
         else:
-            self.labels = torch.tensor([task.labels.index(e.label) for e in examples], dtype=torch.long)
+            labels = torch.tensor([task.labels.index(e.label) for e in examples], dtype=torch.long)
+        if task.name == SWAG.name:
+            return cls(tokenizer, [pair for e in examples for pair in choice_pairs(e)], labels, max_length, task.choices)
+        texts = [(e.text_a, e.text_b) if e.text_b is not None else e.text_a for e in examples]
+        return cls(tokenizer, texts, labels, max_length)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -89,7 +101,8 @@ class GlueFinetuner:
     def __init__(self, cfg: FinetuneConfig, parallel, log=print):
         self.cfg, self.parallel = cfg, parallel
         self.log = log if parallel.rank == parallel.logging_rank else (lambda *a, **k: None)
-        self.task = TASKS[cfg.task.name]
+        self.task = SWAG if cfg.task.name == SWAG.name else SQUAD_TASKS.get(cfg.task.name) or TASKS[cfg.task.name]
+        self.squad = isinstance(self.task, SquadTask)
         t = cfg.train
         try:
             self.ckpt = read_any(cfg.model.init_from, with_optimizer=False)
@@ -115,15 +128,22 @@ class GlueFinetuner:
         seed_streams(self.tracker, t.seed, parallel.tp_rank, 0, parallel.dp_rank)
         bert = build_encoder(self.model_cfg, parallel.tp_rank, parallel.tp_size, self.tracker)
         load_encoder(bert, self.ckpt.weights, self.model_cfg, parallel.tp_rank, parallel.tp_size)
-        outputs = 1 if self.task.is_regression else len(self.task.labels)
-        head = ClassifierHead(self.model_cfg.hidden_size, outputs, cfg.model.classifier_dropout, self.model_cfg.init_std,
-                              t.seed)
+        choices = self.task.name == SWAG.name
+        if self.squad:
+            head = SpanHead(self.model_cfg.hidden_size, self.model_cfg.init_std, t.seed)
+        else:
+            outputs = 1 if self.task.is_regression or choices else len(self.task.labels)
+            head = ClassifierHead(self.model_cfg.hidden_size, outputs, cfg.model.classifier_dropout,
+                                  self.model_cfg.init_std, t.seed)
         try:
             if load_head(head, self.ckpt.extra, self.ckpt.source):
                 self.log(f"classifier taken from {self.ckpt.source}")
         except ValueError as e:
             raise FinetuneError(str(e)) from None
-        self.model = SequenceClassifier(bert, head)
+        if self.squad:
+            self.model = SpanModel(bert, head)
+        else:
+            self.model = (MultipleChoiceClassifier if choices else SequenceClassifier)(bert, head)
         self.micro_per_step = t.global_batch_size // (t.micro_batch_size * parallel.dp_size)
         self.steps_per_epoch = max(1, math.ceil(len(self.train_features) / t.global_batch_size)) \
             if self.train_features is not None else 0
@@ -144,7 +164,13 @@ class GlueFinetuner:
 
         def load(path, split):
             try:
-                examples, report = read_examples(task, path, split, **({} if path.endswith(".tsv") else named))
+                if self.squad:
+                    examples, data, report = read_squad(path, task.version, training=split == "train")
+                    self.squad_data[path] = data
+                elif task.name == SWAG.name:
+                    examples, report = read_swag(path, split)
+                else:
+                    examples, report = read_examples(task, path, split, **({} if path.endswith(".tsv") else named))
             except GlueDataError as e:
                 raise FinetuneError(str(e)) from None
             self.log(report.summary())
@@ -153,17 +179,20 @@ class GlueFinetuner:
         def default(name):
             return os.path.join(c.data_dir, name) if c.data_dir else None
 
-        train_path = c.train_file or default("train.tsv")
+        self.squad_data = {}
+        train_path = c.train_file or default(task.train_file)
         self.train_features = None
         if not self.cfg.train.eval_only:
             if not train_path or not os.path.exists(train_path):
                 raise FinetuneError(f"no training file: {train_path} (set task.train_file, or train.eval_only)")
-            self.train_features = self._features(load(train_path, "train"))
+            self.train_features = self._features(load(train_path, "train"), training=True)
         dev_paths = c.dev_files or [default(f) for f in task.dev_files]
         self.dev_sets = []
         for path in dev_paths:
             if path and os.path.exists(path):
-                self.dev_sets.append((os.path.splitext(os.path.basename(path))[0], self._features(load(path, "dev"))))
+                examples = load(path, "dev")
+                self.dev_sets.append((os.path.splitext(os.path.basename(path))[0], self._features(examples),
+                                      examples, self.squad_data.get(path)))
         if not self.dev_sets:
             raise FinetuneError(f"no dev file for {task.name} (looked for {', '.join(map(str, dev_paths))})")
         test_paths = [(p, "") for p in c.test_files] or [(default(f), suffix) for f, suffix in task.test_files]
@@ -176,8 +205,16 @@ class GlueFinetuner:
                 name = "AX" if suffix == "AX" else task.submission + suffix
                 self.test_sets.append((name, examples, self._features(examples)))
 
-    def _features(self, examples):
-        return Features(self.tokenizer.tokenizer, examples, self.cfg.task.max_seq_length, self.task)
+    def _features(self, examples, training: bool = False):
+        c = self.cfg.task
+        if self.squad:
+            features = build_features(self.tokenizer.tokenizer, examples, c.max_seq_length, c.doc_stride,
+                                      c.max_query_length, training)
+            longer = sum(n > 1 for n in features.windows_per_example)
+            self.log(f"  {len(examples):,} questions -> {len(features):,} windows ({longer:,} contexts need more than "
+                     f"one); {features.truncated_questions:,} questions truncated to {c.max_query_length} tokens")
+            return features
+        return Features.for_task(self.tokenizer.tokenizer, examples, c.max_seq_length, self.task)
 
     # ----------------------------------------------------------------------------- engine
     def _build_engine(self):
@@ -238,7 +275,9 @@ class GlueFinetuner:
                 losses = []
                 for indices in self._micro_batches(order, s):
                     inputs, labels = self.train_features.batch(indices, self.parallel.device)
-                    loss = classification_loss(self.engine(*inputs), labels, self.task.is_regression)
+                    logits = self.engine(*inputs)
+                    loss = span_loss(logits, labels) if self.squad else \
+                        classification_loss(logits, labels, self.task.is_regression)
                     self.engine.backward(loss)
                     self.engine.step()
                     losses.append(loss.detach())
@@ -297,12 +336,14 @@ class GlueFinetuner:
         mine = list(range(p.dp_rank, len(features), p.dp_size))
         local = [self.engine(*features.batch(mine[i:i + size], p.device)[0]).float().cpu()
                  for i in range(0, len(mine), size)]
-        local = torch.cat(local) if local else torch.zeros((0, 1))
+        local = torch.cat(local).numpy() if local else None
         gathered = [None] * p.dp_size
-        dist.all_gather_object(gathered, (mine, local.numpy()), group=p.dp_group)
-        result = np.zeros((len(features), local.shape[-1]), dtype=np.float32)
+        dist.all_gather_object(gathered, (mine, local), group=p.dp_group)
+        shape = next(logits.shape[1:] for _, logits in gathered if logits is not None)
+        result = np.zeros((len(features), *shape), dtype=np.float32)
         for indices, logits in gathered:
-            result[indices] = logits
+            if logits is not None:
+                result[indices] = logits
         self.engine.train()
         return result
 
@@ -311,18 +352,42 @@ class GlueFinetuner:
 
     def evaluate_all(self, epoch: int, step: int = 0) -> dict:
         metrics = {}
-        for name, features in self.dev_sets:
-            predicted = self.predictions(self.outputs(features))
-            values = METRICS[self.task.metric](features.labels.numpy(), predicted)
+        for name, features, examples, squad_data in self.dev_sets:
+            logits = self.outputs(features)
+            if self.squad:
+                values = self._squad_metrics(name, examples, features, squad_data, logits)
+            else:
+                predicted = self.predictions(logits)
+                values = METRICS[self.task.metric](features.labels.numpy(), predicted)
+                self._write_dev_predictions(name, predicted)
             prefix = f"{name}/" if len(self.dev_sets) > 1 else ""
             metrics.update({f"{prefix}{k}": v for k, v in values.items()})
-            self._write_dev_predictions(name, predicted)
-        main = MAIN_METRIC[self.task.metric]
+        main = "f1" if self.squad else MAIN_METRIC[self.task.metric]
         score = float(np.mean([v for k, v in metrics.items() if k.split("/")[-1] == main]))
         for k, v in metrics.items():
             self._scalar(f"eval/{k}", v, step)
         self.log(f"epoch {epoch} | " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
         return {"epoch": epoch, "step": step, "metrics": metrics, "score": score}
+
+    def _squad_metrics(self, name, examples, features, squad_data, logits) -> dict:
+        """Answers from the logits, the official evaluation, and the prediction files."""
+        c = self.cfg.task
+        predictions, nbest, null_odds = postprocess(examples, features, logits, self.task.version, c.n_best_size,
+                                                    c.max_answer_length, c.null_score_diff_threshold)
+        if self.task.version == "1.1":
+            values = evaluate_v1(squad_data, predictions)
+        else:
+            values = evaluate_v2(squad_data, predictions, null_odds)
+        if self.parallel.rank == self.parallel.logging_rank:
+            directory = os.path.join(self.cfg.train.output_dir, "predictions", name)
+            os.makedirs(directory, exist_ok=True)
+            outputs = {"predictions.json": predictions, "nbest_predictions.json": nbest}
+            if self.task.version == "2.0":
+                outputs["null_odds.json"] = null_odds
+            for file, content in outputs.items():
+                with open(os.path.join(directory, file), "w") as f:
+                    json.dump(content, f, indent=1)
+        return {k: float(v) for k, v in values.items() if not k.endswith("total")}
 
     def _write_dev_predictions(self, name, predicted) -> None:
         if self.parallel.rank != self.parallel.logging_rank:
@@ -340,7 +405,10 @@ class GlueFinetuner:
             if self.parallel.rank == self.parallel.logging_rank:
                 directory = os.path.join(self.cfg.train.output_dir, "submission")
                 os.makedirs(directory, exist_ok=True)
-                write_submission(self.task, os.path.join(directory, f"{name}.tsv"), examples, predicted)
+                if self.task.name == SWAG.name:
+                    write_swag_submission(os.path.join(directory, f"{name}.csv"), examples, predicted)
+                else:
+                    write_submission(self.task, os.path.join(directory, f"{name}.tsv"), examples, predicted)
 
     # ----------------------------------------------------------------------------- best weights
     @torch.no_grad()
@@ -362,20 +430,24 @@ class GlueFinetuner:
             weights[lp.hf_name] = local
         if p.rank != p.logging_rank:
             return
-        head = self.model.head.classifier
-        ckpt = replace(self.ckpt, weights=weights, extra={HEAD_WEIGHT: head.weight.detach().float().cpu(),
-                                                          HEAD_BIAS: head.bias.detach().float().cpu()})
+        head = {name: param.detach().float().cpu() for name, param in self.model.head.named_parameters()}
+        ckpt = replace(self.ckpt, weights=weights, extra=head)
         labels = self.task.labels or ("score",)
-        extra_config = {"num_labels": len(labels), "finetuning_task": self.task.name,
-                        "id2label": dict(enumerate(labels)), "label2id": {l: i for i, l in enumerate(labels)},
-                        "problem_type": "regression" if self.task.is_regression else "single_label_classification"}
+        if self.squad:
+            architecture, extra_config = "BertForQuestionAnswering", {"finetuning_task": self.task.name}
+        elif self.task.name == SWAG.name:
+            architecture, extra_config = "BertForMultipleChoice", {"finetuning_task": self.task.name}
+        else:
+            architecture = "BertForSequenceClassification"
+            extra_config = {"num_labels": len(labels), "finetuning_task": self.task.name,
+                            "id2label": dict(enumerate(labels)), "label2id": {l: i for i, l in enumerate(labels)},
+                            "problem_type": "regression" if self.task.is_regression else "single_label_classification"}
         target = os.path.join(self.cfg.train.output_dir, "best")
         fresh = target + ".new"
         shutil.rmtree(fresh, ignore_errors=True)
         with tempfile.TemporaryDirectory() as vocab_dir:
             save_vocab(self.tokenizer.source, vocab_dir)  # the tokenizer this model was fine-tuned with
-            write_hf(replace(ckpt, vocab_dir=vocab_dir), fresh, architecture="BertForSequenceClassification",
-                     config_extra=extra_config)
+            write_hf(replace(ckpt, vocab_dir=vocab_dir), fresh, architecture=architecture, config_extra=extra_config)
         with open(os.path.join(fresh, "finetune_result.json"), "w") as f:
             json.dump(result, f, indent=2)
         shutil.rmtree(target, ignore_errors=True)

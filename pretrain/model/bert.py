@@ -220,12 +220,23 @@ class SequentialBert(nn.Module):
     def encode(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """What Hugging Face's BertModel returns: the last layer's hidden states and the pooled
         [CLS] vector (tanh of the pooler)."""
+        hidden = self.hidden_states(inputs)[-1]
+        return hidden, torch.tanh(self._heads().pooler(hidden[:, 0]))
+
+    def hidden_states(self, inputs) -> list[torch.Tensor]:
+        """The embeddings' output and every transformer layer's ([batch, seq, hidden] each), as
+        Hugging Face's output_hidden_states gives them."""
+        states = []
         for step in self._steps:
             if isinstance(step, PretrainingHeads):
-                hidden = inputs[0]
-                return hidden, torch.tanh(step.pooler(hidden[:, 0]))
+                return states
             inputs = step(inputs)
+            if isinstance(step, (EmbeddingTail, TransformerLayer)):
+                states.append(inputs[0])
         raise RuntimeError("the model has no PretrainingHeads stage")
+
+    def _heads(self) -> PretrainingHeads:
+        return next(step for step in self._steps if isinstance(step, PretrainingHeads))
 
 
 def build_model(model_cfg, padded_vocab_size, params_dtype, rng, pipeline_topology=None, loss_fn=None) -> nn.Module:

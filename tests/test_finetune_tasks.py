@@ -1,6 +1,8 @@
-"""GLUE fine-tuning end to end on small synthetic tasks built to be learnable: a tiny random BERT
-reaches near-perfect dev scores; TP1 and TP2 agree; a Hugging Face checkpoint and its native
-conversion fine-tune alike; the best weights load in transformers and predict what we predicted."""
+"""Fine-tuning end to end (GLUE classification and regression, SWAG multiple choice) on small
+synthetic tasks built to be learnable: a tiny random BERT reaches near-perfect dev scores; TP1 and
+TP2 agree; a Hugging Face checkpoint and its native conversion fine-tune alike; the best weights
+load in transformers and predict what we predicted."""
+import csv
 import json
 import os
 import random
@@ -144,3 +146,83 @@ def test_eval_only_predicts_a_submission_and_bad_vocab_is_refused(tiny, tmp_path
     done = finetune("rte", ["model.init_from=/nonexistent", "train.epochs=0"], expect_success=False)
     assert done.returncode == 2
     assert "model.init_from /nonexistent does not exist" in done.stderr and "task.data_dir" in done.stderr
+
+
+def test_multiple_choice_learns_and_predicts(tiny, tmp_path):
+    """SWAG layout; the right ending comes from the context's word family (w0-w5 or w6-w11),
+    the three others from the other family: the choice needs context and ending together."""
+    from transformers import AutoTokenizer, BertForMultipleChoice
+
+    rng = random.Random(4)
+    families = [WORDS[:6], WORDS[6:]]
+    header = ["video-id", "fold-ind", "startphrase", "sent1", "sent2", "gold-source", "ending0", "ending1", "ending2",
+              "ending3", "label"]
+    for split, n in (("train", 800), ("val", 100), ("test", 5)):
+        with open(tmp_path / f"{split}.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(header if split != "test" else header[:-1])
+            for i in range(n):
+                family = rng.randrange(2)
+                context = [rng.choice(families[family]) for _ in range(4)]
+                label = rng.randrange(4)
+                endings = [rng.choice(families[1 - family]) for _ in range(3)]
+                endings.insert(label, rng.choice(families[family]))
+                writer.writerow([f"v{i}", 1000 + i, "", " ".join(context), "", "gold", *endings]
+                                + ([label] if split != "test" else []))
+    out = tmp_path / "out"
+    finetune("swag", [f"model.init_from={tiny / 'hf'}", f"task.data_dir={tmp_path}", f"train.output_dir={out}",
+                      "train.epochs=6", "train.lr=1e-3", "task.max_seq_length=8"])
+    summary = json.loads((out / "metrics.json").read_text())
+    assert summary["best"]["metrics"]["accuracy"] >= 0.9  # chance: 0.25
+    lines = (out / "submission" / "SWAG.csv").read_text().splitlines()
+    assert lines[0] == "index,pred" and [l.split(",")[0] for l in lines[1:]] == ["1000", "1001", "1002", "1003", "1004"]
+
+    model = BertForMultipleChoice.from_pretrained(out / "best", attn_implementation="eager").eval()
+    tokenizer = AutoTokenizer.from_pretrained(out / "best")
+    rows = list(csv.DictReader(open(tmp_path / "val.csv")))
+    firsts = [r["sent1"] for r in rows for _ in range(4)]
+    seconds = [r[f"ending{i}"] for r in rows for i in range(4)]
+    batch = tokenizer(firsts, seconds, padding="max_length", max_length=8, truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        hf = model(**{k: v.view(len(rows), 4, -1) for k, v in batch.items()}).logits.argmax(-1).tolist()
+    ours = [int(line.split("\t")[1]) for line in (out / "predictions" / "val.tsv").read_text().splitlines()[1:]]
+    assert hf == ours
+
+    (tmp_path / "bad").mkdir()
+    with open(tmp_path / "bad" / "val.csv", "w") as f:
+        f.write("sent1,sent2,ending0,ending1,ending2,label\na,b,c,d,e,0\n")
+    done = finetune("swag", [f"model.init_from={tiny / 'hf'}", f"task.dev_files=[{tmp_path / 'bad' / 'val.csv'}]",
+                             "train.eval_only=true", f"train.output_dir={out}"], expect_success=False)
+    assert done.returncode == 1 and "val.csv: missing column(s) ending3" in done.stderr
+
+
+def test_feature_extraction_gives_hugging_face_hidden_states(tiny, tmp_path):
+    from transformers import AutoTokenizer, BertModel
+
+    lines = tmp_path / "lines.txt"
+    lines.write_text("w1 w2 w3\nw4 w5 ||| w6 w7 w8\n")
+    out = tmp_path / "features.jsonl"
+    done = subprocess.run([sys.executable, "tools/extract_features.py", "--checkpoint", str(tiny / "hf"),
+                           "--input-file", str(lines), "--output-file", str(out), "--layers=-1,-2,0",
+                           "--max-seq-length", "16"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["linex_index"] for r in records] == [0, 1]
+    assert [f["token"] for f in records[1]["features"]] == ["[CLS]", "w4", "w5", "[SEP]", "w6", "w7", "w8", "[SEP]"]
+
+    model = BertModel.from_pretrained(tiny / "hf", attn_implementation="eager").eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny / "hf")
+    with torch.no_grad():
+        ref = model(**tokenizer("w4 w5", "w6 w7 w8", return_tensors="pt"), output_hidden_states=True).hidden_states
+    for position, feature in enumerate(records[1]["features"]):
+        for layer in feature["layers"]:
+            expected = ref[layer["index"]][0, position]
+            assert torch.tensor(layer["values"]) == pytest.approx(expected, abs=2e-5), (position, layer["index"])
+
+    bad = tmp_path / "bad.txt"
+    bad.write_text("w1\n\nw2\n")
+    done = subprocess.run([sys.executable, "tools/extract_features.py", "--checkpoint", str(tiny / "hf"),
+                           "--input-file", str(bad), "--output-file", str(tmp_path / "x.jsonl"), "--layers=-1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "bad.txt:2: empty line" in done.stderr
+    assert not (tmp_path / "x.jsonl").exists()

@@ -1,0 +1,98 @@
+"""Feature extraction (the paper's feature-based approach, section 5.3): hidden states of chosen
+layers for every token of every line of a text file, in google-research/bert's
+extract_features.py JSON-lines format:
+
+  {"linex_index": 0, "features": [{"token": "[CLS]", "layers": [{"index": -1, "values": [...]}, ...]}, ...]}
+
+A line is one text, or two separated by " ||| " (a pair, as in the reference script). Layer -1 is
+the last transformer layer; 0 is the embeddings' output.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from pretrain.data.tokenizer import TokenizerError, load_tokenizer
+from pretrain.interop.apply import read_any
+from pretrain.model.rng import RngTracker, seed_streams
+
+from .model import build_encoder, load_encoder
+
+
+class FeatureError(ValueError):
+    pass
+
+
+def read_lines(path: str) -> list[str | tuple[str, str]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.rstrip("\n") for line in f]
+    except OSError as e:
+        raise FeatureError(f"{path}: {e.strerror}") from None
+    texts = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            raise FeatureError(f"{path}:{number}: empty line (one text, or 'A ||| B', per line)")
+        parts = line.split(" ||| ")
+        if len(parts) > 2:
+            raise FeatureError(f"{path}:{number}: more than one ' ||| ' separator")
+        texts.append(tuple(parts) if len(parts) == 2 else parts[0])
+    if not texts:
+        raise FeatureError(f"{path}: empty file")
+    return texts
+
+
+@torch.no_grad()
+def extract_features(checkpoint: str, input_file: str, output_file: str, layers: list[int], max_seq_length: int,
+                     parallel, vocab_file: str | None = None, batch_size: int = 32) -> int:
+    """Write the features of every line of input_file; returns the number of lines."""
+    ckpt = read_any(checkpoint, with_optimizer=False)
+    model_cfg = ckpt.config.model
+    if any(not -model_cfg.num_layers - 1 <= layer <= model_cfg.num_layers for layer in layers):
+        raise FeatureError(f"layers {layers}: the model has layers 0 (embeddings) to {model_cfg.num_layers} "
+                           f"(or -1 to -{model_cfg.num_layers + 1})")
+    source = vocab_file or os.path.join(ckpt.vocab_dir or "", "vocab.txt")
+    if not vocab_file and not ckpt.vocab_dir:
+        raise FeatureError(f"{checkpoint} carries no vocabulary: pass --vocab-file")
+    try:
+        info = load_tokenizer(**({"tokenizer_json": source} if source.endswith(".json") else {"vocab_file": source}))
+    except TokenizerError as e:
+        raise FeatureError(str(e)) from None
+    if info.vocab_size > model_cfg.vocab_size:
+        raise FeatureError(f"the tokenizer ({source}) has {info.vocab_size} tokens, the checkpoint's vocabulary "
+                           f"{model_cfg.vocab_size}")
+    tokenizer = info.tokenizer
+    tokenizer.enable_truncation(max_seq_length, strategy="longest_first")
+    tokenizer.enable_padding(length=max_seq_length, pad_id=tokenizer.token_to_id("[PAD]"), pad_token="[PAD]")
+
+    tracker = RngTracker(parallel.device)
+    seed_streams(tracker, 0, parallel.tp_rank, 0, parallel.dp_rank)
+    bert = build_encoder(model_cfg, parallel.tp_rank, parallel.tp_size, tracker)
+    load_encoder(bert, ckpt.weights, model_cfg, parallel.tp_rank, parallel.tp_size)
+    bert.eval()
+    texts = read_lines(input_file)
+    tmp = f"{output_file}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as out:
+        for start in range(0, len(texts), batch_size):
+            encoded = tokenizer.encode_batch(texts[start:start + batch_size])
+            ids = torch.tensor([e.ids for e in encoded], device=parallel.device)
+            types = torch.tensor([e.type_ids for e in encoded], device=parallel.device)
+            mask = torch.tensor([e.attention_mask for e in encoded], device=parallel.device)
+            no_positions = torch.zeros((ids.shape[0], 1), dtype=torch.long, device=parallel.device)
+            states = bert.hidden_states((ids, types, mask, no_positions))
+            for row, e in enumerate(encoded):
+                features = []
+                for position, token in enumerate(e.tokens):
+                    if not e.attention_mask[position]:
+                        break
+                    features.append({"token": token, "layers": [
+                        {"index": layer, "values": [round(v, 6) for v in states[layer][row, position].tolist()]}
+                        for layer in layers]})
+                out.write(json.dumps({"linex_index": start + row, "features": features}) + "\n")
+    if parallel.rank == 0:
+        os.replace(tmp, output_file)
+    else:
+        os.remove(tmp)
+    return len(texts)

@@ -1,0 +1,256 @@
+"""SQuAD 1.1 and 2.0: reading the JSON, windows over long contexts, training labels, and the
+post-processing that turns start/end logits into answers (google-research/bert's run_squad.py
+semantics, with the tokenizer's character offsets so answers are cut from the original context).
+
+* Windows: the question (at most max_query_length tokens) is followed by a window of the context;
+  window starts are doc_stride tokens apart (doc_stride is the step between starts, as in
+  run_squad.py, not an overlap as in Hugging Face's tokenizers).
+* Training labels: the answer's first and last tokens; [CLS] (position 0) when the question is
+  impossible (2.0) or the answer is not wholly inside the window.
+* Post-processing: the n_best starts and ends of every window, spans of at most
+  max_answer_length tokens inside the context, whose start token has its maximum context in that
+  window (the token's window with the most context on its shorter side), ranked by start + end
+  logit; 2.0's null score is the minimum over the question's windows of start[0] + end[0], its
+  null odds = null score - best non-null score, and the answer is "" when the odds exceed
+  null_score_diff_threshold.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .glue import GlueDataError, ReadReport
+
+
+@dataclass(frozen=True)
+class SquadTask:
+    """Quacks like glue.GlueTask where the runner needs it."""
+
+    name: str
+    version: str
+    train_file: str
+    dev_files: tuple[str, ...]
+    submission: str = "SQuAD"
+    labels: tuple[str, ...] = ()
+    metric: str = "squad"
+    is_regression: bool = False
+    test_files: tuple = ()
+
+
+SQUAD_TASKS = {
+    "squad": SquadTask("squad", "1.1", "train-v1.1.json", ("dev-v1.1.json",)),
+    "squad2": SquadTask("squad2", "2.0", "train-v2.0.json", ("dev-v2.0.json",)),
+}
+
+
+@dataclass
+class SquadExample:
+    qid: str
+    question: str
+    context: str
+    answers: list[dict]  # the gold answers {"text", "answer_start"} (evaluation uses their texts)
+    is_impossible: bool
+    label: tuple[int, int] | None = None  # character span of the training answer (start, end exclusive)
+
+
+def read_squad(path: str, version: str, training: bool) -> tuple[list[SquadExample], list[dict], ReadReport]:
+    """Examples and the raw `data` list (for the official evaluation). In training files an
+    answer whose answer_start does not point at its text is skipped and counted."""
+    report = ReadReport(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            document = json.load(f)
+    except OSError as e:
+        raise GlueDataError(f"{path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise GlueDataError(f"{path}: not valid JSON ({e})") from None
+    data = document.get("data") if isinstance(document, dict) else None
+    if not isinstance(data, list):
+        raise GlueDataError(f"{path}: expected {{\"version\": ..., \"data\": [articles]}}")
+    examples = []
+    for a, article in enumerate(data):
+        for p, paragraph in enumerate(article.get("paragraphs", [])):
+            context = paragraph.get("context")
+            if not isinstance(context, str):
+                raise GlueDataError(f"{path}: data[{a}].paragraphs[{p}] has no context")
+            for q, qa in enumerate(paragraph.get("qas", [])):
+                where = f"{path}: data[{a}].paragraphs[{p}].qas[{q}]"
+                if "id" not in qa or "question" not in qa:
+                    raise GlueDataError(f"{where}: needs 'id' and 'question'")
+                answers = qa.get("answers", [])
+                impossible = bool(qa.get("is_impossible", False)) or (version == "2.0" and not answers)
+                if version == "1.1" and not answers:
+                    raise GlueDataError(f"{where} ({qa['id']}): no answers in a SQuAD 1.1 file")
+                label = None
+                if training and not impossible:
+                    first = answers[0]
+                    start, text = first.get("answer_start"), first.get("text", "")
+                    if not isinstance(start, int) or context[start:start + len(text)] != text or not text:
+                        report.skip("answer_start does not point at the answer text", f"{where} ({qa['id']})")
+                        continue
+                    label = (start, start + len(text))
+                examples.append(SquadExample(str(qa["id"]), qa["question"], context, answers, impossible, label))
+    if not examples:
+        raise GlueDataError(f"{path}: no questions" + (f" ({report.summary()})" if report.skipped else ""))
+    report.examples = len(examples)
+    return examples, data, report
+
+
+@dataclass
+class SquadFeatures:
+    """Every window of every question: model inputs plus what post-processing needs."""
+
+    input_ids: torch.Tensor
+    token_type_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor | None  # [N, 2] start/end positions (training)
+    example_index: list[int] = field(default_factory=list)
+    offsets: list[list[tuple[int, int] | None]] = field(default_factory=list)  # per position: context chars, None outside the context
+    max_context: list[list[bool]] = field(default_factory=list)
+    windows_per_example: list[int] = field(default_factory=list)
+    truncated_questions: int = 0
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def batch(self, indices, device):
+        index = torch.as_tensor(indices, dtype=torch.long)
+        inputs = (self.input_ids[index].to(device), self.token_type_ids[index].to(device),
+                  self.attention_mask[index].to(device))
+        return inputs, (self.labels[index].to(device) if self.labels is not None else None)
+
+
+def _windows(num_tokens: int, max_tokens: int, stride: int) -> list[tuple[int, int]]:
+    """(start, length) of each window; starts are `stride` apart (run_squad.py's loop)."""
+    spans, start = [], 0
+    while start < num_tokens:
+        length = min(num_tokens - start, max_tokens)
+        spans.append((start, length))
+        if start + length == num_tokens:
+            break
+        start += min(length, stride)
+    return spans
+
+
+def _is_max_context(spans: list[tuple[int, int]], current: int, position: int) -> bool:
+    best_score, best = None, None
+    for index, (start, length) in enumerate(spans):
+        end = start + length - 1
+        if position < start or position > end:
+            continue
+        score = min(position - start, end - position) + 0.01 * length
+        if best_score is None or score > best_score:
+            best_score, best = score, index
+    return best == current
+
+
+def build_features(tokenizer, examples: list[SquadExample], max_seq_length: int, doc_stride: int,
+                   max_query_length: int, training: bool) -> SquadFeatures:
+    cls_id, sep_id, pad_id = (tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
+    rows = collections.defaultdict(list)
+    truncated = 0
+    questions = tokenizer.encode_batch([e.question for e in examples], add_special_tokens=False)
+    contexts = tokenizer.encode_batch([e.context for e in examples], add_special_tokens=False)
+    windows_per_example = []
+    for example_index, (example, question, context) in enumerate(zip(examples, questions, contexts)):
+        query = question.ids[:max_query_length]
+        truncated += len(question.ids) > max_query_length
+        max_tokens = max_seq_length - len(query) - 3
+        spans = _windows(len(context.ids), max_tokens, doc_stride)
+        windows_per_example.append(len(spans))
+        answer_tokens = None
+        if training and example.label is not None:
+            char_start, char_end = example.label
+            inside = [i for i, (s, e) in enumerate(context.offsets) if e > char_start and s < char_end]
+            answer_tokens = (inside[0], inside[-1]) if inside else None
+        for window, (start, length) in enumerate(spans):
+            ids = [cls_id, *query, sep_id, *context.ids[start:start + length], sep_id]
+            types = [0] * (len(query) + 2) + [1] * (length + 1)
+            offsets = [None] * (len(query) + 2) + list(context.offsets[start:start + length]) + [None]
+            max_context = [False] * (len(query) + 2) + [_is_max_context(spans, window, start + i)
+                                                        for i in range(length)] + [False]
+            label = (0, 0)
+            if answer_tokens is not None and start <= answer_tokens[0] and answer_tokens[1] < start + length:
+                label = (answer_tokens[0] - start + len(query) + 2, answer_tokens[1] - start + len(query) + 2)
+            padding = max_seq_length - len(ids)
+            rows["ids"].append(ids + [pad_id] * padding)
+            rows["types"].append(types + [0] * padding)
+            rows["mask"].append([1] * len(ids) + [0] * padding)
+            rows["labels"].append(label)
+            rows["example"].append(example_index)
+            rows["offsets"].append(offsets + [None] * padding)
+            rows["max_context"].append(max_context + [False] * padding)
+    return SquadFeatures(
+        torch.tensor(rows["ids"], dtype=torch.long), torch.tensor(rows["types"], dtype=torch.long),
+        torch.tensor(rows["mask"], dtype=torch.long),
+        torch.tensor(rows["labels"], dtype=torch.long) if training else None,
+        rows["example"], rows["offsets"], rows["max_context"], windows_per_example, truncated)
+
+
+@dataclass
+class Prediction:
+    text: str
+    score: float  # start logit + end logit
+    start_logit: float
+    end_logit: float
+
+
+def postprocess(examples: list[SquadExample], features: SquadFeatures, logits: np.ndarray, version: str,
+                n_best_size: int = 20, max_answer_length: int = 30, null_score_diff_threshold: float = 0.0):
+    """(predictions {qid: text}, n-best {qid: [{text, probability, start_logit, end_logit}]},
+    null odds {qid: float} for 2.0) from the [N, seq, 2] start/end logits of every window."""
+    by_example = collections.defaultdict(list)
+    for feature, example in enumerate(features.example_index):
+        by_example[example].append(feature)
+    predictions, nbest_json, null_odds = {}, {}, {}
+    for example_index, example in enumerate(examples):
+        candidates, null_score, null_logits = [], math.inf, (0.0, 0.0)
+        for feature in by_example[example_index]:
+            start, end = logits[feature, :, 0], logits[feature, :, 1]
+            offsets, max_context = features.offsets[feature], features.max_context[feature]
+            if start[0] + end[0] < null_score:
+                null_score, null_logits = float(start[0] + end[0]), (float(start[0]), float(end[0]))
+            starts = np.argsort(-start, kind="stable")[:n_best_size]
+            ends = np.argsort(-end, kind="stable")[:n_best_size]
+            for s in starts:
+                if offsets[s] is None or not max_context[s]:
+                    continue
+                for e in ends:
+                    if offsets[e] is None or e < s or e - s + 1 > max_answer_length:
+                        continue
+                    candidates.append((float(start[s] + end[e]), float(start[s]), float(end[e]),
+                                       offsets[s][0], offsets[e][1]))
+        candidates.sort(key=lambda c: -c[0])
+        nbest, seen = [], set()
+        for score, start_logit, end_logit, char_start, char_end in candidates:
+            text = example.context[char_start:char_end]
+            if text in seen:
+                continue
+            seen.add(text)
+            nbest.append(Prediction(text, score, start_logit, end_logit))
+            if len(nbest) == n_best_size:
+                break
+        if version == "2.0" and "" not in seen:
+            nbest.append(Prediction("", null_score, *null_logits))
+            nbest.sort(key=lambda p: -p.score)
+        if not nbest:
+            nbest = [Prediction("", 0.0, 0.0, 0.0)]
+        scores = np.array([p.score for p in nbest])
+        probabilities = np.exp(scores - scores.max())
+        probabilities /= probabilities.sum()
+        nbest_json[example.qid] = [{"text": p.text, "probability": float(q), "start_logit": p.start_logit,
+                                    "end_logit": p.end_logit} for p, q in zip(nbest, probabilities)]
+        best_non_null = next((p for p in nbest if p.text), None)
+        if version == "1.1":
+            predictions[example.qid] = nbest[0].text
+            continue
+        difference = null_score - (best_non_null.score if best_non_null else -math.inf)
+        null_odds[example.qid] = float(min(difference, 1e9))
+        predictions[example.qid] = "" if best_non_null is None or difference > null_score_diff_threshold \
+            else best_non_null.text
+    return predictions, nbest_json, null_odds
