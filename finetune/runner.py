@@ -1,7 +1,7 @@
-"""Fine-tuning loop for sentence(-pair) classification and regression (GLUE) and multiple
-choice (SWAG): data and tensor parallelism through the
-pretraining stack, AdamW with warmup and linear decay, evaluation each epoch, best-epoch weights,
-predictions, GLUE submission files, TensorBoard and progress bars.
+"""Fine-tuning loop for sentence(-pair) classification and regression (GLUE), multiple choice
+(SWAG) and span extraction (SQuAD 1.1/2.0): data and tensor parallelism through the pretraining
+stack, AdamW with warmup and linear decay, evaluation each epoch, best-epoch weights, predictions,
+submission files, TensorBoard and progress bars.
 
 Every rank runs the same code. A global batch is cut into micro-batches exactly as in
 pretraining (DP rank r takes the r-th slice of each accumulation step); TP ranks of a replica see
@@ -97,7 +97,7 @@ class Features:
         return inputs, labels
 
 
-class GlueFinetuner:
+class Finetuner:
     def __init__(self, cfg: FinetuneConfig, parallel, log=print):
         self.cfg, self.parallel = cfg, parallel
         self.log = log if parallel.rank == parallel.logging_rank else (lambda *a, **k: None)
@@ -457,6 +457,6 @@ class GlueFinetuner:
 
 def run(cfg: FinetuneConfig, parallel, log=print) -> dict:
     started = time.perf_counter()
-    summary = GlueFinetuner(cfg, parallel, log).train()
+    summary = Finetuner(cfg, parallel, log).train()
     summary["seconds"] = time.perf_counter() - started
     return summary

@@ -226,3 +226,29 @@ def test_feature_extraction_gives_hugging_face_hidden_states(tiny, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "bad.txt:2: empty line" in done.stderr
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_mnli_matched_mismatched_and_the_diagnostic_set(tiny, tmp_path):
+    """MNLI's standard directory: both dev sets scored, both test sets and AX predicted (eval only)."""
+    header = ["index", "promptID", "pairID", "genre", "sentence1_binary_parse", "sentence2_binary_parse",
+              "sentence1_parse", "sentence2_parse", "sentence1", "sentence2"]
+    rng = random.Random(9)
+    labels = ["entailment", "neutral", "contradiction"]
+
+    def rows(n, labelled):
+        return [[i, 0, 0, "g", "()", "()", "()", "()", "w1 w2", "w3"] + ([rng.choice(labels)] * 5 + [rng.choice(labels)]
+                                                                       if labelled else []) for i in range(n)]
+    dev_header = header + ["label1", "label2", "label3", "label4", "label5", "gold_label"]
+    for name in ("dev_matched", "dev_mismatched"):
+        write_tsv(tmp_path / f"{name}.tsv", dev_header, rows(12, True))
+    for name in ("test_matched", "test_mismatched"):
+        write_tsv(tmp_path / f"{name}.tsv", header, rows(7, False))
+    write_tsv(tmp_path / "diagnostic.tsv", ["index", "sentence1", "sentence2"], [(i, "w1", "w2") for i in range(5)])
+    out = tmp_path / "out"
+    finetune("mnli", [f"model.init_from={tiny / 'hf'}", f"task.data_dir={tmp_path}", "train.eval_only=true",
+                      f"train.output_dir={out}", "task.max_seq_length=12"])
+    metrics = json.loads((out / "metrics.json").read_text())["best"]["metrics"]
+    assert set(metrics) == {"dev_matched/accuracy", "dev_mismatched/accuracy"}
+    submission = {f: (out / "submission" / f).read_text().splitlines() for f in ("MNLI-m.tsv", "MNLI-mm.tsv", "AX.tsv")}
+    assert [len(lines) for lines in submission.values()] == [8, 8, 6]
+    assert all(line.split("\t")[1] in labels for lines in submission.values() for line in lines[1:])
