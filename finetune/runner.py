@@ -137,7 +137,7 @@ class Finetuner:
                                   self.model_cfg.init_std, t.seed)
         try:
             if load_head(head, self.ckpt.extra, self.ckpt.source):
-                self.log(f"classifier taken from {self.ckpt.source}")
+                self.log(f"task head ({', '.join(n for n, _ in head.named_parameters())}) taken from {self.ckpt.source}")
         except ValueError as e:
             raise FinetuneError(str(e)) from None
         if self.squad:
@@ -193,6 +193,8 @@ class Finetuner:
                 examples = load(path, "dev")
                 self.dev_sets.append((os.path.splitext(os.path.basename(path))[0], self._features(examples),
                                       examples, self.squad_data.get(path)))
+            elif path:
+                self.log(f"{path}: not found; this dev set is left out")
         if not self.dev_sets:
             raise FinetuneError(f"no dev file for {task.name} (looked for {', '.join(map(str, dev_paths))})")
         test_paths = [(p, "") for p in c.test_files] or [(default(f), suffix) for f, suffix in task.test_files]
@@ -200,6 +202,8 @@ class Finetuner:
             test_paths += [(default(f), "AX") for f in AX_FILES]
         self.test_sets = []
         for path, suffix in test_paths:
+            if path and not os.path.exists(path) and suffix != "AX":  # AX: either of two names
+                self.log(f"{path}: not found; no predictions for it")
             if path and os.path.exists(path):
                 examples = load(path, "test")
                 name = "AX" if suffix == "AX" else task.submission + suffix

@@ -136,5 +136,5 @@ def test_span_extraction_learns(tiny, tmp_path, task, version):  # noqa: F811
     predictions = json.loads((out / "predictions" / "dev" / "predictions.json").read_text())
     assert len(predictions) == 150
     model, info = BertForQuestionAnswering.from_pretrained(out / "best", output_loading_info=True)
-    assert not info["missing_keys"]
+    assert not info["missing_keys"] and not info["unexpected_keys"]
     assert tuple(model.qa_outputs.weight.shape) == (2, 64) and torch.isfinite(model.qa_outputs.weight).all()

@@ -118,7 +118,7 @@ def resume(engine, model, load_dir: str, cfg, parallel, tracker, log) -> tuple[i
         return checkpointing.load_checkpoint(engine, load_dir, cfg, parallel, tracker)
     ckpt = read_native(tag_dir, with_optimizer=True)
     check_model_matches(ckpt, cfg, tag_dir)
-    if ckpt.config.optimizer.name != cfg.optimizer.name:
+    if ckpt.moments is not None and ckpt.config.optimizer.name != cfg.optimizer.name:
         raise CheckpointError(f"checkpoint {tag_dir} was trained with {ckpt.config.optimizer.name}, this run uses "
                               f"{cfg.optimizer.name}: resume with the same optimizer, or start a new run from its "
                               "weights with train.init_from")

@@ -296,7 +296,9 @@ def write_hf(ckpt: LogicalCheckpoint, out_dir: str, vocab_file: str | None = Non
             pad_id = _write_tokenizer_files(tmp, tmp, ckpt.config.model.max_position_embeddings)
         else:
             pad_id = _write_tokenizer_files(vocab_dir, tmp, ckpt.config.model.max_position_embeddings)
-        names = [n for n in info if architecture == "BertForPreTraining" or n.startswith("bert.")]
+        # a fine-tuned model keeps the encoder (and the pooler, except question answering, which has none)
+        names = [n for n in info if architecture == "BertForPreTraining" or (
+            n.startswith("bert.") and not (architecture == "BertForQuestionAnswering" and n.startswith(HEADS["pooler"])))]
         tensors = {name: ckpt.weights[name].to(torch.float32).contiguous() for name in names}
         tensors.update({name: t.to(torch.float32).contiguous() for name, t in (ckpt.extra or {}).items()})
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
