@@ -18,7 +18,8 @@ from pretrain.data.tokenizer import TokenizerError, load_tokenizer
 from pretrain.interop.apply import read_any
 from pretrain.model.rng import RngTracker, seed_streams
 
-from .model import build_encoder, load_encoder
+from .inputs import fixed_length_tokenizer
+from .model import build_encoder, encoder_inputs, load_encoder
 
 
 class FeatureError(ValueError):
@@ -63,9 +64,7 @@ def extract_features(checkpoint: str, input_file: str, output_file: str, layers:
     if info.vocab_size > model_cfg.vocab_size:
         raise FeatureError(f"the tokenizer ({source}) has {info.vocab_size} tokens, the checkpoint's vocabulary "
                            f"{model_cfg.vocab_size}")
-    tokenizer = info.tokenizer
-    tokenizer.enable_truncation(max_seq_length, strategy="longest_first")
-    tokenizer.enable_padding(length=max_seq_length, pad_id=tokenizer.token_to_id("[PAD]"), pad_token="[PAD]")
+    tokenizer = fixed_length_tokenizer(info.tokenizer, max_seq_length)
 
     tracker = RngTracker(parallel.device)
     seed_streams(tracker, 0, parallel.tp_rank, 0, parallel.dp_rank)
@@ -80,8 +79,7 @@ def extract_features(checkpoint: str, input_file: str, output_file: str, layers:
             ids = torch.tensor([e.ids for e in encoded], device=parallel.device)
             types = torch.tensor([e.type_ids for e in encoded], device=parallel.device)
             mask = torch.tensor([e.attention_mask for e in encoded], device=parallel.device)
-            no_positions = torch.zeros((ids.shape[0], 1), dtype=torch.long, device=parallel.device)
-            states = bert.hidden_states((ids, types, mask, no_positions))
+            states = bert.hidden_states(encoder_inputs(ids, types, mask))
             for row, e in enumerate(encoded):
                 features = []
                 for position, token in enumerate(e.tokens):

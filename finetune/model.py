@@ -52,6 +52,12 @@ class SpanHead(nn.Module):
         return self.qa_outputs(hidden)
 
 
+def encoder_inputs(input_ids, token_type_ids, attention_mask) -> tuple:
+    """The input tuple of the pretraining stages, without MLM positions (no MLM head runs)."""
+    no_positions = torch.zeros((input_ids.shape[0], 1), dtype=torch.long, device=input_ids.device)
+    return input_ids, token_type_ids, attention_mask, no_positions
+
+
 class SequenceClassifier(nn.Module):
     """BERT + ClassifierHead: logits [batch, num_outputs] (num_outputs 1 for regression)."""
 
@@ -61,8 +67,7 @@ class SequenceClassifier(nn.Module):
         self.head = head
 
     def forward(self, input_ids, token_type_ids, attention_mask):
-        no_positions = torch.zeros((input_ids.shape[0], 1), dtype=torch.long, device=input_ids.device)
-        _, pooled = self.bert.encode((input_ids, token_type_ids, attention_mask, no_positions))
+        _, pooled = self.bert.encode(encoder_inputs(input_ids, token_type_ids, attention_mask))
         return self.head(pooled)
 
 
@@ -104,17 +109,11 @@ def load_head(head: nn.Module, extra: dict, source: str) -> bool:
     return True
 
 
-class SpanModel(nn.Module):
-    """BERT + SpanHead: [batch, seq, 2] start/end logits."""
-
-    def __init__(self, bert: nn.Module, head: SpanHead):
-        super().__init__()
-        self.bert = bert
-        self.head = head
+class SpanModel(SequenceClassifier):
+    """BERT + SpanHead: [batch, seq, 2] start/end logits (on every token, not the pooled vector)."""
 
     def forward(self, input_ids, token_type_ids, attention_mask):
-        no_positions = torch.zeros((input_ids.shape[0], 1), dtype=torch.long, device=input_ids.device)
-        hidden, _ = self.bert.encode((input_ids, token_type_ids, attention_mask, no_positions))
+        hidden, _ = self.bert.encode(encoder_inputs(input_ids, token_type_ids, attention_mask))
         return self.head(hidden)
 
 

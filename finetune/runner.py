@@ -26,6 +26,7 @@ from pretrain.data.tokenizer import TokenizerError, load_tokenizer
 from pretrain.interop.apply import read_any
 from pretrain.interop.native import LogicalCheckpoint
 from pretrain.model.bert import logical_parameters
+from pretrain.model.hf_interop import unpad_vocab
 from pretrain.model.rng import RngTracker, seed_streams
 from pretrain.optim import make_lr_scheduler
 from pretrain.optim.groups import group_by_kind
@@ -33,6 +34,7 @@ from pretrain.optim.groups import group_by_kind
 from .config import FinetuneConfig
 from .glue import AX_FILES, TASKS, GlueDataError, read_examples, write_submission
 from .glue_metrics import METRICS
+from .inputs import Batches, fixed_length_tokenizer
 from .model import ClassifierHead, MultipleChoiceClassifier, SequenceClassifier, SpanHead, SpanModel, build_encoder, \
     classification_loss, load_encoder, load_head, span_loss
 from .squad import SQUAD_TASKS, SquadTask, build_features, postprocess, read_squad
@@ -59,14 +61,11 @@ def _tokenizer_source(cfg: FinetuneConfig, ckpt: LogicalCheckpoint) -> dict:
     raise FinetuneError(f"{ckpt.source} carries no vocabulary: set model.vocab_file")
 
 
-class Features:
+class Features(Batches):
     """Tokenised examples as tensors padded to max_seq_length: [N, S], or [N, choices, S]."""
 
     def __init__(self, tokenizer, texts: list, labels: torch.Tensor | None, max_length: int, choices: int = 1):
-        tokenizer = tokenizer.__class__.from_str(tokenizer.to_str())  # our own copy: truncation/padding settings
-        tokenizer.enable_truncation(max_length, strategy="longest_first")
-        tokenizer.enable_padding(length=max_length, pad_id=tokenizer.token_to_id("[PAD]"), pad_token="[PAD]")
-        encoded = tokenizer.encode_batch(texts)
+        encoded = fixed_length_tokenizer(tokenizer, max_length).encode_batch(texts)
         shape = (-1, choices, max_length) if choices > 1 else (-1, max_length)
         self.input_ids = torch.tensor([e.ids for e in encoded], dtype=torch.long).view(shape)
         self.token_type_ids = torch.tensor([e.type_ids for e in encoded], dtype=torch.long).view(shape)
@@ -85,16 +84,6 @@ class Features:
             return cls(tokenizer, [pair for e in examples for pair in choice_pairs(e)], labels, max_length, task.choices)
         texts = [(e.text_a, e.text_b) if e.text_b is not None else e.text_a for e in examples]
         return cls(tokenizer, texts, labels, max_length)
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def batch(self, indices, device):
-        index = torch.as_tensor(indices, dtype=torch.long)
-        inputs = (self.input_ids[index].to(device), self.token_type_ids[index].to(device),
-                  self.attention_mask[index].to(device))
-        labels = self.labels[index].to(device) if self.labels is not None else None
-        return inputs, labels
 
 
 class Finetuner:
@@ -428,10 +417,7 @@ class Finetuner:
                 pieces = [torch.empty_like(local) for _ in range(p.tp_size)]
                 dist.all_gather(pieces, local.to(p.device), group=p.tp_group)
                 local = torch.cat([piece.cpu() for piece in pieces], dim=lp.tp_partition_dim)
-            if local.shape[0] == self.model_cfg.padded_vocab_size(p.tp_size) and lp.hf_name.startswith(
-                    ("bert.embeddings.word", "cls.predictions.bias")):
-                local = local[: self.model_cfg.vocab_size]
-            weights[lp.hf_name] = local
+            weights[lp.hf_name] = unpad_vocab(lp.hf_name, local, self.model_cfg.vocab_size)
         if p.rank != p.logging_rank:
             return
         head = {name: param.detach().float().cpu() for name, param in self.model.head.named_parameters()}

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .glue import GlueDataError, ReadReport
+from .inputs import Batches
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def read_squad(path: str, version: str, training: bool) -> tuple[list[SquadExamp
 
 
 @dataclass
-class SquadFeatures:
+class SquadFeatures(Batches):
     """Every window of every question: model inputs plus what post-processing needs."""
 
     input_ids: torch.Tensor
@@ -114,15 +115,6 @@ class SquadFeatures:
     max_context: list[list[bool]] = field(default_factory=list)
     windows_per_example: list[int] = field(default_factory=list)
     truncated_questions: int = 0
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def batch(self, indices, device):
-        index = torch.as_tensor(indices, dtype=torch.long)
-        inputs = (self.input_ids[index].to(device), self.token_type_ids[index].to(device),
-                  self.attention_mask[index].to(device))
-        return inputs, (self.labels[index].to(device) if self.labels is not None else None)
 
 
 def _windows(num_tokens: int, max_tokens: int, stride: int) -> list[tuple[int, int]]:

@@ -28,6 +28,7 @@ import torch
 
 from ..checkpointing import LATEST, META, CheckpointError, model_shape_of, tag_for
 from ..config import Config, ConfigError
+from ..model.hf_interop import local_value, unpad_vocab
 from ..model.bert import checkpoint_param_names, hf_parameter_info, pipeline_stage_bounds, spec_modules
 from ..optim.groups import group_by_kind
 
@@ -347,7 +348,6 @@ def read_native(path: str, with_optimizer: bool = True) -> LogicalCheckpoint:
     tp, pp = layout["tensor_parallel"], layout["pipeline_parallel"]
     check_complete(tag_dir, layout, cfg.model.num_layers)
     info = hf_parameter_info(cfg.model)
-    padded = cfg.model.padded_vocab_size(tp)
 
     by_hf: dict[str, dict[int, torch.Tensor]] = {}
     moments_by_hf: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
@@ -369,8 +369,7 @@ def read_native(path: str, with_optimizer: bool = True) -> LogicalCheckpoint:
     def whole(hf_name: str, pieces: dict[int, torch.Tensor]) -> torch.Tensor:
         shape, _, dim = info[hf_name]
         tensor = pieces[0] if dim is None or tp == 1 else torch.cat([pieces[t] for t in range(tp)], dim=dim)
-        if shape[0] == cfg.model.vocab_size and tensor.shape[0] == padded:
-            tensor = tensor[: cfg.model.vocab_size]
+        tensor = unpad_vocab(hf_name, tensor, cfg.model.vocab_size)
         if tuple(tensor.shape) != tuple(shape):
             raise CheckpointError(f"{tag_dir}: {hf_name} reassembles to {tuple(tensor.shape)}, the config "
                                   f"says {tuple(shape)}")
@@ -413,15 +412,6 @@ def check_layout(cfg: Config, tp: int, pp: int) -> None:
         raise CheckpointError("cannot lay the model out that way:\n  " + "\n  ".join(problems))
 
 
-def _local(tensor: torch.Tensor, dim: int | None, t: int, tp: int, padded: int, vocab: int) -> torch.Tensor:
-    if tensor.shape[0] == vocab and dim == 0 and padded != vocab:  # vocabulary-indexed: pad with zero rows
-        tensor = torch.cat([tensor, tensor.new_zeros((padded - vocab, *tensor.shape[1:]))])
-    if dim is None or tp == 1:
-        return tensor.contiguous()
-    size = tensor.shape[dim] // tp
-    return tensor.narrow(dim, t * size, size).contiguous()
-
-
 def _indexed_optimizer_state(ckpt: LogicalCheckpoint, names: list[tuple[str, str]], local) -> dict:
     """A ZeRO-0 optimizer's state_dict for one model shard: state by parameter index, in the
     trainer's param-group order."""
@@ -462,7 +452,7 @@ def write_native(ckpt: LogicalCheckpoint, out_dir: str, tp: int, pp: int, with_o
             names = stage_param_names(m.num_layers, pp, p)
 
             def local(hf_name, tensor):
-                return _local(tensor, info[hf_name][2], t, tp, padded, m.vocab_size)
+                return local_value(hf_name, tensor, padded, info[hf_name][2], t, tp)
 
             module = OrderedDict((name, local(hf, ckpt.weights[hf])) for name, hf in names)
             state = {

@@ -17,11 +17,16 @@ def pad_vocab(hf_name: str, tensor: torch.Tensor, padded_vocab_size: int) -> tor
     return torch.cat([tensor, padding])
 
 
+def unpad_vocab(hf_name: str, tensor: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Drop the padding rows of vocabulary-indexed tensors (inverse of pad_vocab)."""
+    return tensor[:vocab_size] if hf_name in _VOCAB_ROWS else tensor
+
+
 def local_value(hf_name: str, full: torch.Tensor, padded_vocab_size: int, partition_dim: int | None,
                 tp_rank: int, tp_size: int) -> torch.Tensor:
     """This TP rank's part of a whole (unpadded) Hugging Face tensor, as fp32."""
     return local_shard(pad_vocab(hf_name, full.detach().to(torch.float32), padded_vocab_size), partition_dim,
-                       tp_rank, tp_size)
+                       tp_rank, tp_size).contiguous()
 
 
 def load_hf_state_dict(model: nn.Module, state: dict, padded_vocab_size: int, tp_rank: int,
