@@ -1,31 +1,58 @@
 #!/usr/bin/env bash
-# Launch pretraining (or any program of this repo) on this node with N processes.
+# Launch pretraining, fine-tuning or a tool of this repo on one node or many.
 #
-#   launcher.sh [--launcher torchrun|deepspeed] [--nproc-per-node N] [--master-port P]
-#               pretrain --config configs/bert-base.yaml [section.key=value ...]
-#   launcher.sh [...] finetune TASK [--config FILE] [section.key=value ...]
-#   launcher.sh [...] tool tools/SCRIPT.py [ARGS...]
+#   launcher.sh [--launcher torchrun|deepspeed|mpirun|slurm] [--nproc-per-node K]
+#               [--hostfile FILE] [--nnodes N] [--node-rank R]
+#               [--master-addr ADDR] [--master-port PORT] [--dry-run]
+#               {pretrain|finetune|tool} ARGS...
 #
-# The world size is nproc-per-node; tensor/pipeline parallel sizes come from the config
-# (parallel.tensor_parallel, parallel.pipeline_parallel) and data parallelism takes the rest.
-# A pretraining config is validated for that world size before any process starts.
-# CPU runs use gloo; with GPUs present the same command uses NCCL, one process per GPU.
-# The exact command is printed before it runs. Environment such as GLOO_SOCKET_IFNAME,
-# NCCL_SOCKET_IFNAME or OMP_NUM_THREADS passes through to every rank.
+#   pretrain --config configs/bert-base.yaml [section.key=value ...]
+#   finetune TASK [--config FILE] [section.key=value ...]
+#   tool tools/SCRIPT.py [ARGS...]
+#
+# Launchers (default torchrun):
+#   torchrun   run once on every node, each with its --node-rank; --master-addr is node 0.
+#   deepspeed  one node: --nproc-per-node; several: --hostfile. With --node-rank, every node runs
+#              the launcher itself (deepspeed --no_ssh); without it, node 0 starts all nodes by ssh.
+#   mpirun     mpiexec (MPICH or Open MPI) starts every rank; several nodes need --hostfile.
+#   slurm      srun inside an allocation (sbatch/salloc); nodes and tasks per node from the options.
+# A hostfile is DeepSpeed's format, one node a line: "HOSTNAME slots=K" (# starts a comment). It
+# sets --nnodes, --nproc-per-node (slots) and, unless given, --master-addr (the first host).
+# The world size is nnodes x nproc-per-node; tensor/pipeline parallel sizes come from the config
+# and data parallelism takes the rest. A pretraining config is validated for that world size
+# before anything starts. --nproc-per-node defaults to the GPU count (1 on CPU). CPU runs use
+# gloo, GPU runs NCCL. The exact command is printed ("+ ...") before it runs; --dry-run stops
+# there. Environment such as GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME or OMP_NUM_THREADS reaches
+# every rank, on every node, with every launcher.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 launcher=torchrun
 nproc=""
+nnodes=""
+node_rank=""
+hostfile=""
+master_addr=""
 master_port=29500
+dry_run=0
+# Variables every rank needs besides its launcher's own (exported explicitly where a launcher
+# does not pass the whole environment: Open MPI, and DeepSpeed's ssh mode).
+passthrough_re='^(GLOO_|NCCL_|OMP_|TP_SOCKET_IFNAME|MASTER_PORT|PYTHON|TORCH_|CUDA_VISIBLE_DEVICES|HF_)'
 
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+fail() { echo "launcher.sh: $*" >&2; exit 2; }
+need_value() { [[ $# -ge 2 && -n "$2" ]] || fail "$1 needs a value"; }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --launcher) launcher="$2"; shift 2 ;;
-    --nproc-per-node) nproc="$2"; shift 2 ;;
-    --master-port) master_port="$2"; shift 2 ;;
+    --launcher) need_value "$@"; launcher="$2"; shift 2 ;;
+    --nproc-per-node) need_value "$@"; nproc="$2"; shift 2 ;;
+    --nnodes) need_value "$@"; nnodes="$2"; shift 2 ;;
+    --node-rank) need_value "$@"; node_rank="$2"; shift 2 ;;
+    --hostfile) need_value "$@"; hostfile="$2"; shift 2 ;;
+    --master-addr) need_value "$@"; master_addr="$2"; shift 2 ;;
+    --master-port) need_value "$@"; master_port="$2"; shift 2 ;;
+    --dry-run) dry_run=1; shift ;;
     -h|--help) usage 0 ;;
     pretrain|finetune|tool) break ;;
     *) echo "launcher.sh: unknown option '$1'" >&2; usage ;;
@@ -34,6 +61,41 @@ done
 [[ $# -gt 0 ]] || { echo "launcher.sh: name a program: pretrain, finetune or tool" >&2; usage; }
 program="$1"; shift
 
+for pair in "--nproc-per-node:$nproc" "--nnodes:$nnodes" "--node-rank:$node_rank" "--master-port:$master_port"; do
+  [[ -z "${pair#*:}" || "${pair#*:}" =~ ^[0-9]+$ ]] || fail "${pair%%:*} must be a non-negative integer, got '${pair#*:}'"
+done
+
+# --- the hostfile: nodes, slots per node, first host -------------------------------------------
+hosts=()
+if [[ -n "$hostfile" ]]; then
+  [[ -f "$hostfile" ]] || fail "hostfile '$hostfile' not found"
+  slots=""
+  lineno=0
+  while IFS= read -r line || [[ -n "$line" ]]; do
+    lineno=$((lineno + 1))
+    line="${line%%#*}"
+    [[ -z "${line//[[:space:]]/}" ]] && continue
+    if [[ ! "$line" =~ ^[[:space:]]*([^[:space:]]+)[[:space:]]+slots=([0-9]+)[[:space:]]*$ ]]; then
+      fail "$hostfile line $lineno: expected 'HOSTNAME slots=K', got '$line'"
+    fi
+    hosts+=("${BASH_REMATCH[1]}")
+    if [[ -n "$slots" && "$slots" != "${BASH_REMATCH[2]}" ]]; then
+      fail "$hostfile line $lineno: every node needs the same slots (found $slots and ${BASH_REMATCH[2]})"
+    fi
+    slots="${BASH_REMATCH[2]}"
+  done < "$hostfile"
+  [[ ${#hosts[@]} -gt 0 ]] || fail "hostfile '$hostfile' lists no hosts"
+  [[ -z "$nnodes" || "$nnodes" == "${#hosts[@]}" ]] || fail "--nnodes $nnodes disagrees with $hostfile (${#hosts[@]} hosts)"
+  [[ -z "$nproc" || "$nproc" == "$slots" ]] || fail "--nproc-per-node $nproc disagrees with $hostfile (slots=$slots)"
+  nnodes="${#hosts[@]}"
+  nproc="$slots"
+  master_addr="${master_addr:-${hosts[0]}}"
+fi
+
+if [[ -z "$nnodes" ]]; then
+  nnodes=1
+  [[ "$launcher" == slurm && -n "${SLURM_JOB_NUM_NODES:-}" ]] && nnodes="$SLURM_JOB_NUM_NODES"
+fi
 if [[ -z "$nproc" ]]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     nproc="$(nvidia-smi -L | wc -l)"
@@ -41,23 +103,82 @@ if [[ -z "$nproc" ]]; then
     nproc=1
   fi
 fi
+(( nnodes >= 1 && nproc >= 1 )) || fail "--nnodes and --nproc-per-node must be at least 1"
+world=$((nnodes * nproc))
+if [[ -n "$node_rank" ]] && (( node_rank >= nnodes )); then
+  fail "--node-rank $node_rank is not below --nnodes $nnodes"
+fi
+if (( nnodes == 1 )); then
+  master_addr="${master_addr:-127.0.0.1}"
+  node_rank="${node_rank:-0}"
+fi
 
+# --- what every rank runs ----------------------------------------------------------------------
 case "$program" in
-  pretrain) target=(-m pretrain "$@")
-            python -m pretrain --check-config --world-size "$nproc" "$@" ;;
+  pretrain) target=(-m pretrain "$@") ;;
   finetune) target=(-m finetune "$@") ;;
-  tool)     [[ $# -gt 0 ]] || { echo "launcher.sh: tool needs a script path" >&2; exit 2; }
-            target=("$@") ;;
+  tool)     [[ $# -gt 0 ]] || fail "tool needs a script path"
+            script="$1"; shift
+            [[ -f "$script" || ! -f "$here/$script" ]] || script="$here/$script"
+            [[ -f "$script" ]] || fail "tool script '$script' not found"
+            target=("$script" "$@") ;;
 esac
+# The ranks import this repo's packages wherever they start.
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
+export MASTER_PORT="$master_port"
+
+multi_node_needs() {  # $1: what is missing, for a multi-node run
+  (( nnodes == 1 )) || fail "$launcher across $nnodes nodes needs $1"
+}
 
 case "$launcher" in
-  torchrun)  cmd=(python -m torch.distributed.run --nnodes 1 --nproc-per-node "$nproc"
-                  --master-addr 127.0.0.1 --master-port "$master_port" "${target[@]}") ;;
-  deepspeed) if [[ "${target[0]}" == "-m" ]]; then target=(--module "${target[@]:1}"); fi
-             cmd=(deepspeed --num_gpus "$nproc" --master_addr 127.0.0.1 --master_port "$master_port" "${target[@]}") ;;
-  *) echo "launcher.sh: unknown launcher '$launcher' (torchrun or deepspeed)" >&2; exit 2 ;;
+  torchrun)
+    [[ -n "$node_rank" ]] || multi_node_needs "--node-rank (run it once on every node)"
+    [[ -n "$master_addr" ]] || multi_node_needs "--master-addr (node 0's address) or --hostfile"
+    cmd=(python -m torch.distributed.run --nnodes "$nnodes" --node-rank "$node_rank" --nproc-per-node "$nproc"
+         --master-addr "$master_addr" --master-port "$master_port" "${target[@]}") ;;
+  deepspeed)
+    if [[ "${target[0]}" == "-m" ]]; then target=(--module "${target[@]:1}"); fi
+    if [[ -z "$hostfile" ]]; then
+      multi_node_needs "--hostfile"
+      cmd=(deepspeed --num_gpus "$nproc" --master_addr "$master_addr" --master_port "$master_port" "${target[@]}")
+    elif [[ -n "$node_rank" ]]; then
+      cmd=(deepspeed --hostfile "$hostfile" --no_ssh --node_rank "$node_rank"
+           --master_addr "$master_addr" --master_port "$master_port" "${target[@]}")
+    else
+      # Node 0 starts every node by ssh (pdsh); DeepSpeed exports the variables of this file.
+      if [[ -z "${DS_ENV_FILE:-}" ]]; then
+        DS_ENV_FILE="$(mktemp "${TMPDIR:-/tmp}/launcher-deepspeed-env.XXXXXX")"
+        env | grep -E "$passthrough_re" > "$DS_ENV_FILE" || true
+        export DS_ENV_FILE
+      fi
+      cmd=(deepspeed --hostfile "$hostfile" --master_addr "$master_addr" --master_port "$master_port" "${target[@]}")
+    fi ;;
+  mpirun)
+    mpiexec="$(dirname "$(command -v python)")/mpiexec"
+    [[ -x "$mpiexec" ]] || mpiexec="$(command -v mpiexec || true)"
+    [[ -n "$mpiexec" ]] || fail "mpirun: no mpiexec found (tools/install.sh installs MPICH into the venv)"
+    [[ -n "$hostfile" ]] || multi_node_needs "--hostfile"
+    if "$mpiexec" --version 2>&1 | grep -q "Open MPI"; then
+      cmd=("$mpiexec" -np "$world" --map-by "ppr:$nproc:node" -x "MASTER_ADDR=$master_addr")
+      [[ -z "$hostfile" ]] || cmd+=(--hostfile "$hostfile")
+      while IFS= read -r name; do cmd+=(-x "$name"); done < <(env | grep -E "$passthrough_re" | cut -d= -f1)
+    else  # MPICH (Hydra) passes the whole environment by default
+      cmd=("$mpiexec" -n "$world" -ppn "$nproc" -genv MASTER_ADDR "$master_addr")
+      [[ -z "$hostfile" ]] || cmd+=(-hosts "$(IFS=,; echo "${hosts[*]}")")
+    fi
+    cmd+=(python "${target[@]}") ;;
+  slurm)
+    [[ -z "$hostfile" ]] || fail "slurm takes its nodes from the allocation, not from --hostfile"
+    # MASTER_ADDR: given, or the allocation's first node (read from SLURM_JOB_NODELIST by each rank).
+    [[ -z "$master_addr" || "$nnodes" == 1 && "$master_addr" == 127.0.0.1 ]] || export MASTER_ADDR="$master_addr"
+    cmd=(srun --nodes "$nnodes" --ntasks-per-node "$nproc" --kill-on-bad-exit=1 python "${target[@]}") ;;
+  *) fail "unknown launcher '$launcher' (torchrun, deepspeed, mpirun or slurm)" ;;
 esac
 
-cd "$here"
-echo "+ ${cmd[*]}"
+if [[ "$program" == pretrain ]]; then
+  python -m pretrain --check-config --world-size "$world" "$@"
+fi
+printf '+'; printf ' %q' "${cmd[@]}"; printf '\n'
+(( dry_run == 0 )) || exit 0
 exec "${cmd[@]}"

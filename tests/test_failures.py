@@ -1,10 +1,12 @@
-"""A rank that dies or hangs makes the other ranks exit non-zero within a bounded time."""
+"""A rank that dies or hangs makes the other ranks exit non-zero within a bounded time; through
+launcher.sh the whole job exits non-zero, and launching it again resumes from the last checkpoint."""
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from distributed import REPO, free_port
@@ -47,3 +49,54 @@ def test_survivor_exits_nonzero(tmp_path, how):
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+def launch_job(tmp_path, launcher, steps, log_name):
+    """launcher.sh pretraining with 2 ranks (TP2), checkpointing every 2 steps into tmp_path/ckpt."""
+    ckpt = tmp_path / "ckpt"
+    overrides = TINY + [f"train.train_steps={steps}", "parallel.tensor_parallel=2", "train.save_interval=2",
+                        f"train.save_dir={ckpt}", f"train.load_dir={ckpt}", "train.dist_timeout_minutes=0.5"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log = open(tmp_path / log_name, "w")
+    return subprocess.Popen(["bash", "launcher.sh", "--launcher", launcher, "--nproc-per-node", "2", "--master-port",
+                             str(free_port()), "pretrain", "--config", "configs/bert-tiny.yaml", *overrides],
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def rank_process(launcher_proc, rank):
+    for child in psutil.Process(launcher_proc.pid).children(recursive=True):
+        try:
+            if "pretrain" in child.cmdline() and child.environ().get("RANK") == str(rank):
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no process of rank {rank} under the launcher")
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_killed_rank_fails_the_job_and_relaunch_resumes(tmp_path, launcher):
+    job = launch_job(tmp_path, launcher, 100000, "first.log")
+    log = tmp_path / "first.log"
+    try:
+        deadline = time.monotonic() + 300
+        while "saved checkpoint" not in log.read_text():
+            assert time.monotonic() < deadline and job.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
+        rank_process(job, 1).kill()
+        started = time.monotonic()
+        code = job.wait(timeout=120)
+        assert code != 0, log.read_text()[-3000:]
+        assert time.monotonic() - started < 120
+    finally:
+        if job.poll() is None:
+            for child in psutil.Process(job.pid).children(recursive=True):
+                child.kill()
+            job.kill()
+            job.wait()
+    saved = int((tmp_path / "ckpt" / "latest").read_text().strip().split("_")[-1])
+    assert saved >= 2
+    again = launch_job(tmp_path, launcher, saved + 2, "second.log")
+    assert again.wait(timeout=300) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    second = (tmp_path / "second.log").read_text()
+    assert f"at step {saved} " in second and f"step {saved + 2}/{saved + 2}" in second, second[-3000:]
+    assert f"step {saved}/" not in second  # nothing before the checkpoint was trained again

@@ -34,16 +34,55 @@ def test_single_process_default():
     assert (env.rank, env.world_size, env.source) == (0, 1, "single")
 
 
-def test_mpirun_two_ranks(tmp_path):
+JOB = ["pretrain", "--config", "configs/bert-tiny.yaml", "model.vocab_size=1000", "parallel.tensor_parallel=2",
+       "train.train_steps=2", "scheduler.warmup_steps=1", "train.log_interval=1", "train.global_batch_size=4",
+       "train.micro_batch_size=2"]
+
+# Stand-in for SLURM's srun on a machine without SLURM: starts --nodes x --ntasks-per-node tasks
+# of the command with the variables srun gives each task (and none of torchrun's), waits for all.
+FAKE_SRUN = r"""#!/usr/bin/env python3
+import os, subprocess, sys
+args = sys.argv[1:]
+nodes = tasks = 1
+while args[0].startswith("--"):
+    flag = args.pop(0)
+    if flag == "--nodes": nodes = int(args.pop(0))
+    elif flag == "--ntasks-per-node": tasks = int(args.pop(0))
+    elif flag != "--kill-on-bad-exit=1": sys.exit(f"fake srun: unexpected {flag}")
+assert nodes == 1, "one machine: one node"
+base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+procs = [subprocess.Popen(args, env=dict(base, SLURM_PROCID=str(t), SLURM_LOCALID=str(t), SLURM_NODEID="0",
+                                         SLURM_NTASKS=str(tasks), SLURM_JOB_NUM_NODES="1",
+                                         SLURM_JOB_NODELIST="localhost")) for t in range(tasks)]
+sys.exit(max(p.wait() for p in procs))
+"""
+
+
+def launch(launcher, extra_env):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env.update(OMP_NUM_THREADS="1", **extra_env)
+    return subprocess.run(["bash", "launcher.sh", "--launcher", launcher, "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), *JOB], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_mpirun_two_ranks():
+    """launcher.sh --launcher mpirun runs the venv's MPICH mpiexec; ranks come from mpi4py."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
     if not mpiexec.exists():
         pytest.fail(f"{mpiexec} missing: the project installs the mpich runtime from PyPI")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    result = subprocess.run(
-        [str(mpiexec), "-n", "2", sys.executable, "-m", "pretrain", "--config", "configs/bert-tiny.yaml",
-         "model.vocab_size=1000", "parallel.tensor_parallel=2", "train.train_steps=2", "scheduler.warmup_steps=1",
-         "train.log_interval=1", "train.global_batch_size=4", "train.micro_batch_size=2"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = launch("mpirun", {})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"+ {mpiexec} -n 2 -ppn 2" in result.stdout
+    assert "step 2/2" in result.stdout
+
+
+def test_slurm_two_tasks(tmp_path):
+    """launcher.sh --launcher slurm runs srun; ranks and the master come from SLURM_* variables."""
+    srun = tmp_path / "bin" / "srun"
+    srun.parent.mkdir()
+    srun.write_text(FAKE_SRUN.replace("#!/usr/bin/env python3", f"#!{sys.executable}"))
+    srun.chmod(0o755)
+    result = launch("slurm", {"PATH": f"{srun.parent}{os.pathsep}{os.environ['PATH']}"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "+ srun --nodes 1 --ntasks-per-node 2 --kill-on-bad-exit=1 python -m pretrain" in result.stdout
     assert "step 2/2" in result.stdout

@@ -36,3 +36,50 @@ def test_invalid_config_is_refused_before_launch():
     assert "model.num_attention_heads (2) must be divisible by parallel.tensor_parallel (3)" in errors
     assert "world size (2) must be a positive multiple" in errors
     assert "+ " not in result.stdout  # nothing was launched
+
+
+def test_dry_run_commands(tmp_path):
+    """Multi-node command lines as printed (and not run) for every launcher, from one hostfile."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# two nodes\nnode-a slots=2\nnode-b slots=2  # the second\n")
+    expected = {
+        ("torchrun", "--node-rank", "1"): "python -m torch.distributed.run --nnodes 2 --node-rank 1 --nproc-per-node 2 "
+                                          "--master-addr node-a --master-port 29500 -m pretrain",
+        ("deepspeed", "--node-rank", "0"): f"deepspeed --hostfile {hostfile} --no_ssh --node_rank 0 --master_addr "
+                                           "node-a --master_port 29500 --module pretrain",
+        ("deepspeed",): f"deepspeed --hostfile {hostfile} --master_addr node-a --master_port 29500 --module pretrain",
+        ("mpirun",): "-n 4 -ppn 2 -genv MASTER_ADDR node-a -hosts node-a\\,node-b python -m pretrain",
+    }
+    for (launcher, *extra), command in expected.items():
+        result = launch("--launcher", launcher, "--hostfile", str(hostfile), *extra, "--dry-run", "pretrain", *COMMON,
+                        "parallel.tensor_parallel=2")
+        assert result.returncode == 0, result.stderr
+        printed = [line for line in result.stdout.splitlines() if line.startswith("+ ")]
+        assert len(printed) == 1 and command in printed[0], (printed, command)
+        assert "valid for 4 rank(s)" in result.stdout  # the config was checked for the whole job's world size
+    result = launch("--launcher", "slurm", "--nnodes", "4", "--nproc-per-node", "8", "--dry-run", "pretrain", *COMMON,
+                    "train.global_batch_size=64")
+    assert "+ srun --nodes 4 --ntasks-per-node 8 --kill-on-bad-exit=1 python -m pretrain" in result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--launcher", "torchrun", "--nnodes", "2"], "torchrun across 2 nodes needs --node-rank"),
+    (["--launcher", "torchrun", "--nnodes", "2", "--node-rank", "1"], "needs --master-addr"),
+    (["--launcher", "deepspeed", "--nnodes", "2", "--node-rank", "0"], "deepspeed across 2 nodes needs --hostfile"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "a"], "--node-rank 2 is not below --nnodes 2"),
+    (["--nproc-per-node", "two"], "--nproc-per-node must be a non-negative integer, got 'two'"),
+    (["--hostfile", "/nonexistent/hosts"], "hostfile '/nonexistent/hosts' not found"),
+    (["--hostfile", "BAD"], "line 2: expected 'HOSTNAME slots=K', got 'node-b 2'"),
+    (["--hostfile", "UNEVEN"], "line 2: every node needs the same slots (found 2 and 4)"),
+    (["--launcher", "slurm", "--hostfile", "UNEVEN"], None),
+    (["--launcher", "pdsh"], "unknown launcher 'pdsh'"),
+])
+def test_bad_launch_options(tmp_path, args, message):
+    (tmp_path / "BAD").write_text("node-a slots=2\nnode-b 2\n")
+    (tmp_path / "UNEVEN").write_text("node-a slots=2\nnode-b slots=4\n")
+    args = [str(tmp_path / a) if a in ("BAD", "UNEVEN") else a for a in args]
+    result = launch(*args, "--dry-run", "pretrain", *COMMON)
+    assert result.returncode == 2
+    assert "+ " not in result.stdout
+    if message is not None:
+        assert message in result.stderr, result.stderr

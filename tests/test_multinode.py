@@ -1,0 +1,97 @@
+"""Multi-node on one machine: a 2-node x 2-process TP2 x DP2 job, the nodes being two network
+namespaces joined by veth, started through launcher.sh with (a) torchrun's rendezvous on node 0's
+address and (b) the DeepSpeed launcher with a hostfile and --no_ssh node ranks. Its losses equal
+the same job on one node with 4 processes. Ranks reach each other only over the veth pair, so
+GLOO_SOCKET_IFNAME must pass through the launcher to every rank for the job to run at all."""
+import os
+import subprocess
+import time
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from distributed import REPO, free_port
+from netns import IFNAME, cannot_create_reason, two_nodes
+
+REASON = cannot_create_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"network namespaces cannot be created here: {REASON}")
+
+STEPS = 4
+TAGS = ["train/loss", "train/lm_loss", "train/nsp_loss", "train/grad_norm", "train/params_norm"]
+
+
+def job_args(logdir):
+    return ["pretrain", "--config", "configs/bert-tiny.yaml", "model.vocab_size=1000", "parallel.tensor_parallel=2",
+            "parallel.zero_stage=1", f"train.train_steps={STEPS}", "scheduler.warmup_steps=1", "train.log_interval=1",
+            "train.global_batch_size=8", "train.micro_batch_size=2", "train.dist_timeout_minutes=2",
+            f"train.tensorboard_dir={logdir}"]
+
+
+def launch_env(**extra):
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+
+
+def wait_all(procs, logs, timeout=600):
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = "\n".join(f"--- {log.name} (exit {p.returncode}) ---\n{log.read_text()[-4000:]}" for p, log in zip(procs, logs))
+    assert all(p.returncode == 0 for p in procs), text
+    return text
+
+
+def scalars(logdir):
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in TAGS}
+
+
+@pytest.fixture(scope="module")
+def single_node(tmp_path_factory):
+    root = tmp_path_factory.mktemp("single")
+    log = root / "node.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["bash", "launcher.sh", "--nproc-per-node", "4", "--master-port", str(free_port()),
+                                 *job_args(root / "tb")], cwd=REPO, env=launch_env(), stdout=out,
+                                stderr=subprocess.STDOUT)
+    wait_all([proc], [log])
+    return scalars(root / "tb")
+
+
+def node_launch_options(launcher, rank, nodes, hostfile):
+    if launcher == "torchrun":
+        return ["--launcher", "torchrun", "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
+                "--master-addr", nodes[0].address, "--master-port", "29517"]
+    return ["--launcher", "deepspeed", "--hostfile", str(hostfile), "--node-rank", str(rank), "--master-port", "29517"]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_two_nodes_equal_one_node(launcher, single_node, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    with two_nodes() as nodes:
+        hostfile.write_text("# DeepSpeed hostfile: one node a line\n"
+                            + "".join(f"{node.address} slots=2\n" for node in nodes))
+        procs, logs = [], []
+        for rank, node in enumerate(nodes):
+            logs.append(tmp_path / f"node{rank}.log")
+            command = ["bash", "launcher.sh", *node_launch_options(launcher, rank, nodes, hostfile),
+                       *job_args(tmp_path / "tb")]
+            with open(logs[-1], "w") as out:
+                procs.append(subprocess.Popen(node.command(command), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                              env=launch_env(GLOO_SOCKET_IFNAME=IFNAME)))
+        output = wait_all(procs, logs)
+    assert f"step {STEPS}/{STEPS}" in logs[0].read_text(), output
+    launched = [line for line in logs[1].read_text().splitlines() if line.startswith("+ ")]
+    assert launched and ("--no_ssh --node_rank 1" if launcher == "deepspeed" else "--node-rank 1") in launched[0]
+    got = scalars(tmp_path / "tb")
+    for tag in TAGS:
+        assert [s for s, _ in got[tag]] == list(range(1, STEPS + 1)), tag
+        assert [v for _, v in got[tag]] == pytest.approx([v for _, v in single_node[tag]], rel=1e-6), tag
