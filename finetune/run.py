@@ -27,11 +27,14 @@ def parse_args(argv=None):
     parser.add_argument("--config", help="YAML config (default: configs/finetune/TASK.yaml)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher adds it
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.init_from=ckpt/ train.epochs=2")
-    return parser.parse_args(argv)
+    # intermixed: overrides may follow --config, as in `python -m finetune mrpc --config F a.b=1`
+    return parser.parse_intermixed_args(argv)
 
 
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    # DeepSpeed's ZeRO calls a torch collective that torch 2.13 deprecated, once per rank and step.
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor. is deprecated", category=FutureWarning)
     args = parse_args(argv)
     from pretrain.parallel import discover_launch_env
 

@@ -74,7 +74,16 @@ def discover_launch_env(environ=None) -> LaunchEnv:
             int(env.get("MASTER_PORT", 29500)),
             "slurm",
         )
-    return LaunchEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "single")
+    # A lone process (a tool, a test) rendezvouses with itself: any free port will do, and a fixed
+    # default would collide with a job running on this machine.
+    port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else _free_port()
+    return LaunchEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), port, "single")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def device_for(local_rank: int) -> torch.device:

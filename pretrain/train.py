@@ -28,6 +28,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     # megatron-core warns on import, once per rank, that optional GPU kernels are missing.
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    # DeepSpeed's ZeRO calls a torch collective that torch 2.13 deprecated, once per rank and step.
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor. is deprecated", category=FutureWarning)
     args = parse_args(argv)
     world_size = args.world_size or discover_launch_env().world_size
     try:

@@ -21,6 +21,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_or_kill(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Wait for every process until a shared deadline; kill whatever still runs after it."""
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def run_ranks(args: list[str], nprocs: int, timeout: float = 600, env: dict | None = None,
               expect_success: bool = True) -> list[subprocess.CompletedProcess]:
     port = free_port()

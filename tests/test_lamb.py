@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 import _lamb_worker as W
+from distributed import wait_or_kill
 from pretrain.optim import Lamb, NormLayout, Segment, build_optimizer, layout_for_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,17 +191,9 @@ def ranks(tmp_path_factory):
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "_lamb_worker.py"), str(out)],
                                       env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
-    deadline = time.monotonic() + WORKER_TIMEOUT_S
     try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
+        wait_or_kill(procs, WORKER_TIMEOUT_S)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
         for log in logs:
             log.close()
     if any(p.returncode != 0 for p in procs):

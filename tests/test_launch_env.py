@@ -34,6 +34,24 @@ def test_single_process_default():
     assert (env.rank, env.world_size, env.source) == (0, 1, "single")
 
 
+def test_single_process_port_is_free_while_a_job_holds_29500():
+    """A tool run beside a launched job (which listens on the default 29500) must not collide."""
+    import socket
+
+    with socket.socket() as job:
+        job.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            job.bind(("127.0.0.1", 29500))
+        except OSError:
+            pass  # already held by a real job: the same situation
+        job.listen()
+        port = discover_launch_env({}).master_port
+        assert port != 29500
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))
+    assert discover_launch_env({"MASTER_PORT": "1234"}).master_port == 1234
+
+
 JOB = ["pretrain", "--config", "configs/bert-tiny.yaml", "model.vocab_size=1000", "parallel.tensor_parallel=2",
        "train.train_steps=2", "scheduler.warmup_steps=1", "train.log_interval=1", "train.global_batch_size=4",
        "train.micro_batch_size=2"]

@@ -5,12 +5,11 @@ the same job on one node with 4 processes. Ranks reach each other only over the 
 GLOO_SOCKET_IFNAME must pass through the launcher to every rank for the job to run at all."""
 import os
 import subprocess
-import time
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from distributed import REPO, free_port
+from distributed import REPO, free_port, wait_or_kill
 from netns import IFNAME, cannot_create_reason, two_nodes
 
 REASON = cannot_create_reason()
@@ -32,17 +31,7 @@ def launch_env(**extra):
 
 
 def wait_all(procs, logs, timeout=600):
-    deadline = time.monotonic() + timeout
-    try:
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    wait_or_kill(procs, timeout)
     text = "\n".join(f"--- {log.name} (exit {p.returncode}) ---\n{log.read_text()[-4000:]}" for p, log in zip(procs, logs))
     assert all(p.returncode == 0 for p in procs), text
     return text

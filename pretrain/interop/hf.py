@@ -206,7 +206,8 @@ def read_hf(path: str, seed: int = 1234) -> LogicalCheckpoint:
         vocab_dir = path
     else:
         notes.append(f"{path} has no {VOCAB_FILE}: the output carries no vocabulary")
-    return LogicalCheckpoint(config=cfg, weights=weights, source=path, vocab_dir=vocab_dir, notes=notes, extra=extra)
+    return LogicalCheckpoint(config=cfg, weights=weights, source=path, vocab_dir=vocab_dir, notes=notes, extra=extra,
+                             initialised_heads=sorted(initialised))
 
 
 def check_vocab_fits(vocab_file: str, vocab_size: int) -> None:

@@ -52,6 +52,9 @@ class LogicalCheckpoint:
     vocab_dir: str | None = None  # directory holding vocab.txt and tokenizer files, if any
     notes: list[str] = field(default_factory=list)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # a fine-tuned model's task head (HF names)
+    # heads the source did not have, filled with fresh initial values (interop.hf.HEADS names, e.g.
+    # "MLM head" for a BertModel directory); kept through write_native so tools can tell untrained heads
+    initialised_heads: list[str] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- locating
@@ -390,6 +393,7 @@ def read_native(path: str, with_optimizer: bool = True) -> LogicalCheckpoint:
         step=int(meta.get("step", 0)), consumed_samples=int(meta.get("consumed_samples", 0)),
         scheduler_steps=scheduler_steps or 0, source=tag_dir,
         vocab_dir=tag_dir if os.path.exists(os.path.join(tag_dir, VOCAB_FILE)) else None,
+        initialised_heads=list(meta.get("initialised_heads", [])),
     )
 
 
@@ -494,6 +498,7 @@ def write_native(ckpt: LogicalCheckpoint, out_dir: str, tp: int, pp: int, with_o
             "exact_resume": False,  # no RNG or data-loader state: the trainer loads it layout-free
             "optimizer_state": with_optimizer,
             "converted_from": converted_from or ckpt.source,
+            "initialised_heads": ckpt.initialised_heads,
         }
         with open(os.path.join(tag_dir, META), "w") as f:
             json.dump(meta, f, indent=2)

@@ -1,0 +1,117 @@
+"""tools/plot_curves.py: a PNG of the loss/accuracy curves of every run under the log directories,
+written atomically; missing directories, logs without events and unknown tags are refused."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from distributed import REPO
+from tools import plot_curves
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    """root/pretrain (the trainer's tags) and root/finetune/mrpc (the fine-tuner's), plus a text file."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    root = tmp_path_factory.mktemp("tb")
+    writer = SummaryWriter(str(root / "pretrain"))
+    for step in range(1, 41):
+        for name, value in (("loss", 10.0 / step + 1), ("lm_loss", 9.0 / step + 1), ("nsp_loss", 0.7 / step),
+                            ("mlm_accuracy", 1 - 1.0 / step), ("learning_rate", 1e-4)):
+            writer.add_scalar(f"train/{name}", value, step)
+            writer.add_scalar(f"train-vs-samples/{name}", value, step * 8)
+        if step % 10 == 0:
+            writer.add_scalar("eval/lm_loss", 9.0 / step + 1.2, step)
+            writer.add_scalar("eval/perplexity", 3.0, step)
+    writer.close()
+    writer = SummaryWriter(str(root / "finetune" / "mrpc"))
+    for step in range(1, 21):
+        writer.add_scalar("train/loss", 0.7 / step, step)
+        if step % 5 == 0:
+            writer.add_scalar("eval/accuracy", 0.6 + step / 100, step)
+    writer.close()
+    (root / "notes.txt").write_text("not an event file\n")
+    return root
+
+
+def check_png(path, min_height=400):
+    import matplotlib.image
+
+    image = matplotlib.image.imread(str(path))
+    height, width = image.shape[:2]
+    assert width >= 600 and min_height <= height <= 3000, image.shape
+    assert image[..., :3].std() > 0.05  # something was drawn on the white canvas
+    assert not [f for f in os.listdir(os.path.dirname(path)) if ".tmp" in f]  # no temporary file left
+    return image
+
+
+def test_command_line_plots_every_loss_and_accuracy_of_every_run(logs, tmp_path):
+    out = tmp_path / "curves.png"
+    done = subprocess.run([sys.executable, "tools/plot_curves.py", "--logdir", str(logs), "--output", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr
+    # pretrain: train/{loss,lm_loss,nsp_loss,mlm_accuracy}, eval/lm_loss; finetune/mrpc: train/loss, eval/accuracy
+    assert done.stdout.strip() == f"wrote 7 series from 2 run(s) in 2 subplot(s) to {out}"
+    check_png(out)
+
+
+def test_labels_tags_and_subplots(logs, tmp_path, capsys):
+    runs = plot_curves.find_runs([str(logs)])
+    assert [label for label, _ in runs] == [os.path.join("finetune", "mrpc"), "pretrain"]
+    scalars = [plot_curves.read_scalars(run) for _, run in runs]
+    series, missing = plot_curves.select_series(runs, scalars, None)
+    assert sorted(label for label, _, _ in series) == [
+        "finetune/mrpc: eval/accuracy", "finetune/mrpc: train/loss", "pretrain: eval/lm_loss",
+        "pretrain: train/lm_loss", "pretrain: train/loss", "pretrain: train/mlm_accuracy", "pretrain: train/nsp_loss"]
+    assert {label: kind for label, kind, _ in series}["pretrain: train/mlm_accuracy"] == "accuracy"
+    steps = {label: [s for s, _ in points] for label, _, points in series}
+    assert steps["pretrain: eval/lm_loss"] == [10, 20, 30, 40] and missing == []
+
+    # chosen tags, one run (several --logdir): a subplot per kind, series named by tag alone
+    out = tmp_path / "chosen.png"
+    assert plot_curves.main(["--logdir", str(logs / "pretrain"), "--output", str(out),
+                             "--tags", "train/lm_loss,eval/lm_loss,eval/perplexity,train/learning_rate,eval/nope"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == f"wrote 4 series from 1 run(s) in 3 subplot(s) to {out}"
+    assert "not in any run: eval/nope" in captured.err
+    check_png(out, min_height=800)  # three stacked subplots
+
+    out = tmp_path / "two.png"
+    assert plot_curves.main(["--logdir", str(logs / "pretrain"), "--logdir", str(logs / "finetune"),
+                             "--output", str(out), "--tags", "train/loss"]) == 0
+    assert "wrote 2 series from 2 run(s) in 1 subplot(s)" in capsys.readouterr().out
+    check_png(out, min_height=300)
+
+
+def test_errors(logs, tmp_path, capsys):
+    out = tmp_path / "x.png"
+
+    def fails(*argv, output=out):
+        assert plot_curves.main([*argv, "--output", str(output)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("plot_curves: error: ") and not output.exists()
+        return err
+
+    assert f"--logdir {tmp_path / 'missing'}: no such directory" in fails("--logdir", str(tmp_path / "missing"))
+    empty = tmp_path / "empty"
+    (empty / "sub").mkdir(parents=True)
+    assert f"--logdir {empty}: no TensorBoard event files" in fails("--logdir", str(empty))
+    assert "not a directory" in fails("--logdir", str(logs / "notes.txt"))
+    err = fails("--logdir", str(logs), "--tags", "train/nope,eval/also_nope")
+    assert "none of the tags train/nope, eval/also_nope" in err
+    assert "eval/perplexity" in err and "train/learning_rate" in err  # lists the tags that exist
+    err = fails("--logdir", str(logs / "pretrain"), "--tags", "train/loss", output=tmp_path / "no" / "x.png")
+    assert f"directory {tmp_path / 'no'} does not exist" in err
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(tmp_path / "lr-only")) as writer:  # no loss or accuracy to plot by default
+        writer.add_scalar("train/learning_rate", 1e-4, 1)
+    assert "no *loss or *accuracy* scalar in the runs (lr-only); their scalar tags: train/learning_rate" in fails(
+        "--logdir", str(tmp_path / "lr-only"))
+    with pytest.raises(SystemExit) as usage:
+        plot_curves.main(["--output", str(out)])  # --logdir is required
+    assert usage.value.code == 2
