@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 import torch
 
 from distributed import REPO, run_ranks
@@ -73,7 +74,11 @@ def test_pair_classification_learns_and_best_weights_load_in_transformers(tiny, 
     summary = json.loads((out / "metrics.json").read_text())
     assert summary["best"]["metrics"]["accuracy"] >= 0.9  # chance: 0.5
     assert summary["history"][0]["metrics"]["accuracy"] < 0.8  # it learned, it was not given
-    assert os.path.exists(out / "tensorboard")
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/learning_rate", "eval/accuracy"} <= tags, tags
+    assert len(events.Scalars("eval/accuracy")) == 14  # one evaluation per epoch
 
     # the best epoch's weights, in Hugging Face format, predict what we predicted
     model = BertForSequenceClassification.from_pretrained(out / "best", attn_implementation="eager").eval()

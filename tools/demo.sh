@@ -9,7 +9,7 @@
 #   6. fine-tune it on a sentence-pair task made from held-out documents (GLUE MRPC layout) on 2
 #      data-parallel processes, with accuracy and F1 on the dev set
 #   7. a PNG of the loss curves (tools/plot_curves.py) and [MASK] predictions (tools/fill_mask.py)
-# Set DEMO_STEPS for a longer pretraining run (default 600).
+# Set DEMO_STEPS for a longer pretraining run (default 800).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 started=$SECONDS
@@ -17,7 +17,7 @@ bash tools/install.sh
 . .venv/bin/activate
 export OMP_NUM_THREADS=1
 out=outputs/demo
-steps="${DEMO_STEPS:-600}"
+steps="${DEMO_STEPS:-800}"
 rm -rf "$out"
 say() { printf '\n== [%dm%02ds] %s\n' $(((SECONDS - started) / 60)) $(((SECONDS - started) % 60)) "$*"; }
 
@@ -51,8 +51,8 @@ say "loss curves and [MASK] predictions"
 python tools/plot_curves.py --logdir "$out/tensorboard" --output "$out/loss_curves.png"
 python tools/fill_mask.py --checkpoint "$out/hf" --top-k 5 \
   "The [MASK] statement is used for conditional execution." \
-  "This function returns a new [MASK] object." \
-  "Raise a [MASK] if the file does not exist."
+  "Return the number of [MASK] in the array." \
+  "If the array is empty, a ValueError is [MASK]."
 
 say "done in $(((SECONDS - started) / 60)) min $(((SECONDS - started) % 60)) s. Outputs in $out:"
 echo "   checkpoints/ (native, TP2)  hf/ (Hugging Face)  finetune/ (metrics, best/, predictions)"
