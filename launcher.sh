@@ -113,6 +113,11 @@ if (( nnodes == 1 )); then
   node_rank="${node_rank:-0}"
 fi
 
+# The repo's venv (tools/install.sh) when none is active: python, deepspeed and mpiexec come from it.
+if [[ -z "${VIRTUAL_ENV:-}" && -x "$here/.venv/bin/python" ]]; then
+  export PATH="$here/.venv/bin:$PATH"
+fi
+
 # --- what every rank runs ----------------------------------------------------------------------
 case "$program" in
   pretrain) target=(-m pretrain "$@") ;;

@@ -9,6 +9,7 @@ the same data. Evaluation shards the examples over DP ranks and gathers the outp
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -89,6 +90,7 @@ class Features(Batches):
 class Finetuner:
     def __init__(self, cfg: FinetuneConfig, parallel, log=print):
         self.cfg, self.parallel = cfg, parallel
+        self._pending_writes = []  # prediction files of the last evaluation, written if it is the best
         self.log = log if parallel.rank == parallel.logging_rank else (lambda *a, **k: None)
         self.task = SWAG if cfg.task.name == SWAG.name else SQUAD_TASKS.get(cfg.task.name) or TASKS[cfg.task.name]
         self.squad = isinstance(self.task, SquadTask)
@@ -255,6 +257,7 @@ class Finetuner:
         history, best, self.train_losses = [], None, []
         if t.eval_only:
             result = self.evaluate_all(epoch=0)
+            self.write_predictions()
             self.predict_tests()
             return self._finish(history=[result], best=result)
         step, progress = 0, self._progress(self.total_steps)
@@ -288,6 +291,7 @@ class Finetuner:
                 best = result
                 if t.keep_best:
                     self.save_best(result)
+                self.write_predictions()
                 self.predict_tests()
         progress.close()
         return self._finish(history, best)
@@ -344,7 +348,9 @@ class Finetuner:
         return logits[:, 0] if self.task.is_regression else logits.argmax(-1)
 
     def evaluate_all(self, epoch: int, step: int = 0) -> dict:
-        metrics = {}
+        """Metrics of every dev set. Their prediction files wait in `_pending_writes` until the
+        caller knows whether this epoch is the best (`write_predictions`)."""
+        metrics, self._pending_writes = {}, []
         for name, features, examples, squad_data in self.dev_sets:
             logits = self.outputs(features)
             if self.squad:
@@ -352,7 +358,7 @@ class Finetuner:
             else:
                 predicted = self.predictions(logits)
                 values = METRICS[self.task.metric](features.labels.numpy(), predicted)
-                self._write_dev_predictions(name, predicted)
+                self._pending_writes.append(functools.partial(self._write_dev_predictions, name, predicted))
             prefix = f"{name}/" if len(self.dev_sets) > 1 else ""
             metrics.update({f"{prefix}{k}": v for k, v in values.items()})
         main = "f1" if self.squad else MAIN_METRIC[self.task.metric]
@@ -371,16 +377,26 @@ class Finetuner:
             values = evaluate_v1(squad_data, predictions)
         else:
             values = evaluate_v2(squad_data, predictions, null_odds)
-        if self.parallel.rank == self.parallel.logging_rank:
-            directory = os.path.join(self.cfg.train.output_dir, "predictions", name)
-            os.makedirs(directory, exist_ok=True)
-            outputs = {"predictions.json": predictions, "nbest_predictions.json": nbest}
-            if self.task.version == "2.0":
-                outputs["null_odds.json"] = null_odds
-            for file, content in outputs.items():
-                with open(os.path.join(directory, file), "w") as f:
-                    json.dump(content, f, indent=1)
+        outputs = {"predictions.json": predictions, "nbest_predictions.json": nbest}
+        if self.task.version == "2.0":
+            outputs["null_odds.json"] = null_odds
+        self._pending_writes.append(functools.partial(self._write_squad_predictions, name, outputs))
         return {k: float(v) for k, v in values.items() if not k.endswith("total")}
+
+    def write_predictions(self) -> None:
+        """The prediction files of the last evaluation (called for the best epoch only)."""
+        for write in self._pending_writes:
+            write()
+        self._pending_writes = []
+
+    def _write_squad_predictions(self, name, outputs: dict) -> None:
+        if self.parallel.rank != self.parallel.logging_rank:
+            return
+        directory = os.path.join(self.cfg.train.output_dir, "predictions", name)
+        os.makedirs(directory, exist_ok=True)
+        for file, content in outputs.items():
+            with open(os.path.join(directory, file), "w") as f:
+                json.dump(content, f, indent=1)
 
     def _write_dev_predictions(self, name, predicted) -> None:
         if self.parallel.rank != self.parallel.logging_rank:

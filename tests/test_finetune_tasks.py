@@ -90,6 +90,9 @@ def test_pair_classification_learns_and_best_weights_load_in_transformers(tiny, 
         hf = model(**batch).logits.argmax(-1).tolist()
     ours = [line.split("\t")[1] for line in (out / "predictions" / "repeat_dev.tsv").read_text().splitlines()[1:]]
     assert [model.config.id2label[i] for i in hf] == ours
+    # the prediction file is the best epoch's (not the last one's): it scores the best accuracy
+    gold = [r[3] for r in rows]
+    assert sum(o == g for o, g in zip(ours, gold)) / len(gold) == pytest.approx(summary["best"]["metrics"]["accuracy"])
     assert json.loads((out / "best" / "finetune_result.json").read_text())["epoch"] == summary["best"]["epoch"]
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole flow on CPU, offline, in about 10 minutes on 2 cores (outputs in ./outputs/demo):
+# The whole flow on CPU, offline, in about 9 minutes on 2 cores (outputs in ./outputs/demo):
 #   1. install (tools/install.sh: ./.venv)
 #   2. corpus: the English prose that ships with Python itself (tools/python_docs_corpus.py)
 #   3. WordPiece vocabulary (tools/build_vocab.py) and .bin/.idx data (tools/preprocess_data.py)
