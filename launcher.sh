@@ -152,7 +152,7 @@ case "$launcher" in
            --master_addr "$master_addr" --master_port "$master_port" "${target[@]}")
     else
       # Node 0 starts every node by ssh (pdsh); DeepSpeed exports the variables of this file.
-      if [[ -z "${DS_ENV_FILE:-}" ]]; then
+      if [[ -z "${DS_ENV_FILE:-}" ]] && (( dry_run == 0 )); then
         DS_ENV_FILE="$(mktemp "${TMPDIR:-/tmp}/launcher-deepspeed-env.XXXXXX")"
         env | grep -E "$passthrough_re" > "$DS_ENV_FILE" || true
         export DS_ENV_FILE

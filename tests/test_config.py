@@ -55,9 +55,10 @@ def test_shipped_yaml_loads_and_validates(path):
             cfg.validate()
         cfg = load_config(str(path), ["data.paths=[corpus_text_sentence]", "data.vocab_file=vocab.txt"])
     cfg.validate()
-    cfg.validate(world_size=1)
-    cfg.validate(world_size=8)
-    assert cfg.grad_accum_steps(1) == cfg.train.global_batch_size // cfg.train.micro_batch_size
+    model_parallel = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel  # the demo's is TP2
+    cfg.validate(world_size=model_parallel)
+    cfg.validate(world_size=4 * model_parallel)
+    assert cfg.grad_accum_steps(model_parallel) == cfg.train.global_batch_size // cfg.train.micro_batch_size
 
 
 @pytest.mark.parametrize("name,layers,hidden,heads", [
