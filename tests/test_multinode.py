@@ -2,10 +2,13 @@
 namespaces joined by veth, started through launcher.sh with (a) torchrun's rendezvous on node 0's
 address and (b) the DeepSpeed launcher with a hostfile and --no_ssh node ranks. Its losses equal
 the same job on one node with 4 processes. Ranks reach each other only over the veth pair, so
-GLOO_SOCKET_IFNAME must pass through the launcher to every rank for the job to run at all."""
+GLOO_SOCKET_IFNAME must pass through the launcher to every rank for the job to run at all.
+A rank killed on node 1 makes both nodes' launchers exit non-zero within 2 minutes."""
 import os
 import subprocess
+import time
 
+import psutil
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -19,10 +22,10 @@ STEPS = 4
 TAGS = ["train/loss", "train/lm_loss", "train/nsp_loss", "train/grad_norm", "train/params_norm"]
 
 
-def job_args(logdir):
+def job_args(logdir, steps=STEPS):
     return ["pretrain", "--config", "configs/bert-tiny.yaml", "model.vocab_size=1000", "parallel.tensor_parallel=2",
-            "parallel.zero_stage=1", f"train.train_steps={STEPS}", "scheduler.warmup_steps=1", "train.log_interval=1",
-            "train.global_batch_size=8", "train.micro_batch_size=2", "train.dist_timeout_minutes=2",
+            "parallel.zero_stage=1", f"train.train_steps={steps}", "scheduler.warmup_steps=1", "train.log_interval=1",
+            "train.global_batch_size=8", "train.micro_batch_size=2", "train.dist_timeout_minutes=0.5",
             f"train.tensorboard_dir={logdir}"]
 
 
@@ -84,3 +87,31 @@ def test_two_nodes_equal_one_node(launcher, single_node, tmp_path):
     for tag in TAGS:
         assert [s for s, _ in got[tag]] == list(range(1, STEPS + 1)), tag
         assert [v for _, v in got[tag]] == pytest.approx([v for _, v in single_node[tag]], rel=1e-6), tag
+
+
+def test_rank_killed_on_one_node_ends_the_job_on_both(tmp_path):
+    with two_nodes() as nodes:
+        procs, logs = [], []
+        for rank, node in enumerate(nodes):
+            logs.append(tmp_path / f"node{rank}.log")
+            command = ["bash", "launcher.sh", *node_launch_options("torchrun", rank, nodes, None),
+                       *job_args(tmp_path / "tb", steps=100000)]
+            with open(logs[-1], "w") as out:
+                procs.append(subprocess.Popen(node.command(command), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                              env=launch_env(GLOO_SOCKET_IFNAME=IFNAME)))
+        try:
+            deadline = time.monotonic() + 300
+            while "step 2/" not in logs[0].read_text():
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs[0].read_text()
+                time.sleep(0.5)
+            victim = next(c for c in psutil.Process(procs[1].pid).children(recursive=True)
+                          if "pretrain" in c.cmdline() and c.environ().get("RANK") == "3")
+            victim.kill()
+            started = time.monotonic()
+            wait_or_kill(procs, 120)
+            elapsed = time.monotonic() - started
+            print(f"both nodes' launchers exited {elapsed:.1f} s after the kill")
+        finally:
+            wait_or_kill(procs, 1)
+    assert [p.returncode != 0 for p in procs] == [True, True], [log.read_text()[-2000:] for log in logs]
+    assert elapsed < 120
