@@ -39,7 +39,7 @@ dry_run=0
 # does not pass the whole environment: Open MPI, and DeepSpeed's ssh mode).
 passthrough_re='^(GLOO_|NCCL_|OMP_|TP_SOCKET_IFNAME|MASTER_PORT|PYTHON|TORCH_|CUDA_VISIBLE_DEVICES|HF_)'
 
-usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit "${1:-2}"; }
 fail() { echo "launcher.sh: $*" >&2; exit 2; }
 need_value() { [[ $# -ge 2 && -n "$2" ]] || fail "$1 needs a value"; }
 

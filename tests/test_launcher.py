@@ -83,3 +83,10 @@ def test_bad_launch_options(tmp_path, args, message):
     assert "+ " not in result.stdout
     if message is not None:
         assert message in result.stderr, result.stderr
+
+
+def test_help_is_the_header_comment():
+    result = launch("--help")
+    assert result.returncode == 0
+    assert result.stdout.startswith("Launch pretraining") and "hostfile is DeepSpeed's format" in result.stdout
+    assert "set -euo" not in result.stdout and "#" not in result.stdout.splitlines()[0]

@@ -1,6 +1,8 @@
 """Multi-node on one machine: a 2-node x 2-process TP2 x DP2 job, the nodes being two network
 namespaces joined by veth, started through launcher.sh with (a) torchrun's rendezvous on node 0's
-address and (b) the DeepSpeed launcher with a hostfile and --no_ssh node ranks. Its losses equal
+address, (b) the DeepSpeed launcher with a hostfile and --no_ssh node ranks and (c) mpirun (the
+venv's MPICH, started on node 0, reaching node 1 through an ssh stand-in that enters its
+namespace; ranks from mpi4py). Its losses equal
 the same job on one node with 4 processes. Ranks reach each other only over the veth pair, so
 GLOO_SOCKET_IFNAME must pass through the launcher to every rank for the job to run at all.
 A rank killed on node 1 makes both nodes' launchers exit non-zero within 2 minutes."""
@@ -86,6 +88,41 @@ def test_two_nodes_equal_one_node(launcher, single_node, tmp_path):
     got = scalars(tmp_path / "tb")
     for tag in TAGS:
         assert [s for s, _ in got[tag]] == list(range(1, STEPS + 1)), tag
+        assert [v for _, v in got[tag]] == pytest.approx([v for _, v in single_node[tag]], rel=1e-6), tag
+
+
+# What ssh would do for Hydra (MPICH's mpiexec): run the proxy command on the named host, here by
+# entering the namespace that owns the address.
+SSH_STAND_IN = """#!/bin/bash
+while [[ "$1" == -* ]]; do shift; done
+host="$1"; shift
+case "$host" in
+{cases}
+  *) echo "ssh stand-in: unknown host $host" >&2; exit 255 ;;
+esac
+exec ip netns exec "$namespace" sh -c "$*"
+"""
+
+
+def test_mpirun_two_nodes_equal_one_node(single_node, tmp_path):
+    with two_nodes() as nodes:
+        hostfile = tmp_path / "hostfile"
+        hostfile.write_text("".join(f"{node.address} slots=2\n" for node in nodes))
+        ssh = tmp_path / "ssh"
+        ssh.write_text(SSH_STAND_IN.format(cases="\n".join(f"  {n.address}) namespace={n.namespace} ;;" for n in nodes)))
+        ssh.chmod(0o755)
+        log = tmp_path / "node0.log"
+        command = ["bash", "launcher.sh", "--launcher", "mpirun", "--hostfile", str(hostfile), "--master-port", "29517",
+                   *job_args(tmp_path / "tb")]
+        with open(log, "w") as out:
+            proc = subprocess.Popen(nodes[0].command(command), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                    env=launch_env(GLOO_SOCKET_IFNAME=IFNAME, HYDRA_LAUNCHER="ssh",
+                                                   HYDRA_LAUNCHER_EXEC=str(ssh)))
+        output = wait_all([proc], [log])
+    assert f"-n 4 -ppn 2 -genv MASTER_ADDR {nodes[0].address} -hosts" in output
+    assert f"step {STEPS}/{STEPS}" in output
+    got = scalars(tmp_path / "tb")
+    for tag in TAGS:
         assert [v for _, v in got[tag]] == pytest.approx([v for _, v in single_node[tag]], rel=1e-6), tag
 
 
