@@ -11,9 +11,9 @@ import argparse
 import json
 import os
 import sys
-import warnings
 
 from pretrain.config import ConfigError
+from pretrain.quiet import hide_library_warnings
 
 from .config import TASK_NAMES, load_finetune_config
 
@@ -32,9 +32,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-    # DeepSpeed's ZeRO calls a torch collective that torch 2.13 deprecated, once per rank and step.
-    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor. is deprecated", category=FutureWarning)
+    hide_library_warnings()
     args = parse_args(argv)
     from pretrain.parallel import discover_launch_env
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 
 from .config import ConfigError, load_config
 from .parallel import discover_launch_env
+from .quiet import hide_library_warnings
 
 
 def parse_args(argv=None):
@@ -26,10 +26,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    # megatron-core warns on import, once per rank, that optional GPU kernels are missing.
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-    # DeepSpeed's ZeRO calls a torch collective that torch 2.13 deprecated, once per rank and step.
-    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor. is deprecated", category=FutureWarning)
+    hide_library_warnings()
     args = parse_args(argv)
     world_size = args.world_size or discover_launch_env().world_size
     try:

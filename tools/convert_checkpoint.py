@@ -26,7 +26,8 @@ import argparse
 import os
 import sys
 import time
-import warnings
+
+from pretrain.quiet import hide_library_warnings
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     # Conversion runs on the CPU whatever the machine has; keep the libraries' import chatter out.
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    hide_library_warnings()
     from pretrain.checkpointing import CheckpointError
     import pretrain.interop.hf  # noqa: F401  (imports first: "done in" times the conversion alone)
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import warnings
+
+from pretrain.quiet import hide_library_warnings
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    hide_library_warnings()
     from finetune.features import FeatureError, extract_features
     from pretrain.checkpointing import CheckpointError
     from pretrain.parallel import init_parallel, shutdown_parallel

@@ -27,7 +27,8 @@ import contextlib
 import json
 import os
 import sys
-import warnings
+
+from pretrain.quiet import hide_library_warnings
 
 MASK = "[MASK]"
 
@@ -226,7 +227,7 @@ def run(args, parallel) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    hide_library_warnings()
     import torch
 
     if not torch.cuda.is_available():
