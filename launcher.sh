@@ -20,10 +20,12 @@
 # sets --nnodes, --nproc-per-node (slots) and, unless given, --master-addr (the first host).
 # The world size is nnodes x nproc-per-node; tensor/pipeline parallel sizes come from the config
 # and data parallelism takes the rest. A pretraining config is validated for that world size
-# before anything starts. --nproc-per-node defaults to the GPU count (1 on CPU). CPU runs use
-# gloo, GPU runs NCCL. The exact command is printed ("+ ...") before it runs; --dry-run stops
-# there. Environment such as GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME or OMP_NUM_THREADS reaches
-# every rank, on every node, with every launcher.
+# before anything starts. --nproc-per-node defaults to the GPUs this shell sees (nvidia-smi,
+# narrowed by CUDA_VISIBLE_DEVICES; 1 on CPU), and to 1 for `tool` (converters and inspectors
+# are single-process unless told otherwise). CPU runs use gloo, GPU runs NCCL. The exact command
+# is printed ("+ ...") before it runs; --dry-run stops there. Environment such as
+# CUDA_VISIBLE_DEVICES, NCCL_*/GLOO_*/FI_*/UCX_* network settings, PYTORCH_CUDA_ALLOC_CONF,
+# LD_LIBRARY_PATH or OMP_NUM_THREADS reaches every rank, on every node, with every launcher.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -37,7 +39,7 @@ master_port=29500
 dry_run=0
 # Variables every rank needs besides its launcher's own (exported explicitly where a launcher
 # does not pass the whole environment: Open MPI, and DeepSpeed's ssh mode).
-passthrough_re='^(GLOO_|NCCL_|OMP_|TP_SOCKET_IFNAME|MASTER_PORT|PYTHON|TORCH_|CUDA_VISIBLE_DEVICES|HF_)'
+passthrough_re='^(GLOO_|NCCL_|OMP_|TP_SOCKET_IFNAME|MASTER_PORT|PYTHON|PYTORCH_|TORCH_|CUDA_|FI_|UCX_|LD_LIBRARY_PATH=|HF_|BERT_)'
 
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit "${1:-2}"; }
 fail() { echo "launcher.sh: $*" >&2; exit 2; }
@@ -96,12 +98,20 @@ if [[ -z "$nnodes" ]]; then
   nnodes=1
   [[ "$launcher" == slurm && -n "${SLURM_JOB_NUM_NODES:-}" ]] && nnodes="$SLURM_JOB_NUM_NODES"
 fi
-if [[ -z "$nproc" ]]; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    nproc="$(nvidia-smi -L | wc -l)"
+# GPUs this shell may use: nvidia-smi's list, narrowed by CUDA_VISIBLE_DEVICES when it is set.
+visible_gpus=()
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
+    IFS=, read -r -a visible_gpus <<< "$CUDA_VISIBLE_DEVICES"
   else
-    nproc=1
+    mapfile -t visible_gpus < <(seq 0 $(( $(nvidia-smi -L | wc -l) - 1 )))
   fi
+fi
+if [[ -z "$nproc" ]]; then
+  if [[ "$program" == tool || ${#visible_gpus[@]} -eq 0 ]]; then nproc=1; else nproc=${#visible_gpus[@]}; fi
+fi
+if (( ${#visible_gpus[@]} > 0 && nproc > ${#visible_gpus[@]} )); then
+  fail "--nproc-per-node $nproc but this node sees ${#visible_gpus[@]} GPU(s) (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset}): one rank per GPU"
 fi
 (( nnodes >= 1 && nproc >= 1 )) || fail "--nnodes and --nproc-per-node must be at least 1"
 world=$((nnodes * nproc))
@@ -146,7 +156,13 @@ case "$launcher" in
     if [[ "${target[0]}" == "-m" ]]; then target=(--module "${target[@]:1}"); fi
     if [[ -z "$hostfile" ]]; then
       multi_node_needs "--hostfile"
-      cmd=(deepspeed --num_gpus "$nproc" --master_addr "$master_addr" --master_port "$master_port" "${target[@]}")
+      if [[ -n "${CUDA_VISIBLE_DEVICES:-}" && ${#visible_gpus[@]} -gt 0 ]]; then
+        # --num_gpus would make DeepSpeed drop CUDA_VISIBLE_DEVICES and count from GPU 0
+        devices="$(IFS=,; echo "${visible_gpus[*]:0:$nproc}")"
+        cmd=(deepspeed --include "localhost:$devices" --master_addr "$master_addr" --master_port "$master_port" "${target[@]}")
+      else
+        cmd=(deepspeed --num_gpus "$nproc" --master_addr "$master_addr" --master_port "$master_port" "${target[@]}")
+      fi
     elif [[ -n "$node_rank" ]]; then
       cmd=(deepspeed --hostfile "$hostfile" --no_ssh --node_rank "$node_rank"
            --master_addr "$master_addr" --master_port "$master_port" "${target[@]}")
@@ -177,7 +193,9 @@ case "$launcher" in
     [[ -z "$hostfile" ]] || fail "slurm takes its nodes from the allocation, not from --hostfile"
     # MASTER_ADDR: given, or the allocation's first node (read from SLURM_JOB_NODELIST by each rank).
     [[ -z "$master_addr" || "$nnodes" == 1 && "$master_addr" == 127.0.0.1 ]] || export MASTER_ADDR="$master_addr"
-    cmd=(srun --nodes "$nnodes" --ntasks-per-node "$nproc" --kill-on-bad-exit=1 python "${target[@]}") ;;
+    # --mpi=none: ranks come from SLURM's variables; a PMI plugin would make mpi4py's MPI (which may
+    # not speak it) report every task as rank 0 of 1
+    cmd=(srun --mpi=none --nodes "$nnodes" --ntasks-per-node "$nproc" --kill-on-bad-exit=1 python "${target[@]}") ;;
   *) fail "unknown launcher '$launcher' (torchrun, deepspeed, mpirun or slurm)" ;;
 esac
 

@@ -13,6 +13,7 @@ import os
 import sys
 
 from pretrain.config import ConfigError
+from pretrain.cli import accept_launcher_args
 from pretrain.quiet import hide_library_warnings
 
 from .config import TASK_NAMES, load_finetune_config
@@ -25,7 +26,7 @@ def parse_args(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("task", choices=TASK_NAMES)
     parser.add_argument("--config", help="YAML config (default: configs/finetune/TASK.yaml)")
-    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher adds it
+    accept_launcher_args(parser)
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.init_from=ckpt/ train.epochs=2")
     # intermixed: overrides may follow --config, as in `python -m finetune mrpc --config F a.b=1`
     return parser.parse_intermixed_args(argv)

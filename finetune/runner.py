@@ -20,10 +20,10 @@ from dataclasses import replace
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from pretrain.checkpointing import CheckpointError, save_vocab
 from pretrain.data.tokenizer import TokenizerError, load_tokenizer
+from pretrain.device import all_gather, all_gather_object, all_reduce, to_host
 from pretrain.interop.apply import read_any
 from pretrain.interop.native import LogicalCheckpoint
 from pretrain.model.bert import logical_parameters
@@ -320,7 +320,7 @@ class Finetuner:
     def _mean_over_dp(self, value: torch.Tensor) -> float:
         value = value.float().clone().to(self.parallel.device)
         if self.parallel.dp_size > 1:
-            dist.all_reduce(value, group=self.parallel.dp_group)
+            all_reduce(value, self.parallel.dp_group)
             value /= self.parallel.dp_size
         return value.item()
 
@@ -334,8 +334,7 @@ class Finetuner:
         local = [self.engine(*features.batch(mine[i:i + size], p.device)[0]).float().cpu()
                  for i in range(0, len(mine), size)]
         local = torch.cat(local).numpy() if local else None
-        gathered = [None] * p.dp_size
-        dist.all_gather_object(gathered, (mine, local), group=p.dp_group)
+        gathered = all_gather_object((mine, local), p.dp_group)
         shape = next(logits.shape[1:] for _, logits in gathered if logits is not None)
         result = np.zeros((len(features), *shape), dtype=np.float32)
         for indices, logits in gathered:
@@ -428,12 +427,10 @@ class Finetuner:
         p = self.parallel
         weights = {}
         for lp in logical_parameters(self.model.bert):
-            local = lp.param.detach().float().cpu()
+            local = lp.param.detach().float()  # on the model's device: the TP gather runs there
             if lp.tp_partition_dim is not None and p.tp_size > 1:
-                pieces = [torch.empty_like(local) for _ in range(p.tp_size)]
-                dist.all_gather(pieces, local.to(p.device), group=p.tp_group)
-                local = torch.cat([piece.cpu() for piece in pieces], dim=lp.tp_partition_dim)
-            weights[lp.hf_name] = unpad_vocab(lp.hf_name, local, self.model_cfg.vocab_size)
+                local = torch.cat(all_gather(local, p.tp_group), dim=lp.tp_partition_dim)
+            weights[lp.hf_name] = unpad_vocab(lp.hf_name, to_host(local), self.model_cfg.vocab_size)
         if p.rank != p.logging_rank:
             return
         head = {name: param.detach().float().cpu() for name, param in self.model.head.named_parameters()}

@@ -15,9 +15,10 @@ import shutil
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from .config import Config
+from .device import barrier
+from .model.rng import seed_streams
 
 LATEST = "latest"
 META = "meta.json"
@@ -64,19 +65,41 @@ def rng_state(tracker) -> dict:
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
         "streams": tracker.state_dict(),
+        # The dropout streams are states of the model device's generator: CUDA's Philox states
+        # mean nothing to the CPU's Mersenne Twister and the other way round.
+        "device_type": tracker.device.type,
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    if tracker.device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(tracker.device)
     return state
 
 
-def restore_rng_state(state: dict, tracker) -> None:
+def _saved_device_type(state: dict) -> str:
+    if "device_type" in state:
+        return state["device_type"]
+    # Written before the device type was recorded: a stream of the CPU generator's state size
+    # was a CPU (or CPU-generator) run; anything else came from a GPU.
+    sizes = {s.numel() for s in state["streams"].values()}
+    return "cpu" if sizes <= {torch.get_rng_state().numel()} else "cuda"
+
+
+def restore_rng_state(state: dict, tracker) -> bool:
+    """Restore every generator; False when the dropout streams were written on another kind
+    of device, in which case they are left for the caller to reseed."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    torch.set_rng_state(state["torch"])  # the CPU generator: the same on every device type
+    if _generator_kind(_saved_device_type(state)) != _generator_kind(tracker.device.type):
+        return False
+    if "cuda" in state and tracker.device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], tracker.device)
     tracker.load_state_dict(state["streams"])
+    return True
+
+
+def _generator_kind(device_type: str) -> str:
+    """Dropout on any device but CUDA draws from the CPU generator (see model/rng.py)."""
+    return "cuda" if device_type == "cuda" else "cpu"
 
 
 def save_checkpoint(engine, save_dir: str, step: int, consumed_samples: int, cfg: Config, parallel, tracker,
@@ -101,11 +124,11 @@ def save_checkpoint(engine, save_dir: str, step: int, consumed_samples: int, cfg
             "config": cfg.to_dict(),
         }
         _atomic_write(os.path.join(tag_dir, META), json.dumps(meta, indent=2))
-    dist.barrier()
+    barrier()
     if parallel.rank == 0:
         _atomic_write(os.path.join(save_dir, LATEST), tag)
         _prune(save_dir, keep_last, keep=tag)
-    dist.barrier()
+    barrier()
     return tag
 
 
@@ -173,7 +196,7 @@ def check_compatible(meta: dict, cfg: Config, parallel, path: str) -> None:
         raise CheckpointError(f"checkpoint {path} does not match this run's layout:\n  " + "\n  ".join(differences))
 
 
-def load_checkpoint(engine, load_dir: str, cfg: Config, parallel, tracker) -> tuple[int, int] | None:
+def load_checkpoint(engine, load_dir: str, cfg: Config, parallel, tracker, log=print) -> tuple[int, int] | None:
     """Resume from `latest` in load_dir. Returns (step, consumed_samples), or None if there is none."""
     tag = latest_tag(load_dir)
     if tag is None:
@@ -187,8 +210,15 @@ def load_checkpoint(engine, load_dir: str, cfg: Config, parallel, tracker) -> tu
     rng_path = os.path.join(path, f"rng_rank{parallel.rank:05d}.pt")
     if not os.path.exists(rng_path):
         raise CheckpointError(f"{rng_path} is missing: the checkpoint was written by a different number of ranks")
-    restore_rng_state(torch.load(rng_path, weights_only=False), tracker)
-    return client_state["step"], client_state["consumed_samples"]
+    state = torch.load(rng_path, weights_only=False)
+    step = client_state["step"]
+    if not restore_rng_state(state, tracker):
+        # Not bit-exact (no RNG of one device type replays the other's), but deterministic.
+        seed_streams(tracker, cfg.train.seed + step, parallel.tp_rank, parallel.pp_rank, parallel.dp_rank)
+        log(f"{rng_path}: the dropout RNG streams were written on {_saved_device_type(state)}, this run is on "
+            f"{tracker.device.type}: reseeded them from train.seed + step ({cfg.train.seed} + {step}); "
+            "weights, optimizer, data position and schedule resume exactly")
+    return step, client_state["consumed_samples"]
 
 
 def init_from_checkpoint(engine, tag_dir: str, cfg: Config, parallel, optimizer_states: bool) -> int:

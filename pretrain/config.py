@@ -170,6 +170,9 @@ class TrainConfig:
     deepspeed_config: str | None = None  # path to a user DeepSpeed JSON adding DeepSpeed-only options
     dist_timeout_minutes: float = 10.0  # collective timeout: a dead/hung rank makes the others exit
     exit_after_steps: int = 0  # stop (saving a checkpoint) after this many steps of this run; 0 = run to train_steps
+    # steps between the ranks' agreement on a SIGTERM (one collective and host sync each time);
+    # keep interval x step time well inside the scheduler's grace period (SLURM: KillWait, 30 s)
+    stop_check_interval: int = 5
 
 
 # Section name -> dataclass, in the order sections are listed and validated.
@@ -338,7 +341,7 @@ class Config:
 
         # train
         for name in ("global_batch_size", "micro_batch_size", "train_steps", "log_interval",
-                     "eval_steps", "dist_timeout_minutes"):
+                     "eval_steps", "dist_timeout_minutes", "stop_check_interval"):
             _positive(p, f"train.{name}", getattr(t, name))
         for name in ("seed", "eval_interval", "save_interval", "keep_last", "exit_after_steps"):
             _non_negative(p, f"train.{name}", getattr(t, name))

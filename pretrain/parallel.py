@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .device import backend_for, select_device
+
 
 @dataclass(frozen=True)
 class LaunchEnv:
@@ -63,9 +65,15 @@ def discover_launch_env(environ=None) -> LaunchEnv:
             int(env.get("MASTER_PORT", 29500)),
             "torchrun/deepspeed",
         )
+    slurm = "SLURM_PROCID" in env and "SLURM_NTASKS" in env
     if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env or "PMIX_RANK" in env:
-        return _mpi_launch_env(env)
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        launch = _mpi_launch_env(env)
+        # A real srun sets PMI/PMIx variables too; an MPI library that cannot speak srun's PMI
+        # (pip's MPICH under PMIx) then makes every task rank 0 of 1, all writing one save_dir.
+        # SLURM's own variables are right whenever MPI sees a smaller job than SLURM started.
+        if not (slurm and launch.world_size == 1 and int(env["SLURM_NTASKS"]) > 1):
+            return launch
+    if slurm:
         return LaunchEnv(
             int(env["SLURM_PROCID"]),
             int(env["SLURM_NTASKS"]),
@@ -84,13 +92,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def device_for(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class DeepSpeedMPU:
@@ -188,8 +189,8 @@ def init_parallel(tensor_parallel: int, pipeline_parallel: int, timeout_minutes:
         ("MASTER_PORT", launch.master_port),
     ):
         os.environ[key] = str(value)
-    device = device_for(launch.local_rank)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    device = select_device(launch.local_rank)
+    backend = backend_for(device)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if not dist.is_initialized():
         deepspeed.init_distributed(

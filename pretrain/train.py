@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from .config import ConfigError, load_config
+from .cli import accept_launcher_args
 from .parallel import discover_launch_env
 from .quiet import hide_library_warnings
 
@@ -20,7 +21,7 @@ def parse_args(argv=None):
     parser.add_argument("--check-config", action="store_true",
                         help="validate the config for --world-size (or the launcher's) and exit")
     parser.add_argument("--world-size", type=int, default=None, help="with --check-config: ranks the job will have")
-    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher adds it
+    accept_launcher_args(parser)
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.micro_batch_size=4")
     return parser.parse_args(argv)
 

@@ -9,9 +9,8 @@ import time
 
 import deepspeed
 import torch
-import torch.distributed as dist
 
-from . import checkpointing
+from . import checkpointing, device
 from .config import Config, build_deepspeed_config
 from .data.provider import pretraining_datasets
 from .data.samples import MicroBatchIterator
@@ -60,12 +59,12 @@ def clip_gradients_exactly(engine, model, parallel: Parallel, max_norm: float) -
         if lp.param.grad is not None:
             flat = lp.param.grad.detach().reshape(-1)
             total += torch.dot(flat, flat).double()  # fp32 BLAS per tensor, float64 across tensors
-    dist.all_reduce(total)  # over the world: every DP replica holds the same gradients
+    device.all_reduce(total)  # over the world: every DP replica holds the same gradients
     norm = math.sqrt(total.item() / parallel.dp_size)
     coefficient = min(1.0, max_norm / (norm + 1e-6))
     if coefficient < 1.0:
         torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], coefficient)
-    engine._global_grad_norm = norm
+    device.set_global_grad_norm(engine, norm)
 
 
 def model_flops_per_sample(cfg: Config) -> float:
@@ -102,7 +101,7 @@ class Trainer:
 
         # Rank 0 builds missing sample indices while the others wait; all then map the cache.
         self.train_data, self.valid_data = pretraining_datasets(cfg, is_builder=parallel.rank == 0,
-                                                                barrier=dist.barrier, log=self.log)
+                                                                barrier=device.barrier, log=self.log)
         self.writer = None
         if cfg.train.tensorboard_dir and parallel.rank == parallel.logging_rank:
             from torch.utils.tensorboard import SummaryWriter
@@ -140,20 +139,21 @@ class Trainer:
         def scheduler(opt):
             return make_lr_scheduler(opt, o.lr, s.warmup_steps, cfg.train.train_steps, s.decay, s.power, s.min_lr)
 
-        engine, _, _, _ = deepspeed.initialize(
-            model=model,
-            optimizer=optimizer,
-            lr_scheduler=scheduler,
-            config=self.ds_config,
-            mpu=None if self.pipelined else par.mpu,  # the pipeline engine takes its grid from the topology
-        )
+        with device.no_optimizer_steps(optimizer):  # the fp16/bf16 wrappers step once at construction
+            engine, _, _, _ = deepspeed.initialize(
+                model=model,
+                optimizer=optimizer,
+                lr_scheduler=scheduler,
+                config=self.ds_config,
+                mpu=None if self.pipelined else par.mpu,  # the pipeline engine takes its grid from the topology
+            )
         if par.dp_size == 1 and cfg.parallel.zero_stage == 0 and not self.pipelined:
             engine.enable_backward_allreduce = False  # nothing to average: skip flattening every gradient
         if cfg.parallel.zero_stage == 0 and cfg.train.precision == "fp32":
             engine.clip_fp32_gradients = lambda: clip_gradients_exactly(engine, model, par, cfg.optimizer.grad_clip)
         if isinstance(optimizer, Lamb):
             optimizer.set_layout(layout_for_deepspeed(engine, par.tp_group if par.tp_size > 1 else None,
-                                                      par.dp_group if par.dp_size > 1 else None))
+                                                      par.dp_group if par.dp_size > 1 else None, par.device))
         return engine
 
     def data_iterator(self, dataset, consumed_samples: int) -> MicroBatchIterator:
@@ -167,19 +167,23 @@ class Trainer:
     def train_step(self, data_iter) -> dict:
         if self.pipelined:
             self.engine.train_batch(data_iter=data_iter)
+            if not (self.parallel.is_first_stage or self.parallel.is_last_stage):
+                # DeepSpeed never draws from a middle stage's iterator (PipelineEngine.
+                # set_dataiterator); move its position on as the end stages' moved.
+                data_iter.skip(self.grad_accum)
         else:
             for _ in range(self.grad_accum):
                 inputs, labels = next(data_iter)
                 loss = self.loss_fn(self.engine(inputs), labels)
                 self.engine.backward(loss)
                 self.engine.step()
-        return self._reduce_metrics(self.loss_fn.drain())
+        return self._reduce_metrics(self.loss_fn.drain(self.parallel.device))
 
     @torch.no_grad()
     def evaluate(self) -> dict:
         self.engine.eval()
         data_iter = self.data_iterator(self.valid_data, 0)
-        self.loss_fn.drain()
+        self.loss_fn.drain(self.parallel.device)
         for _ in range(self.cfg.train.eval_steps):
             if self.pipelined:
                 self.engine.eval_batch(data_iter, compute_loss=True, bcast_loss=False)
@@ -188,7 +192,7 @@ class Trainer:
                     inputs, labels = next(data_iter)
                     self.loss_fn(self.engine(inputs), labels)
         self.engine.train()
-        return self._reduce_metrics(self.loss_fn.drain())
+        return self._reduce_metrics(self.loss_fn.drain(self.parallel.device))
 
     def _reduce_metrics(self, sums: torch.Tensor) -> dict:
         """Average the loss function's sums over every micro-batch of the global batch.
@@ -198,8 +202,7 @@ class Trainer:
         """
         p = self.parallel
         contributes = p.is_last_stage and p.tp_rank == 0
-        sums = (sums if contributes else torch.zeros_like(sums)).to(p.device)
-        dist.all_reduce(sums)
+        sums = device.all_reduce(sums if contributes else torch.zeros_like(sums))
         s = dict(zip(PretrainingLoss.METRICS, sums.tolist()))
         lm, nsp = s["lm_loss"] / s["micro_batches"], s["nsp_loss"] / s["micro_batches"]
         return {
@@ -212,24 +215,24 @@ class Trainer:
 
     def params_norm(self) -> float:
         """L2 norm of the whole logical model, each parameter counted once in any layout."""
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.parallel.device)
         for lp in counted_once(self.model, self.parallel):
-            zero3 = hasattr(lp.param, "ds_tensor")
+            zero3 = device.is_zero3_param(lp.param)
             if not zero3 and self.parallel.dp_rank != 0:
                 continue  # replicated over DP; a ZeRO-3 partition is this rank's own
-            tensor = lp.param.ds_tensor if zero3 else lp.param
-            total += tensor.detach().double().pow(2).sum().cpu()
-        dist.all_reduce(total)
-        return math.sqrt(total.item())
+            tensor = device.zero3_partition(lp.param) if zero3 else lp.param
+            total += tensor.detach().double().pow(2).sum()
+        return math.sqrt(device.all_reduce(total).item())
 
     # ----------------------------------------------------------------------------- loop
     def _on_sigterm(self, signum, frame):
         self._stop_requested = True
 
     def _stop_agreed(self) -> bool:
-        flag = torch.tensor(float(self._stop_requested))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() > 0
+        """Whether any rank got SIGTERM; every rank calls it at the same steps (a collective)."""
+        if self.step % self.cfg.train.stop_check_interval:
+            return False
+        return device.reduce_floats([self._stop_requested], self.parallel.device, op="max")[0] > 0
 
     def save(self) -> None:
         if not self.cfg.train.save_dir:
@@ -328,8 +331,9 @@ class Trainer:
         train = {k: metrics[k] for k in ("loss", "lm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy",
                                           "learning_rate", "grad_norm")}
         train["params_norm"] = params_norm
-        if self.cfg.train.precision == "fp16":
-            train["loss_scale"] = float(self.engine.optimizer.cur_scale)
+        scale = device.loss_scale(self.engine)
+        if scale is not None:
+            train["loss_scale"] = scale
         self._scalars("train", train)
         self._scalars("perf", perf)
         eta = seconds_per_step * (t.train_steps - self.step)

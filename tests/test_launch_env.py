@@ -29,6 +29,23 @@ def test_slurm_nodelist(nodelist, first):
     assert _first_slurm_host(nodelist) == first
 
 
+def test_srun_pmi_variables_with_an_mpi_that_sees_one_rank(monkeypatch):
+    """Under a real srun with a PMI plugin, an MPI library that cannot speak it reports rank 0 of
+    1 in every task: SLURM's own variables must win then, or all tasks write one save_dir."""
+    import pretrain.parallel as parallel
+
+    lone = parallel.LaunchEnv(0, 1, 0, "127.0.0.1", 29500, "mpi")
+    monkeypatch.setattr(parallel, "_mpi_launch_env", lambda env: lone)
+    slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "3", "SLURM_JOB_NODELIST": "n1",
+             "PMIX_RANK": "0"}
+    env = discover_launch_env(slurm)
+    assert (env.rank, env.world_size, env.local_rank, env.source) == (3, 4, 3, "slurm")
+    # mpirun inside an allocation: MPI sees the whole job and is believed
+    whole = parallel.LaunchEnv(2, 4, 2, "n1", 29500, "mpi")
+    monkeypatch.setattr(parallel, "_mpi_launch_env", lambda env: whole)
+    assert discover_launch_env(dict(slurm, SLURM_NTASKS="1", SLURM_PROCID="0")) == whole
+
+
 def test_single_process_default():
     env = discover_launch_env({})
     assert (env.rank, env.world_size, env.source) == (0, 1, "single")
@@ -62,12 +79,15 @@ FAKE_SRUN = r"""#!/usr/bin/env python3
 import os, subprocess, sys
 args = sys.argv[1:]
 nodes = tasks = 1
+mpi = "pmix"  # a site default that sets PMIx variables in every task, as a real srun does
 while args[0].startswith("--"):
     flag = args.pop(0)
     if flag == "--nodes": nodes = int(args.pop(0))
     elif flag == "--ntasks-per-node": tasks = int(args.pop(0))
+    elif flag.startswith("--mpi="): mpi = flag.split("=", 1)[1]
     elif flag != "--kill-on-bad-exit=1": sys.exit(f"fake srun: unexpected {flag}")
 assert nodes == 1, "one machine: one node"
+assert mpi == "none", "launcher.sh must start tasks without a PMI plugin"
 base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
 procs = [subprocess.Popen(args, env=dict(base, SLURM_PROCID=str(t), SLURM_LOCALID=str(t), SLURM_NODEID="0",
                                          SLURM_NTASKS=str(tasks), SLURM_JOB_NUM_NODES="1",

@@ -59,7 +59,41 @@ def test_dry_run_commands(tmp_path):
         assert "valid for 4 rank(s)" in result.stdout  # the config was checked for the whole job's world size
     result = launch("--launcher", "slurm", "--nnodes", "4", "--nproc-per-node", "8", "--dry-run", "pretrain", *COMMON,
                     "train.global_batch_size=64")
-    assert "+ srun --nodes 4 --ntasks-per-node 8 --kill-on-bad-exit=1 python -m pretrain" in result.stdout
+    assert "+ srun --mpi=none --nodes 4 --ntasks-per-node 8 --kill-on-bad-exit=1 python -m pretrain" in result.stdout
+
+
+FAKE_NVIDIA_SMI = "#!/bin/sh\nfor i in 0 1 2 3; do echo \"GPU $i: Stand-in (UUID: GPU-$i)\"; done\n"
+
+
+def test_gpu_count_follows_cuda_visible_devices(tmp_path):
+    """Four GPUs on the node (a stand-in nvidia-smi), two of them visible: two ranks by default,
+    DeepSpeed told which two (its --num_gpus would drop CUDA_VISIBLE_DEVICES and take GPUs 0-1),
+    tools single-process, and more ranks than visible GPUs refused."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(FAKE_NVIDIA_SMI)
+    smi.chmod(0o755)
+    path = f"{tmp_path}{os.pathsep}{os.environ['PATH']}"
+
+    def dry(*args, visible="1,3"):
+        env = dict(os.environ, PATH=path, PYTHONPATH=str(REPO))
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        result = subprocess.run(["bash", str(REPO / "launcher.sh"), *args], cwd=REPO, env=env, capture_output=True,
+                                text=True, timeout=120)
+        return result, [line for line in result.stdout.splitlines() if line.startswith("+ ")]
+
+    result, printed = dry("--dry-run", "pretrain", *COMMON)
+    assert "--nproc-per-node 2 " in printed[0] and "valid for 2 rank(s)" in result.stdout
+    result, printed = dry("--launcher", "deepspeed", "--dry-run", "pretrain", *COMMON)
+    assert "deepspeed --include localhost:1\\,3 --master_addr" in printed[0] and "--num_gpus" not in printed[0]
+    result, printed = dry("--dry-run", "pretrain", *COMMON, visible=None)
+    assert "--nproc-per-node 4 " in printed[0]
+    result, printed = dry("--dry-run", "tool", "tools/inspect_dataset.py", "--help")
+    assert "--nproc-per-node 1 " in printed[0]
+    result, printed = dry("--nproc-per-node", "3", "--dry-run", "pretrain", *COMMON)
+    assert result.returncode == 2 and not printed
+    assert "--nproc-per-node 3 but this node sees 2 GPU(s) (CUDA_VISIBLE_DEVICES=1,3)" in result.stderr
 
 
 @pytest.mark.parametrize("args,message", [

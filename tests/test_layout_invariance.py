@@ -71,3 +71,17 @@ def test_bf16_pipeline_zero1_tracks_fp32(reference, tmp_path):
         for a, b in zip(result[optimizer]["history"], reference[optimizer]["history"]):
             assert a["loss"] == pytest.approx(b["loss"], rel=2e-3)
         assert result[optimizer]["history"][-1]["loss"] != reference[optimizer]["history"][-1]["loss"]
+
+
+def test_pipeline_with_middle_stages(tmp_path):
+    """PP4 over 4 layers: stages 1 and 2 never receive the data iterator from DeepSpeed
+    (PipelineEngine.set_dataiterator keeps it for the first and last stage only), yet every
+    stage must agree on the data position; the losses equal one process's."""
+    four_layers = ["model.num_layers=4"]
+    reference = train_layout(tmp_path, 1, 1, 1, four_layers)
+    result = train_layout(tmp_path, 1, 4, 4, four_layers)
+    for optimizer in ("lamb", "adamw"):
+        for step, (a, b) in enumerate(zip(result[optimizer]["history"], reference[optimizer]["history"]), start=1):
+            for key in ("loss", "lm_loss", "nsp_loss", "grad_norm"):
+                assert_close(a[key], b[key], f"pp4 {optimizer} step {step} {key}")
+        assert_close(result[optimizer]["params_norm"], reference[optimizer]["params_norm"], f"pp4 {optimizer} params norm")

@@ -27,6 +27,7 @@ import os
 import sys
 import time
 
+from pretrain.cli import accept_launcher_args
 from pretrain.quiet import hide_library_warnings
 
 
@@ -38,6 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     to_hf = commands.add_parser("native-to-hf", help="native checkpoint (any layout) -> Hugging Face directory")
     reshard = commands.add_parser("reshard", help="native checkpoint -> native checkpoint at another TP x PP")
     for sub in (to_native, to_hf, reshard):
+        accept_launcher_args(sub)
         sub.add_argument("--input", required=True)
         sub.add_argument("--output", required=True, help="new (or empty) directory")
     for sub in (to_native, reshard):

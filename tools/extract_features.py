@@ -15,6 +15,7 @@ import argparse
 import sys
 import time
 
+from pretrain.cli import accept_launcher_args
 from pretrain.quiet import hide_library_warnings
 
 
@@ -29,6 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vocab-file", help="default: the checkpoint's own vocab.txt")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the world size when launched)")
+    accept_launcher_args(parser)
     args = parser.parse_args(argv)
     try:
         args.layers = [int(x) for x in args.layers.split(",")]

@@ -28,6 +28,7 @@ import json
 import os
 import sys
 
+from pretrain.cli import accept_launcher_args
 from pretrain.quiet import hide_library_warnings
 
 MASK = "[MASK]"
@@ -48,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the world size when launched)")
     parser.add_argument("--json", action="store_true", help="one JSON object per sentence")
     parser.add_argument("--batch-size", type=int, default=32)
+    accept_launcher_args(parser)
     args = parser.parse_args(argv)
     if bool(args.sentences) == bool(args.input_file):
         parser.error("give sentences as arguments or --input-file FILE (exactly one of the two)")
@@ -154,7 +156,8 @@ def build_model(ckpt, parallel):
 def predict(model, encodings, info, vocab_size: int, top_k: int, parallel, batch_size: int) -> list[list]:
     """For each encoding, for each [MASK] in order: (position, [(id, probability), ...] best first)."""
     import torch
-    import torch.distributed as dist
+
+    from pretrain.device import all_gather
 
     mask_id, pad_id = info.special_ids[MASK], info.special_ids["[PAD]"]
     results = []
@@ -175,9 +178,7 @@ def predict(model, encodings, info, vocab_size: int, top_k: int, parallel, batch
             inputs = tuple(t.to(parallel.device) for t in (ids, types, attention, where))
             local, _ = model(inputs)  # [batch, masks, padded vocabulary / TP]: this rank's slice
             if parallel.tp_size > 1:
-                pieces = [torch.empty_like(local) for _ in range(parallel.tp_size)]
-                dist.all_gather(pieces, local.contiguous(), group=parallel.tp_group)
-                local = torch.cat(pieces, dim=-1)
+                local = torch.cat(all_gather(local, parallel.tp_group), dim=-1)
             probabilities = torch.softmax(local[..., :vocab_size].float(), dim=-1)  # padding rows dropped
             best = probabilities.topk(min(top_k, vocab_size), dim=-1)
         for row, p in enumerate(positions):

@@ -83,24 +83,39 @@ class MicroBatchIterator:
                  dp_rank: int, dp_size: int, device: torch.device, num_workers: int = 0, prefetch_factor: int = 4):
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.device = device
         self.wait_seconds = 0.0
-        batches = _RankMicroBatches(consumed_samples, micro_batch_size, dp_rank, dp_size, len(dataset))
+        self._dataset = dataset
+        self._loader_options = dict(num_workers=num_workers, prefetch_factor=prefetch_factor if num_workers else None,
+                                    pin_memory=device.type == "cuda")
+        self._batches = None  # the loader starts at the first draw, from the position then
+
+    def _start_loader(self):
+        batches = _RankMicroBatches(self.consumed_samples, self.micro_batch_size, self.dp_rank, self.dp_size,
+                                    len(self._dataset))
         loader = torch.utils.data.DataLoader(
-            dataset, batch_sampler=batches, collate_fn=collate, num_workers=num_workers,
-            prefetch_factor=prefetch_factor if num_workers else None, pin_memory=device.type == "cuda",
+            self._dataset, batch_sampler=batches, collate_fn=collate, **self._loader_options,
             # The loader draws a base seed for its workers; from its own generator, not the global
             # one the dropout streams and exact resume depend on (our samples need no torch RNG).
-            generator=torch.Generator().manual_seed(0),
+            generator=torch.Generator(device="cpu").manual_seed(0),
         )
-        self._batches = iter(loader)
+        return iter(loader)
+
+    def skip(self, micro_batches: int) -> None:
+        """Advance the position without building batches (for ranks that never draw: the middle
+        stages of a pipeline); a later draw starts from the new position."""
+        self.consumed_samples += micro_batches * self.micro_batch_size * self.dp_size
+        self._batches = None
 
     def __iter__(self) -> Iterator:
         return self
 
     def __next__(self):
         started = time.perf_counter()
+        if self._batches is None:
+            self._batches = self._start_loader()
         batch = next(self._batches)
         self.wait_seconds += time.perf_counter() - started
         self.consumed_samples += self.micro_batch_size * self.dp_size

@@ -115,7 +115,7 @@ def resume(engine, model, load_dir: str, cfg, parallel, tracker, log) -> tuple[i
     tag_dir = os.path.join(load_dir, tag)
     meta = read_meta(tag_dir)
     if checkpointing.restores_exactly(meta, cfg, parallel):
-        return checkpointing.load_checkpoint(engine, load_dir, cfg, parallel, tracker)
+        return checkpointing.load_checkpoint(engine, load_dir, cfg, parallel, tracker, log)
     ckpt = read_native(tag_dir, with_optimizer=True)
     check_model_matches(ckpt, cfg, tag_dir)
     if ckpt.moments is not None and ckpt.config.optimizer.name != cfg.optimizer.name:

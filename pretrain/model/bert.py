@@ -18,6 +18,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from megatron.core import tensor_parallel
 from torch import nn
 
+from ..device import all_reduce, full_shape, is_zero3_param
 from .layers import (
     EmbeddingTail,
     MlmOutputBias,
@@ -257,20 +258,21 @@ def _seed_for(seed: int, name: str) -> int:
 
 
 def full_initial_value(hf_name: str, kind: str, shape, init_std: float, seed: int, vocab_size: int) -> torch.Tensor:
-    """The whole logical tensor, as Hugging Face's BERT initialises it, from a per-name seed."""
+    """The whole logical tensor, as Hugging Face's BERT initialises it, from a per-name seed.
+
+    Drawn on the CPU, always (device="cpu" is explicit: inside deepspeed.zero.Init a tensor made
+    without a device lands on the accelerator, where the CPU generator cannot draw), so that every
+    device and layout starts from the same numbers."""
+    cpu = torch.device("cpu")
     if kind == "layernorm":
-        return torch.ones(shape) if hf_name.endswith("weight") else torch.zeros(shape)
+        return torch.ones(shape, device=cpu) if hf_name.endswith("weight") else torch.zeros(shape, device=cpu)
     if kind == "bias":
-        return torch.zeros(shape)
-    generator = torch.Generator().manual_seed(_seed_for(seed, hf_name))
-    value = torch.empty(shape).normal_(0.0, init_std, generator=generator)
+        return torch.zeros(shape, device=cpu)
+    generator = torch.Generator(device=cpu).manual_seed(_seed_for(seed, hf_name))
+    value = torch.empty(shape, device=cpu).normal_(0.0, init_std, generator=generator)
     if hf_name == HF_NAME_TABLE["WordEmbedding"]["embedding.weight"][0]:
         value[vocab_size:] = 0.0  # vocabulary padding rows are never looked up or predicted
     return value
-
-
-def _local_shape(param) -> torch.Size:
-    return param.ds_shape if hasattr(param, "ds_shape") else param.shape
 
 
 def local_shard(full: torch.Tensor, partition_dim: int | None, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -283,7 +285,7 @@ def local_shard(full: torch.Tensor, partition_dim: int | None, tp_rank: int, tp_
 def init_weights(model: nn.Module, init_std: float, seed: int, vocab_size: int, tp_rank: int, tp_size: int) -> None:
     """Identical initial weights in every layout: full tensor from the name's seed, then our shard."""
     for lp in logical_parameters(model):
-        shape = list(_local_shape(lp.param))
+        shape = list(full_shape(lp.param))
         if lp.tp_partition_dim is not None:
             shape[lp.tp_partition_dim] *= tp_size
         shard = local_shard(full_initial_value(lp.hf_name, lp.kind, shape, init_std, seed, vocab_size),
@@ -293,7 +295,7 @@ def init_weights(model: nn.Module, init_std: float, seed: int, vocab_size: int, 
 
 def assign_local(param: nn.Parameter, value: torch.Tensor) -> None:
     """Copy a TP-local value into a parameter, also when ZeRO-3 holds only a partition of it."""
-    if hasattr(param, "ds_id"):
+    if is_zero3_param(param):
         import deepspeed
 
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
@@ -338,9 +340,10 @@ class PretrainingLoss:
         self._sums = values if self._sums is None else self._sums + values
         return lm_loss + nsp_loss
 
-    def drain(self) -> torch.Tensor:
-        """Sums since the last drain (zeros on ranks that computed no loss), on the CPU."""
-        sums = torch.zeros(len(self.METRICS), dtype=torch.float64) if self._sums is None else self._sums.cpu()
+    def drain(self, device: torch.device) -> torch.Tensor:
+        """Sums since the last drain (zeros on ranks that computed no loss), on `device`."""
+        sums = torch.zeros(len(self.METRICS), dtype=torch.float64, device=device) if self._sums is None \
+            else self._sums.to(device)
         self._sums = None
         return sums
 
@@ -351,8 +354,6 @@ def vocab_parallel_argmax(logits: torch.Tensor, tp_group, tp_rank: int) -> torch
     global_index = local_index + tp_rank * logits.shape[-1]
     if tp_group is None or dist.get_world_size(tp_group) == 1:
         return global_index
-    best = local_max.clone()
-    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=tp_group)
+    best = all_reduce(local_max.clone(), tp_group, op="max")
     candidate = torch.where(local_max == best, global_index, torch.full_like(global_index, 2**62))
-    dist.all_reduce(candidate, op=dist.ReduceOp.MIN, group=tp_group)
-    return candidate
+    return all_reduce(candidate, tp_group, op="min")

@@ -15,8 +15,8 @@ gradient norm before calling step().
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from ..device import all_reduce
 from .layout import NormLayout, Segment
 
 
@@ -127,12 +127,15 @@ class Lamb(torch.optim.Optimizer):
         #    TP shards of sharded parameters only (a replicated parameter is already whole on
         #    every TP rank).  Two vector collectives per step, not one per parameter; they run
         #    even when this rank holds nothing, so that every rank issues the same ones.
+        #    On the model's device: under optimizer offload the stepped tensors are on the CPU,
+        #    where an NCCL group cannot reduce.
+        if layout is not None and layout.comm_device is not None:
+            sums = sums.to(layout.comm_device)
         if layout is not None and layout.dp_group is not None:
-            dist.all_reduce(sums, group=layout.dp_group)
+            all_reduce(sums, layout.dp_group)
         if layout is not None and layout.tp_group is not None:
-            mask = torch.tensor(layout.tp_sharded, dtype=torch.bool, device=device)
-            sharded = torch.where(mask, sums, torch.zeros_like(sums))
-            dist.all_reduce(sharded, group=layout.tp_group)
+            mask = torch.tensor(layout.tp_sharded, dtype=torch.bool, device=sums.device)
+            sharded = all_reduce(torch.where(mask, sums, torch.zeros_like(sums)), layout.tp_group)
             sums = torch.where(mask, sharded, sums)
 
         w_norm, u_norm = sums.sqrt().tolist()

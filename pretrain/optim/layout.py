@@ -56,6 +56,9 @@ class NormLayout:
         self.tp_sharded = [bool(s) for s in tp_sharded]
         self.dp_group = dp_group
         self.tp_group = tp_group
+        # Where the norm sums are reduced: the model's device. The stepped tensors may live
+        # elsewhere (CPU under ZeRO optimizer offload), and an NCCL group cannot reduce there.
+        self.comm_device: torch.device | None = None
         # Keyed by id(); the tensor itself is kept alongside so its id cannot be reused.
         self._by_id: dict[int, tuple[torch.Tensor, list[Segment]]] = {}
         for tensor, segments in tensors_segments:
@@ -204,11 +207,18 @@ def _unfused_layout(opt, tp_group) -> NormLayout:
     return NormLayout(entries, sharded, dp_group=None, tp_group=_group_or_none(tp_group), params=owners)
 
 
-def layout_for_deepspeed(engine, tp_group=None, dp_group=None) -> NormLayout:
+def layout_for_deepspeed(engine, tp_group=None, dp_group=None, comm_device: torch.device | None = None) -> NormLayout:
     """Layout of the tensors that the client optimizer's param_groups hold at step time,
     read from `engine.optimizer` (DeepSpeed's wrapper, or the client optimizer for ZeRO-0
     fp32).  Call after deepspeed.initialize().  `dp_group`, when given, must be the group
-    DeepSpeed partitions over (checked); `tp_group` is the tensor-parallel group or None."""
+    DeepSpeed partitions over (checked); `tp_group` is the tensor-parallel group or None;
+    `comm_device` is the model's device, where LAMB reduces its norm sums."""
+    layout = _engine_layout(engine, tp_group, dp_group)
+    layout.comm_device = comm_device
+    return layout
+
+
+def _engine_layout(engine, tp_group, dp_group) -> NormLayout:
     # Imported here: deepspeed is slow to import and plain runs do not need it.
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer

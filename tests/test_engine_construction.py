@@ -1,0 +1,41 @@
+"""Right after the trainer builds its DeepSpeed engine, the optimizer has taken no step and the
+tensors it steps (fp32 masters) equal the model's weights, for every precision x ZeRO stage.
+
+DeepSpeed's FP16_UnfusedOptimizer (bf16 at ZeRO-0, and fp16) steps the client optimizer once
+with zero gradients from its constructor; with decoupled weight decay that shrank every weight
+(LAMB: by 1 - lr) before training began.
+"""
+import json
+
+import pytest
+
+from distributed import run_ranks
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    out = tmp_path_factory.mktemp("engines") / "engines.json"
+    run_ranks(["tests/_engine_worker.py", str(out)], 1, timeout=600)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("optimizer", ["lamb", "adamw"])
+def test_no_step_at_construction(engines, precision, stage, optimizer):
+    result = engines[f"{precision}-zero{stage}-{optimizer}"]
+    assert result["optimizer_states"] == 0, f"the optimizer stepped during engine construction ({result['wrapper']})"
+    assert result["max_relative_difference"] == 0.0, f"fp32 masters differ from the model ({result['wrapper']})"
+
+
+def test_wrappers_took_effect(engines):
+    """The cases above cover the wrappers they name (bf16 ZeRO-0 is the one that stepped)."""
+    assert engines["bf16-zero0-lamb"]["wrapper"] == "FP16_UnfusedOptimizer"
+    assert engines["bf16-zero1-lamb"]["wrapper"] == "DeepSpeedZeroOptimizer"
+    assert engines["fp32-zero3-adamw"]["wrapper"] == "DeepSpeedZeroOptimizer_Stage3"
+    assert engines["fp32-zero0-lamb"]["wrapper"] == "Lamb"
+
+
+def test_fp16_loss_scale_is_read_from_every_wrapper(engines):
+    """FP16_UnfusedOptimizer (fp16 at ZeRO-0) has no `cur_scale`; the scale comes from `loss_scale`."""
+    assert engines["fp16"] == {"loss_scale": 1024.0, "has_cur_scale": False}
