@@ -73,6 +73,21 @@ FLOPS_NOTE = ("FLOPs: pretrain.training.model_flops_per_sample (matmul FLOPs the
 # ------------------------------------------------------------------------------------------- common
 
 
+def bench_device():
+    """Where both sides run: the GPU when there is one (cuda:0), fakegpu in the CPU test mode
+    (BERT_FAKE_GPU=1), else the CPU; `pretrain.device` decides, as for training."""
+    from pretrain.device import select_device
+
+    return select_device(0)
+
+
+def synchronize(device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so a step's time is its own."""
+    import torch
+
+    torch.get_device_module(device.type).synchronize()
+
+
 def bench_config(name: str, batch: int, seq: int, precision: str, optimizer: str, steps: int):
     """Our Config for a benchmark run: one step = one micro-batch of `batch`, constant LR, ZeRO-0."""
     from pretrain.config import load_config
@@ -93,28 +108,30 @@ def bench_config(name: str, batch: int, seq: int, precision: str, optimizer: str
     return cfg
 
 
-def make_batches(cfg, count: int):
-    """`count` micro-batches (inputs, labels) of our synthetic data, drawn before any timing."""
-    import torch
-
+def make_batches(cfg, count: int, device):
+    """`count` micro-batches (inputs, labels) of our synthetic data on `device`, drawn before any timing."""
     from pretrain.data.samples import MicroBatchIterator
     from pretrain.data.synthetic import SyntheticDataset
 
     d = cfg.data
     dataset = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions_per_seq, d.num_samples,
                                d.seed, d.masked_lm_prob)
-    batches = MicroBatchIterator(dataset, 0, cfg.train.micro_batch_size, 0, 1, torch.device("cpu"))
+    batches = MicroBatchIterator(dataset, 0, cfg.train.micro_batch_size, 0, 1, device)
     return [next(batches) for _ in range(count)]
 
 
-def time_steps(step, warmup: int, steps: int) -> list[float]:
-    """Run `warmup` untimed then `steps` timed calls of step(); the timed durations in seconds."""
+def time_steps(step, warmup: int, steps: int, device=None) -> list[float]:
+    """Run `warmup` untimed then `steps` timed calls of step(); the timed durations in seconds
+    (each ending when the device finished the step's work)."""
+    wait = (lambda: synchronize(device)) if device is not None else (lambda: None)
     for _ in range(warmup):
         step()
+    wait()
     times = []
     for _ in range(steps):
         started = time.perf_counter()
         step()
+        wait()
         times.append(time.perf_counter() - started)
     return times
 
@@ -132,31 +149,32 @@ def set_threads(threads: int) -> None:
 # ------------------------------------------------------------------------------------------- children
 
 
-def gemm_peak(precision: str, n: int = 2048) -> float:
-    """Best-of-6 n^3 GEMM throughput (GFLOP/s) in this process, with its thread count.
+def gemm_peak(precision: str, device, n: int = 2048) -> float:
+    """Best-of-6 n^3 GEMM throughput (GFLOP/s) on `device`, with this process's thread count.
 
     bf16: the faster of torch's bf16 ``torch.mm`` and our bf16 GEMM route
-    (``pretrain.model.layers.linear``, which on CPUs without native bf16 multiplies the exactly
+    (``pretrain.model.layers.linear``, which on CPUs where it is faster multiplies the exactly
     upcast operands in fp32 and rounds the result to bf16): the fastest bf16 GEMM this machine
-    offers, casts included, so bf16 MFU never counts a slow emulated kernel as the ceiling.
+    offers, casts included, so bf16 MFU never counts a slow emulated kernel as the ceiling. On a
+    GPU both are cuBLAS's bf16 GEMM (and fp32 is its fp32 GEMM: TF32 as the run configures it).
     """
     import torch
 
-    if precision == "fp32":
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        out = torch.empty(n, n)
-        candidates = [lambda: torch.mm(a, b, out=out)]
-    else:
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    out = torch.empty(n, n, dtype=dtype, device=device)
+    candidates = [lambda: torch.mm(a, b, out=out)]
+    if precision == "bf16":
         from pretrain.model.layers import linear
 
-        a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
-        out = torch.empty(n, n, dtype=torch.bfloat16)
-        candidates = [lambda: torch.mm(a, b, out=out), lambda: linear(a, b)]
-    return max(2 * n**3 / min(time_steps(fn, warmup=2, steps=6)) / 1e9 for fn in candidates)
+        candidates.append(lambda: linear(a, b))
+    return max(2 * n**3 / min(time_steps(fn, warmup=2, steps=6, device=device)) / 1e9 for fn in candidates)
 
 
 def child_peak(args) -> dict:
-    return {"peak_gflops": {precision: gemm_peak(precision) for precision in PRECISIONS}}
+    device = bench_device()
+    return {"peak_gflops": {precision: gemm_peak(precision, device) for precision in PRECISIONS},
+            "device": str(device)}
 
 
 def _free_port() -> int:
@@ -177,16 +195,19 @@ def child_ours(args) -> dict:
     from pretrain.training import Trainer, model_flops_per_sample
 
     ds_logger.setLevel(logging.WARNING)
-    peak = gemm_peak(args.precision)
     cfg = bench_config(args.config, args.batch, args.seq, args.precision, args.optimizer, args.warmup + args.steps)
     parallel = init_parallel(1, 1)
+    device = parallel.device
+    peak = gemm_peak(args.precision, device)
     trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
-    batches = iter(make_batches(cfg, args.warmup + args.steps))
+    batches = iter(make_batches(cfg, args.warmup + args.steps, device))
     losses = []
-    times = time_steps(lambda: losses.append(trainer.train_step(batches)["loss"]), args.warmup, args.steps)
+    times = time_steps(lambda: losses.append(trainer.train_step(batches)["loss"]), args.warmup, args.steps, device)
+    param_device = str(next(trainer.model.parameters()).device)
     shutdown_parallel()
-    peak = max(peak, gemm_peak(args.precision))  # a peak: the better of before and after the steps
-    return {"times": times, "losses": losses, "flops_per_sample": model_flops_per_sample(cfg), "peak_gflops": peak}
+    peak = max(peak, gemm_peak(args.precision, device))  # a peak: the better of before and after the steps
+    return {"times": times, "losses": losses, "flops_per_sample": model_flops_per_sample(cfg), "peak_gflops": peak,
+            "device": param_device, **device_memory(device)}
 
 
 def hf_model(cfg):
@@ -244,13 +265,15 @@ def child_hf(args) -> dict:
 
     from pretrain.training import model_flops_per_sample
 
-    peak = gemm_peak(args.precision)
+    device = bench_device()
+    peak = gemm_peak(args.precision, device)
     cfg = bench_config(args.config, args.batch, args.seq, args.precision, args.optimizer, args.warmup + args.steps)
     torch.manual_seed(cfg.train.seed)
-    model = hf_model(cfg).train()
+    model = hf_model(cfg).to(device).train()
     optimizer = hf_optimizer(model, cfg)
-    batches = iter([hf_batch(*b) for b in make_batches(cfg, args.warmup + args.steps)])
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if args.precision == "bf16" \
+    batches = iter([hf_batch(*b) for b in make_batches(cfg, args.warmup + args.steps, device)])
+    # HF's standard mixed precision on the device it runs on: fp32 weights, bf16 autocast
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.precision == "bf16" \
         else contextlib.nullcontext
     losses = []
 
@@ -264,9 +287,17 @@ def child_hf(args) -> dict:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
 
-    times = time_steps(step, args.warmup, args.steps)
-    peak = max(peak, gemm_peak(args.precision))  # a peak: the better of before and after the steps
-    return {"times": times, "losses": losses, "flops_per_sample": model_flops_per_sample(cfg), "peak_gflops": peak}
+    times = time_steps(step, args.warmup, args.steps, device)
+    peak = max(peak, gemm_peak(args.precision, device))  # a peak: the better of before and after the steps
+    return {"times": times, "losses": losses, "flops_per_sample": model_flops_per_sample(cfg), "peak_gflops": peak,
+            "device": str(next(model.parameters()).device), **device_memory(device)}
+
+
+def device_memory(device) -> dict:
+    """Peak device memory of the process (GPU only; on the CPU the RSS column says it)."""
+    import torch
+
+    return {"peak_device_mb": torch.cuda.max_memory_allocated(device) / 2**20} if device.type == "cuda" else {}
 
 
 CHILDREN = {"peak": child_peak, "ours": child_ours, "hf": child_hf}
@@ -333,7 +364,8 @@ def summarize(side: dict, batch: int, seq: int) -> dict:
     achieved = side["flops_per_sample"] * batch / step / 1e9
     return {"step_s": step, "tokens_per_s": batch * seq / step, "model_gflops": achieved,
             "peak_gflops": side["peak_gflops"], "mfu": achieved / side["peak_gflops"], "peak_rss_mb": side["peak_rss_mb"], "times": side["times"],
-            "losses": side["losses"], "other_load": side.get("other_load")}
+            "losses": side["losses"], "other_load": side.get("other_load"), "device": side["device"],
+            "peak_device_mb": side.get("peak_device_mb")}
 
 
 def _load(side: dict) -> str:
@@ -354,16 +386,22 @@ def print_table(rows: list[dict], peak: dict, peak_load: float | None) -> None:
         print(f"{r['config']:<7}{r['precision']:<6}{r['batch']:>4}{o['tokens_per_s']:>12.0f}{h['tokens_per_s']:>10.0f}"
               f"{o['tokens_per_s'] / h['tokens_per_s']:>7.2f}{100 * o['mfu']:>10.1f}{100 * h['mfu']:>9.1f}"
               f"{o['peak_gflops']:>12.0f}/{h['peak_gflops']:<5.0f}{o['peak_rss_mb']:>12.0f}{h['peak_rss_mb']:>10.0f}")
+    devices = sorted({r[side]["device"] for r in rows for side in ("ours", "hf")})
+    print(f"both sides ran on: {', '.join(devices)}")
+    for r in rows:
+        if r["ours"].get("peak_device_mb") is not None:
+            print(f"  {r['config']} {r['precision']}: peak device memory ours {r['ours']['peak_device_mb']:.0f} MB, "
+                  f"HF {r['hf']['peak_device_mb']:.0f} MB")
     print(f"GEMM peak (2048^3, best of 6) up front: fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s; "
           "each side's MFU is against the peak its own process measured around its steps (column above)")
     print(FLOPS_NOTE)
-    from pretrain.model.layers import cpu_has_native_bf16
+    from pretrain.model.cpu_bf16 import calibrated_route
 
-    if not cpu_has_native_bf16():
-        print("NOTE: this CPU has no native bf16 GEMM (no AVX512-BF16/AMX; oneDNN emulates it, ~5x slower than "
-              "fp32). Our bf16 GEMMs multiply the exactly upcast bf16 operands in fp32 and round to bf16 (the "
-              "arithmetic of a bf16 GEMM); HF's autocast uses the emulated kernel. The bf16 peak is the faster "
-              "of the two routes.")
+    route, record = calibrated_route()
+    rates = ", ".join(f"{name} {gflops:.0f}" for name, gflops in record["gflops"].items())
+    print(f"bf16 GEMM route on this CPU: {route} (calibrated GFLOP/s: {rates}). With 'fp32', our bf16 GEMMs multiply "
+          "the exactly upcast bf16 operands in fp32 and round to bf16 (the arithmetic of a bf16 GEMM); HF's "
+          "autocast uses the native kernel. The bf16 peak is the faster of the two routes.")
     busy = [f"{r['config']} {r['precision']} {side}" for r in rows for side in ("ours", "hf")
             if (r[side].get("other_load") or 0.0) > LOAD_WARNING]
     if (peak_load or 0.0) > LOAD_WARNING:
@@ -400,8 +438,8 @@ def parent_main(args) -> None:
             raise SystemExit(f"bench_train: unknown precision {p!r}; choose from {', '.join(PRECISIONS)}")
     measured = run_child("peak", args)
     peak = measured["peak_gflops"]
-    print(f"GEMM peak: fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s ({args.threads} threads), "
-          f"other load {_load(measured)}", flush=True)
+    print(f"GEMM peak on {measured['device']}: fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s "
+          f"({args.threads} threads), other load {_load(measured)}", flush=True)
     rows = []
     for config in configs:
         batch = args.batch or CONFIGS[config][1]
@@ -409,6 +447,9 @@ def parent_main(args) -> None:
             row = {"config": config, "precision": precision, "batch": batch, "seq": args.seq}
             for side in ("ours", "hf"):  # one after the other, never side by side
                 row[side] = measure_side(side, args, config, precision, batch)
+            if row["ours"]["device"] != row["hf"]["device"]:
+                raise SystemExit(f"bench_train: the sides ran on different devices ({row['ours']['device']} vs "
+                                 f"{row['hf']['device']}): no comparison")
             rows.append(row)
     print()
     print_table(rows, peak, measured.get("other_load"))

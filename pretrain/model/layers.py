@@ -18,13 +18,13 @@ residual blocks, exact-erf GELU, learned absolute positions and token types, tan
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
 from megatron.core import ModelParallelConfig, tensor_parallel
 from torch import nn
 
+from .cpu_bf16 import upcast_bf16
 from .rng import RngTracker, checkpoint_with_rng
 
 
@@ -85,26 +85,12 @@ def _linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, 
     return linear(input, weight, bias)
 
 
-@functools.lru_cache(maxsize=None)
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16).
-
-    Without them oneDNN emulates bf16 GEMMs, here 4-5x slower than fp32 ones. Unknown (no
-    /proc/cpuinfo): assume native.
-    """
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = set(f.read().split())
-    except OSError:
-        return True
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
-
-
 class _Fp32GemmLinear(torch.autograd.Function):
     """x W^T + b for bf16 tensors with every GEMM in fp32 on exactly upcast operands.
 
     The same arithmetic as a bf16 GEMM (bf16 products are exact in fp32, fp32 accumulation,
-    the output rounded to bf16), for CPUs without native bf16; saves the bf16 tensors only.
+    the output rounded to bf16), for CPUs where that is faster (cpu_bf16.py); saves the bf16
+    tensors only.
     """
 
     @staticmethod
@@ -129,8 +115,8 @@ class _Fp32GemmLinear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with bf16 GEMMs run as fp32 GEMMs on CPUs that only emulate bf16."""
-    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and not cpu_has_native_bf16():
+    """F.linear, with bf16 GEMMs run as fp32 GEMMs on CPUs where that route is the faster."""
+    if upcast_bf16(weight):
         return _Fp32GemmLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -232,9 +218,9 @@ def self_attention(query, key, value, attend: torch.Tensor, dropout_p: float) ->
     dropout on CPU, SDPA falls back to its math path anyway; spelled out here it is the same
     arithmetic with `dropout`'s faster mask.
     """
-    if query.dtype == torch.bfloat16 and query.device.type == "cpu" and not cpu_has_native_bf16():
-        # bf16 batched products are emulated there (~5x slower than fp32): attend in fp32, as
-        # `linear` does for the projections, and hand back bf16.
+    if upcast_bf16(query):
+        # bf16 batched products are slower than fp32 ones there: attend in fp32, as `linear`
+        # does for the projections, and hand back bf16.
         return self_attention(query.float(), key.float(), value.float(), attend, dropout_p).to(query.dtype)
     if dropout_p == 0.0 or query.device.type != "cpu":
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attend, dropout_p=dropout_p)
