@@ -65,6 +65,7 @@ class TrainSection:
     keep_best: bool = True  # keep the weights of the best dev epoch in <output_dir>/best
     log_interval: int = 20
     progress: bool = True  # tqdm bars on the logging rank
+    tf32: bool = True  # TF32 tensor cores for fp32 matrix products on GPUs (Ampere and later); no effect on CPU
 
 
 SECTIONS: dict[str, type] = {"task": TaskSection, "model": ModelSection, "parallel": ParallelSection,

@@ -23,7 +23,7 @@ import torch
 
 from pretrain.checkpointing import CheckpointError, save_vocab
 from pretrain.data.tokenizer import TokenizerError, load_tokenizer
-from pretrain.device import all_gather, all_gather_object, all_reduce, to_host
+from pretrain.device import all_gather, all_gather_object, all_reduce, configure_math, describe, to_host
 from pretrain.interop.apply import read_any
 from pretrain.interop.native import LogicalCheckpoint
 from pretrain.model.bert import logical_parameters
@@ -115,6 +115,8 @@ class Finetuner:
                                 f"checkpoint's vocabulary {self.model_cfg.vocab_size}: they do not belong together")
         self._read_data()
 
+        configure_math(parallel.device, t.tf32)
+        self.log(f"{describe(parallel)}, ZeRO-{cfg.parallel.zero_stage}, {t.precision}")
         self.tracker = RngTracker(parallel.device)
         seed_streams(self.tracker, t.seed, parallel.tp_rank, 0, parallel.dp_rank)
         bert = build_encoder(self.model_cfg, parallel.tp_rank, parallel.tp_size, self.tracker)

@@ -170,6 +170,7 @@ class TrainConfig:
     deepspeed_config: str | None = None  # path to a user DeepSpeed JSON adding DeepSpeed-only options
     dist_timeout_minutes: float = 10.0  # collective timeout: a dead/hung rank makes the others exit
     exit_after_steps: int = 0  # stop (saving a checkpoint) after this many steps of this run; 0 = run to train_steps
+    tf32: bool = True  # TF32 tensor cores for fp32 matrix products on GPUs (Ampere and later); no effect on CPU
     # steps between the ranks' agreement on a SIGTERM (one collective and host sync each time);
     # keep interval x step time well inside the scheduler's grace period (SLURM: KillWait, 30 s)
     stop_check_interval: int = 5

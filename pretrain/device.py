@@ -45,7 +45,9 @@ def select_device(local_rank: int, environ=None) -> torch.device:
         from . import fakegpu
 
         fakegpu.enable()
-        return _checked_ordinal(fakegpu.DEVICE_TYPE, local_rank, fakegpu.device_count(), env)
+        device = _checked_ordinal(fakegpu.DEVICE_TYPE, local_rank, fakegpu.device_count(), env)
+        fakegpu.set_device(device.index)  # as for CUDA: deepspeed.zero.Init places on the current device
+        return device
     if torch.cuda.is_available():
         device = _checked_ordinal("cuda", local_rank, torch.cuda.device_count(), env)
         torch.cuda.set_device(device)
@@ -62,6 +64,20 @@ def _checked_ordinal(device_type: str, local_rank: int, count: int, env) -> torc
             "bind GPUs per node (--gpus-per-node), not per task (--gpus-per-task), since DeepSpeed "
             "uses LOCAL_RANK itself as the device ordinal.")
     return torch.device(device_type, local_rank)
+
+
+def configure_math(device: torch.device, tf32: bool) -> None:
+    """TF32 for fp32 matrix products and convolutions on a GPU (torch's default is off for
+    matmuls: NVIDIA's BERT and most GPU users turn it on; train.tf32=false gives exact fp32)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
+def describe(parallel) -> str:
+    """One log line: where this job runs."""
+    return (f"{parallel.world_size} rank(s) on {parallel.device.type} (this rank: {parallel.device}, backend "
+            f"{parallel.backend}): TP{parallel.tp_size} x PP{parallel.pp_size} x DP{parallel.dp_size}")
 
 
 def backend_for(device: torch.device) -> str:

@@ -93,6 +93,8 @@ class Trainer:
         self.pipelined = parallel.pp_size > 1
         self.grad_accum = cfg.grad_accum_steps(parallel.world_size)
 
+        device.configure_math(parallel.device, cfg.train.tf32)
+        self.log(f"{device.describe(parallel)}, ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}")
         self.tracker = RngTracker(parallel.device)
         seed_streams(self.tracker, cfg.train.seed, parallel.tp_rank, parallel.pp_rank, parallel.dp_rank)
         self.loss_fn = PretrainingLoss(parallel.tp_group, parallel.tp_rank)

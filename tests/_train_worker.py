@@ -24,6 +24,19 @@ TINY = [
 ]
 
 
+def where_it_ran(trainer, parallel) -> dict:
+    """What proves the device took effect: the rank's device and backend, and where the model's
+    parameters (ZeRO-3: their partitions) and the optimizer's tensors actually live."""
+    from pretrain import device
+    from pretrain.optim.layout import layout_for_deepspeed
+
+    params = [device.zero3_partition(p) if device.is_zero3_param(p) else p for p in trainer.model.parameters()]
+    stepped = [tensor for tensor, _ in layout_for_deepspeed(trainer.engine).entries()]
+    return {"device": str(parallel.device), "backend": parallel.backend,
+            "parameters": sorted({str(p.device) for p in params}),
+            "optimizer_tensors": sorted({str(t.device) for t in stepped})}
+
+
 def main():
     out_path, tp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     runs = [json.loads(arg) for arg in sys.argv[4:]]
@@ -34,7 +47,8 @@ def main():
         cfg.validate(world_size=parallel.world_size)
         trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
         history = trainer.train()
-        results[run["name"]] = {"history": history, "params_norm": trainer.params_norm()}
+        results[run["name"]] = {"history": history, "params_norm": trainer.params_norm(),
+                                "device": where_it_ran(trainer, parallel)}
     if parallel.rank == parallel.logging_rank:
         with open(out_path, "w") as f:
             json.dump(results, f)

@@ -164,7 +164,9 @@ class WordEmbedding(nn.Module):
 
     def _lookup(self, input_ids):
         emb = self.embedding
-        if not self.sparse_lookup_grad:
+        # A CPU optimisation only: on an accelerator the dense gradient is cheap, and sparse
+        # gradients are a kernel set of their own that not every device has.
+        if not self.sparse_lookup_grad or emb.weight.device.type != "cpu":
             return emb(input_ids)
         # megatron-core's VocabParallelEmbedding.forward (no sequence parallelism), sparse gradient
         if emb.tp_group.size() > 1:
