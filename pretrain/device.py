@@ -155,14 +155,15 @@ def full_shape(param: torch.Tensor) -> torch.Size:
     return param.ds_shape if is_zero3_param(param) else param.shape
 
 
-def hp_fragment(param: torch.Tensor) -> tuple[int, int] | None:
-    """(start, numel) of this parameter's piece in the rank's flat fp32 partition under ZeRO-1/2
-    and DeepSpeed's BF16_Optimizer, or None when the parameter lies entirely on other ranks."""
+def hp_fragment(param: torch.Tensor) -> tuple[int, int, int] | None:
+    """(start in the rank's flat fp32 partition, numel, start in the flat parameter) of this
+    parameter's piece under ZeRO-1/2 and DeepSpeed's BF16_Optimizer (DeepSpeed's `_hp_mapping`,
+    utils/tensor_fragment.py), or None when the parameter lies entirely on other ranks."""
     mapping = getattr(param, "_hp_mapping", None)
     if mapping is None:
         return None
     address = mapping.get_hp_fragment_address()
-    return address.start, address.numel
+    return address.start, address.numel, mapping.lp_fragment_address.start
 
 
 def set_global_grad_norm(engine, norm: float) -> None:

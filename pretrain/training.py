@@ -60,10 +60,10 @@ def clip_gradients_exactly(engine, model, parallel: Parallel, max_norm: float) -
             flat = lp.param.grad.detach().reshape(-1)
             total += torch.dot(flat, flat).double()  # fp32 BLAS per tensor, float64 across tensors
     device.all_reduce(total)  # over the world: every DP replica holds the same gradients
-    norm = math.sqrt(total.item() / parallel.dp_size)
-    coefficient = min(1.0, max_norm / (norm + 1e-6))
-    if coefficient < 1.0:
-        torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], coefficient)
+    norm = (total / parallel.dp_size).sqrt()
+    # on the device, no host sync: scaling by a coefficient of exactly 1 leaves gradients as they are
+    coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
+    torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], coefficient)
     device.set_global_grad_norm(engine, norm)
 
 
@@ -167,6 +167,11 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- steps
     def train_step(self, data_iter) -> dict:
+        """One optimizer step; its metrics reduced over the job (one collective, one host sync)."""
+        return self._metrics([self._step(data_iter)])[0]
+
+    def _step(self, data_iter) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; (loss sums, gradient norm) left on the device, unreduced."""
         if self.pipelined:
             self.engine.train_batch(data_iter=data_iter)
             if not (self.parallel.is_first_stage or self.parallel.is_last_stage):
@@ -179,7 +184,21 @@ class Trainer:
                 loss = self.loss_fn(self.engine(inputs), labels)
                 self.engine.backward(loss)
                 self.engine.step()
-        return self._reduce_metrics(self.loss_fn.drain(self.parallel.device))
+        grad_norm = self.engine.get_global_grad_norm()  # a float or a device tensor, by wrapper
+        grad_norm = torch.as_tensor(float("nan") if grad_norm is None else grad_norm, dtype=torch.float64,
+                                    device=self.parallel.device).reshape(1)
+        return self.loss_fn.drain(self.parallel.device), grad_norm
+
+    def _metrics(self, steps: list[tuple[torch.Tensor, torch.Tensor]]) -> list[dict]:
+        """Metrics of several steps with one collective and one host sync: the loss sums of all
+        of them reduced together, this rank's gradient norms read with them."""
+        p = self.parallel
+        contributes = p.is_last_stage and p.tp_rank == 0  # see _reduce_metrics
+        sums = torch.stack([s if contributes else torch.zeros_like(s) for s, _ in steps])
+        values = torch.cat([device.all_reduce(sums).reshape(-1), torch.cat([g for _, g in steps])]).tolist()
+        width = len(PretrainingLoss.METRICS)
+        return [dict(self._averages(values[i * width:(i + 1) * width]), grad_norm=values[len(steps) * width + i])
+                for i in range(len(steps))]
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -205,7 +224,11 @@ class Trainer:
         p = self.parallel
         contributes = p.is_last_stage and p.tp_rank == 0
         sums = device.all_reduce(sums if contributes else torch.zeros_like(sums))
-        s = dict(zip(PretrainingLoss.METRICS, sums.tolist()))
+        return self._averages(sums.tolist())
+
+    @staticmethod
+    def _averages(sums: list[float]) -> dict:
+        s = dict(zip(PretrainingLoss.METRICS, sums))
         lm, nsp = s["lm_loss"] / s["micro_batches"], s["nsp_loss"] / s["micro_batches"]
         return {
             "loss": lm + nsp,
@@ -271,31 +294,34 @@ class Trainer:
         data_iter = self.data_iterator(self.train_data, self.consumed_samples)
         history, flops = [], model_flops_per_sample(cfg)
         last_step = t.train_steps if not t.exit_after_steps else min(t.train_steps, self.step + t.exit_after_steps)
-        window_start, window_steps = time.perf_counter(), 0
+        window_start, window = time.perf_counter(), []  # the steps since the last log line
         try:
             while self.step < last_step:
                 started = time.perf_counter()
                 learning_rate = self.engine.get_lr()[0]  # the rate this step uses
-                metrics = self.train_step(data_iter)
+                step_metrics = self._step(data_iter)  # stays on the device until the log line
                 self.step += 1
                 self.consumed_samples += t.global_batch_size
-                assert data_iter.consumed_samples == self.consumed_samples
-                metrics["iteration_time"] = time.perf_counter() - started
-                metrics["learning_rate"] = learning_rate
-                grad_norm = self.engine.get_global_grad_norm()
-                metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-                history.append(metrics)
-                window_steps += 1
-                if self.step % t.log_interval == 0 or self.step == last_step:
+                if data_iter.consumed_samples != self.consumed_samples:
+                    raise RuntimeError(f"rank {self.parallel.rank}: data position {data_iter.consumed_samples} "
+                                       f"samples, trainer {self.consumed_samples} after step {self.step}")
+                # wall time between step starts: with a GPU's asynchrony one entry may hold part of
+                # another's work; their average over the window is exact (the log line syncs)
+                window.append((step_metrics, {"iteration_time": time.perf_counter() - started,
+                                              "learning_rate": learning_rate}))
+                stop = self._stop_agreed()
+                if self.step % t.log_interval == 0 or self.step == last_step or stop:
+                    reduced = self._metrics([m for m, _ in window])
+                    history.extend(dict(metrics, **host) for metrics, (_, host) in zip(reduced, window))
                     elapsed = time.perf_counter() - window_start
                     waited, data_iter.wait_seconds = data_iter.wait_seconds, 0.0
-                    self._log_train(metrics, elapsed / window_steps, flops, waited / window_steps)
-                    window_start, window_steps = time.perf_counter(), 0
+                    self._log_train(history[-1], elapsed / len(window), flops, waited / len(window))
+                    window_start, window = time.perf_counter(), []
                 if t.eval_interval and self.step % t.eval_interval == 0:
                     self._log_eval(self.evaluate())
                 if t.save_interval and self.step % t.save_interval == 0:
                     self.save()
-                if self._stop_agreed():
+                if stop:
                     self.log(f"SIGTERM received: saving at step {self.step} and stopping")
                     self.save()
                     break

@@ -122,5 +122,5 @@ def test_slurm_two_tasks(tmp_path):
     srun.chmod(0o755)
     result = launch("slurm", {"PATH": f"{srun.parent}{os.pathsep}{os.environ['PATH']}"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "+ srun --nodes 1 --ntasks-per-node 2 --kill-on-bad-exit=1 python -m pretrain" in result.stdout
+    assert "+ srun --mpi=none --nodes 1 --ntasks-per-node 2 --kill-on-bad-exit=1 python -m pretrain" in result.stdout
     assert "step 2/2" in result.stdout

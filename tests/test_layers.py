@@ -78,16 +78,20 @@ def test_dropout_keeps_one_minus_p_and_preserves_expectation():
 
 
 def test_attention_with_dropout_is_softmax_attention_with_the_drawn_mask():
+    from pretrain.model.layers import attention_bias
     from pretrain.model.layers import self_attention as attention
 
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 3, 16, 8, generator=g) for _ in range(3))
-    attend = torch.ones(2, 1, 1, 16, dtype=torch.bool)
-    attend[1, ..., 11:] = False  # padding of the second sequence
-    assert torch.allclose(attention(q, k, v, attend, 0.0),
+    padding = torch.ones(2, 16, dtype=torch.long)
+    padding[1, 11:] = 0  # padding of the second sequence
+    attend = padding.bool()[:, None, None, :]
+    bias = attention_bias(padding, torch.float32)
+    assert bias.dtype == torch.float32 and bias.shape == (2, 1, 1, 16)
+    assert torch.allclose(attention(q, k, v, bias, 0.0),
                           F.scaled_dot_product_attention(q, k, v, attn_mask=attend), atol=1e-6)
     torch.manual_seed(7)
-    out = attention(q, k, v, attend, 0.2)
+    out = attention(q, k, v, bias, 0.2)
     torch.manual_seed(7)
     keep = (torch.rand(2, 3, 16, 16) >= 0.2).double() / 0.8
     scores = (q.double() @ k.double().transpose(-1, -2)) / 8 ** 0.5
@@ -96,13 +100,14 @@ def test_attention_with_dropout_is_softmax_attention_with_the_drawn_mask():
 
 
 def test_bf16_attention_matches_fp32_attention_on_the_same_operands():
-    from pretrain.model.layers import self_attention
+    from pretrain.model.layers import attention_bias, self_attention
 
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, 3, 16, 8, generator=g).bfloat16() for _ in range(3))
-    attend = torch.ones(2, 1, 1, 16, dtype=torch.bool)
-    attend[0, ..., 9:] = False
-    out = self_attention(q, k, v, attend, 0.0)
+    padding = torch.ones(2, 16, dtype=torch.long)
+    padding[0, 9:] = 0
+    attend = padding.bool()[:, None, None, :]
+    out = self_attention(q, k, v, attention_bias(padding, torch.bfloat16), 0.0)
     exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=attend)
     assert out.dtype == torch.bfloat16
     assert _max_rel(out, exact) <= BF16_ULP

@@ -121,16 +121,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-class ColumnParallelLinear(tensor_parallel.ColumnParallelLinear):
-    """megatron-core's column-parallel linear (sharding, TP regions) with `_linear` as the GEMM."""
+class _GemmByDevice:
+    """The GEMM of megatron-core's parallel linears: on an accelerator megatron's own (its
+    backward overlaps the input-gradient all-reduce with the weight-gradient GEMM), on the CPU
+    `_linear` (the bias inside the GEMM)."""
 
-    _forward_impl = staticmethod(_linear)
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if weight.device.type == "cpu":
+            return _linear(input, weight, *args, **kwargs)
+        return super()._forward_impl(input, weight, *args, **kwargs)
 
 
-class RowParallelLinear(tensor_parallel.RowParallelLinear):
-    """megatron-core's row-parallel linear (sharding, TP reduction) with `_linear` as the GEMM."""
+class ColumnParallelLinear(_GemmByDevice, tensor_parallel.ColumnParallelLinear):
+    """megatron-core's column-parallel linear (sharding, TP regions)."""
 
-    _forward_impl = staticmethod(_linear)
+
+class RowParallelLinear(_GemmByDevice, tensor_parallel.RowParallelLinear):
+    """megatron-core's row-parallel linear (sharding, TP reduction)."""
 
 
 class WordEmbedding(nn.Module):
@@ -213,8 +220,17 @@ class Dropout(nn.Module):
         return dropout(x, self.p, self.training)
 
 
-def self_attention(query, key, value, attend: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + padding mask) v with dropout on the probabilities.
+def attention_bias(padding_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [batch, 1, 1, seq]: 0 where attended, the dtype's lowest value at padding
+    (as Hugging Face's BERT). A float bias keeps SDPA's fused GPU kernels (memory-efficient
+    attention) eligible for padded batches."""
+    bias = torch.zeros(padding_mask.shape, dtype=dtype, device=padding_mask.device)
+    return bias.masked_fill_(padding_mask == 0, torch.finfo(dtype).min)[:, None, None, :]
+
+
+def self_attention(query, key, value, bias: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + bias) v with dropout on the probabilities; `bias` is
+    `attention_bias`'s additive padding mask.
 
     Without dropout (or on GPU): torch's scaled_dot_product_attention (fused kernels). With
     dropout on CPU, SDPA falls back to its math path anyway; spelled out here it is the same
@@ -223,11 +239,10 @@ def self_attention(query, key, value, attend: torch.Tensor, dropout_p: float) ->
     if upcast_bf16(query):
         # bf16 batched products are slower than fp32 ones there: attend in fp32, as `linear`
         # does for the projections, and hand back bf16.
-        return self_attention(query.float(), key.float(), value.float(), attend, dropout_p).to(query.dtype)
+        return self_attention(query.float(), key.float(), value.float(), bias.float(), dropout_p).to(query.dtype)
     if dropout_p == 0.0 or query.device.type != "cpu":
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=attend, dropout_p=dropout_p)
-    scores = torch.matmul(query, key.transpose(-1, -2)).mul_(query.shape[-1] ** -0.5)
-    scores = scores.masked_fill_(~attend, float("-inf"))
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout_p)
+    scores = torch.matmul(query, key.transpose(-1, -2)).mul_(query.shape[-1] ** -0.5).add_(bias)
     return torch.matmul(dropout(torch.softmax(scores, dim=-1), dropout_p, True), value)
 
 
@@ -295,10 +310,10 @@ class TransformerLayer(nn.Module):
         query = self._split_heads(self.query(hidden)[0])
         key = self._split_heads(self.key(hidden)[0])
         value = self._split_heads(self.value(hidden)[0])
-        attend = padding_mask.bool()[:, None, None, :]
+        bias = attention_bias(padding_mask, query.dtype)
         dropout_p = self.attention_dropout if self.training else 0.0
         with self.rng.fork():  # this rank's heads: a TP-rank-specific dropout stream
-            context = self_attention(query, key, value, attend, dropout_p)
+            context = self_attention(query, key, value, bias, dropout_p)
         context = context.transpose(1, 2).reshape(batch, seq, self.local_heads * self.head_dim)
         attention = self.attention_output(context)[0]
         hidden = self.attention_layernorm(hidden + self.dropout(attention))

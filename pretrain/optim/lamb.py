@@ -43,37 +43,49 @@ class Lamb(torch.optim.Optimizer):
                         bias_correction=bias_correction)
         super().__init__(params, defaults)
         self._layout: NormLayout | None = None
+        self._constants: dict = {}  # index and mask tensors of the layout, per device
 
     def set_layout(self, layout: NormLayout | None) -> None:
         """Tell the optimizer how its tensors map onto logical parameters (None = every tensor
         is a whole parameter, no collectives)."""
         self._layout = layout
+        self._constants = {}
 
     @torch.no_grad()
-    def _adam_direction(self, p: torch.Tensor, group: dict) -> torch.Tensor:
-        """Advance m, v and the step counter; return the flat update direction u."""
-        grad = p.grad
-        if grad.is_sparse:
-            raise RuntimeError("Lamb does not support sparse gradients")
-        state = self.state[p]
-        if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1
+    def _adam_directions(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
+        """Advance m, v and the step counters of `params` (multi-tensor); their flat update
+        directions u, in the arithmetic order of the formula in the module docstring."""
+        for p in params:
+            if p.grad.is_sparse:
+                raise RuntimeError("Lamb does not support sparse gradients")
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+        grads = [p.grad for p in params]
+        m = [self.state[p]["exp_avg"] for p in params]
+        v = [self.state[p]["exp_avg_sq"] for p in params]
         beta1, beta2 = group["betas"]
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        m.mul_(beta1).add_(grad, alpha=1 - beta1)
-        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        torch._foreach_mul_(m, beta1)
+        torch._foreach_add_(m, grads, alpha=1 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+        steps = [self.state[p]["step"] for p in params]  # host integers: no device sync
         if group["bias_correction"]:
-            bc1 = 1 - beta1 ** state["step"]
-            bc2 = 1 - beta2 ** state["step"]
+            bc1 = [1 - beta1 ** step for step in steps]
+            bc2 = [1 - beta2 ** step for step in steps]
         else:
-            bc1 = bc2 = 1.0
-        u = (m / bc1) / (v / bc2).sqrt_().add_(group["eps"])
+            bc1 = bc2 = [1.0] * len(params)
+        denominators = torch._foreach_div(v, bc2)
+        torch._foreach_sqrt_(denominators)
+        torch._foreach_add_(denominators, group["eps"])
+        updates = torch._foreach_div(m, bc1)
+        torch._foreach_div_(updates, denominators)
         if group["weight_decay"] != 0:
-            u.add_(p, alpha=group["weight_decay"])
-        return u.reshape(-1)
+            torch._foreach_add_(updates, params, alpha=group["weight_decay"])
+        return [u.reshape(-1) for u in updates]
 
     def _device(self, work) -> torch.device:
         """Device for the norm vectors (the collectives need the backend's device)."""
@@ -82,6 +94,13 @@ class Lamb(torch.optim.Optimizer):
         entries = self._layout.entries() if self._layout is not None else []
         return entries[0][0].device if entries else torch.device("cpu")
 
+    def _on(self, device: torch.device, key: tuple, make) -> torch.Tensor:
+        """A small index/mask tensor that only changes with the layout: built once, kept on `device`."""
+        cached = self._constants.get((device, key))
+        if cached is None:
+            cached = self._constants[(device, key)] = make().to(device)
+        return cached
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -89,20 +108,21 @@ class Lamb(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        # 1. Elementwise update direction for every tensor with a gradient, and the segments
-        #    (logical parameter pieces) it holds.
+        # 1. Elementwise update direction for every tensor with a gradient (one multi-tensor
+        #    pass per group), and the segments (logical parameter pieces) it holds.
         work = []  # (param, group, flat update, segments)
         implicit = 0  # without a layout each tensor is its own logical parameter
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p, u in zip(params, self._adam_directions(params, group)):
                 if self._layout is None:
                     segments = [Segment(implicit, 0, p.numel())] if p.numel() else []
                     implicit += 1
                 else:
                     segments = self._layout.segments_for(p)
-                work.append((p, group, self._adam_direction(p, group), segments))
+                work.append((p, group, u, segments))
 
         # 2. Per-logical-parameter partial sums of w^2 and u^2, gathered into one (2, n)
         #    float64 tensor so that adding the pieces does not depend on how they were cut.
@@ -121,7 +141,8 @@ class Lamb(torch.optim.Optimizer):
         sums = torch.zeros(2, n, dtype=torch.float64, device=device)
         if index:
             pieces = torch.stack([torch.stack(w_sq), torch.stack(u_sq)]).to(torch.float64)
-            sums.index_add_(1, torch.tensor(index, device=device), pieces)
+            positions = self._on(device, ("index", *index), lambda: torch.tensor(index))
+            sums.index_add_(1, positions, pieces)
 
         # 3. Whole-parameter sums: add the pieces held by other DP ranks (ZeRO), then the other
         #    TP shards of sharded parameters only (a replicated parameter is already whole on
@@ -134,26 +155,38 @@ class Lamb(torch.optim.Optimizer):
         if layout is not None and layout.dp_group is not None:
             all_reduce(sums, layout.dp_group)
         if layout is not None and layout.tp_group is not None:
-            mask = torch.tensor(layout.tp_sharded, dtype=torch.bool, device=sums.device)
+            mask = self._on(sums.device, ("tp_sharded",), lambda: torch.tensor(layout.tp_sharded, dtype=torch.bool))
             sharded = all_reduce(torch.where(mask, sums, torch.zeros_like(sums)), layout.tp_group)
             sums = torch.where(mask, sharded, sums)
 
-        w_norm, u_norm = sums.sqrt().tolist()
-
-        # 4. Apply each logical parameter's ratio to its segments; elements outside every
-        #    segment (ZeRO alignment padding) are left untouched.
+        # 4. Trust ratios on the device (no host sync): r = ||w|| / ||u|| per logical parameter,
+        #    1 if either norm is 0; clamped per group; 1 where the group has no layer adaptation.
+        w_norm, u_norm = sums.to(device).sqrt()
+        ratios = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+        targets, directions, scales, segment_index, adapt, ceiling, rates = [], [], [], [], [], [], []
+        copy_back = []
         for p, group, u, segments in work:
             flat = p.data.view(-1) if p.data.is_contiguous() else None
             target = flat if flat is not None else p.data.reshape(-1).clone()
-            for seg in segments:
-                ratio = 1.0
-                if group["layer_adaptation"]:
-                    wn, un = w_norm[seg.logical_index], u_norm[seg.logical_index]
-                    ratio = wn / un if wn > 0 and un > 0 else 1.0
-                    if group["max_trust_ratio"] is not None:
-                        ratio = min(ratio, group["max_trust_ratio"])
-                target.narrow(0, seg.start, seg.numel).add_(u.narrow(0, seg.start, seg.numel),
-                                                            alpha=-group["lr"] * ratio)
             if flat is None:
-                p.data.copy_(target.view_as(p))
+                copy_back.append((p, target))
+            for seg in segments:  # elements outside every segment (ZeRO padding) stay untouched
+                targets.append(target.narrow(0, seg.start, seg.numel))
+                directions.append(u.narrow(0, seg.start, seg.numel))
+                segment_index.append(seg.logical_index)
+                adapt.append(bool(group["layer_adaptation"]))
+                ceiling.append(float("inf") if group["max_trust_ratio"] is None else group["max_trust_ratio"])
+                rates.append(-group["lr"])
+        if targets:
+            key = (tuple(segment_index), tuple(adapt), tuple(ceiling))
+            seg_ratio = ratios[self._on(device, ("segments", key), lambda: torch.tensor(segment_index))]
+            seg_ratio = torch.minimum(seg_ratio, self._on(device, ("ceiling", key),
+                                                          lambda: torch.tensor(ceiling, dtype=torch.float64)))
+            seg_ratio = torch.where(self._on(device, ("adapt", key), lambda: torch.tensor(adapt)), seg_ratio,
+                                    torch.ones_like(seg_ratio))
+            # the learning rates change every step: a host-to-device copy, not a sync
+            scales = (seg_ratio * torch.tensor(rates, dtype=torch.float64, device=device)).float()
+            torch._foreach_add_(targets, torch._foreach_mul(directions, list(scales.unbind())))
+        for p, target in copy_back:
+            p.data.copy_(target.view_as(p))
         return loss

@@ -24,6 +24,8 @@ from typing import Iterable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
+from ..device import hp_fragment
+
 
 class Segment(NamedTuple):
     """`numel` elements of logical parameter `logical_index`, starting at flat offset `start`
@@ -155,12 +157,9 @@ def _hp_mapped_layout(lp_groups, hp_partitions, partition_groups, dp_group, tp_g
             index = len(sharded)  # same enumeration on every rank: all ranks hold all lp params
             sharded.append(_is_tp_sharded(p))
             owners.append(p)
-            mapping = getattr(p, "_hp_mapping", None)
-            if mapping is None:
-                continue
-            address = mapping.get_hp_fragment_address()
-            if address.numel > 0:
-                segments.append(Segment(index, address.start, address.numel, mapping.lp_fragment_address.start))
+            fragment = hp_fragment(p)
+            if fragment is not None and fragment[1] > 0:
+                segments.append(Segment(index, *fragment))
         entries.append((flat, segments))
     group = _partition_group(partition_groups, dp_group, kind)
     return NormLayout(entries, sharded, dp_group=group, tp_group=_group_or_none(tp_group), params=owners)
