@@ -140,6 +140,20 @@ def test_lamb_with_the_optimizer_offloaded_to_the_cpu(cpu_reference, tmp_path):
     assert_same_training(result, cpu_reference(), tolerance("fakegpu"), "fakegpu dp2 zero1 offload")
 
 
+@pytest.mark.parametrize("optimizer", ["lamb", "adamw"])
+def test_host_reads_per_step(tmp_path, optimizer):
+    """Metrics stay on the device until the log line, LAMB's trust ratios never leave it, the
+    stop flag is agreed every few steps: over 20 steps with a log line every 10, the values read
+    back from the device are those of the two log lines and four stop checks (f5ae60b: 9.75 per step)."""
+    out = tmp_path / "reads.json"
+    run_ranks(["tests/_sync_worker.py", str(out), "20", f"optimizer.name={optimizer}"], 1, timeout=300,
+              env=DEVICES["fakegpu"][0])
+    result = json.loads(out.read_text())
+    assert result["device"].startswith("fakegpu:")
+    total = sum(result["reads"].values())
+    assert total <= 8, f"{total / 20:.2f} host reads per step: {result['reads']}"
+
+
 # ----------------------------------------------------------------------------- fine-tuning and tools
 @pytest.mark.parametrize("device_type", on_devices(2))
 def test_finetuning_tp2_keeps_the_best_weights(tiny, tmp_path, device_type):  # noqa: F811

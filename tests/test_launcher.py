@@ -2,6 +2,7 @@
 command it runs, and refuses an invalid config before starting anything."""
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -124,3 +125,27 @@ def test_help_is_the_header_comment():
     assert result.returncode == 0
     assert result.stdout.startswith("Launch pretraining") and "hostfile is DeepSpeed's format" in result.stdout
     assert "set -euo" not in result.stdout and "#" not in result.stdout.splitlines()[0]
+
+
+def test_environment_reaching_every_node(tmp_path):
+    """What DeepSpeed's ssh mode exports to the other nodes (the file launcher.sh writes, read by a
+    stand-in `deepspeed`): the NCCL/CUDA/fabric settings a GPU cluster needs, nothing else."""
+    stub = tmp_path / "deepspeed"
+    stub.write_text('#!/bin/sh\ncat "$DS_ENV_FILE"\n')
+    stub.chmod(0o755)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    passed = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "FI_PROVIDER": "efa", "UCX_TLS": "rc",
+              "LD_LIBRARY_PATH": "/opt/nccl/lib", "CUDA_LAUNCH_BLOCKING": "1", "NCCL_IB_HCA": "mlx5",
+              "BERT_FAKE_GPU": "1"}
+    # VIRTUAL_ENV set: launcher.sh then leaves PATH alone, and the stand-in comes first on it
+    env = dict(os.environ, PYTHONPATH=str(REPO), PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}",
+               VIRTUAL_ENV=sys.prefix, UNRELATED_SETTING="x", **passed)
+    env.pop("DS_ENV_FILE", None)
+    result = subprocess.run(["bash", str(REPO / "launcher.sh"), "--launcher", "deepspeed", "--hostfile", str(hostfile),
+                             "pretrain", *COMMON], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    exported = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line and not line.startswith("+"))
+    for name, value in passed.items():
+        assert exported.get(name) == value, (name, sorted(exported))
+    assert "UNRELATED_SETTING" not in exported
