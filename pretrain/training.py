@@ -168,7 +168,8 @@ class Trainer:
     # ----------------------------------------------------------------------------- steps
     def train_step(self, data_iter) -> dict:
         """One optimizer step; its metrics reduced over the job (one collective, one host sync)."""
-        return self._metrics([self._step(data_iter)])[0]
+        sums, grad_norm = self._step(data_iter)
+        return self._metrics([sums], [grad_norm])[0]
 
     def _step(self, data_iter) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; (loss sums, gradient norm) left on the device, unreduced."""
@@ -189,16 +190,23 @@ class Trainer:
                                     device=self.parallel.device).reshape(1)
         return self.loss_fn.drain(self.parallel.device), grad_norm
 
-    def _metrics(self, steps: list[tuple[torch.Tensor, torch.Tensor]]) -> list[dict]:
-        """Metrics of several steps with one collective and one host sync: the loss sums of all
-        of them reduced together, this rank's gradient norms read with them."""
+    def _metrics(self, sums: list[torch.Tensor], grad_norms: list[torch.Tensor] = ()) -> list[dict]:
+        """Averages of the loss function's sums of several steps (or of one evaluation), each over
+        every micro-batch of its global batch, with this rank's gradient norm of each step: one
+        collective and one host sync for all of them.
+
+        Only the last stage computes the loss, and its TP ranks hold identical values: the
+        (last stage, TP rank 0) ranks contribute, everyone receives the result.
+        """
         p = self.parallel
-        contributes = p.is_last_stage and p.tp_rank == 0  # see _reduce_metrics
-        sums = torch.stack([s if contributes else torch.zeros_like(s) for s, _ in steps])
-        values = torch.cat([device.all_reduce(sums).reshape(-1), torch.cat([g for _, g in steps])]).tolist()
-        width = len(PretrainingLoss.METRICS)
-        return [dict(self._averages(values[i * width:(i + 1) * width]), grad_norm=values[len(steps) * width + i])
-                for i in range(len(steps))]
+        contributes = p.is_last_stage and p.tp_rank == 0
+        reduced = device.all_reduce(torch.stack([s if contributes else torch.zeros_like(s) for s in sums]))
+        values = torch.cat([reduced.reshape(-1), *grad_norms]).tolist()
+        width, count = len(PretrainingLoss.METRICS), len(sums)
+        metrics = [self._averages(values[i * width:(i + 1) * width]) for i in range(count)]
+        for i, norm in enumerate(values[count * width:]):
+            metrics[i]["grad_norm"] = norm
+        return metrics
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -213,18 +221,7 @@ class Trainer:
                     inputs, labels = next(data_iter)
                     self.loss_fn(self.engine(inputs), labels)
         self.engine.train()
-        return self._reduce_metrics(self.loss_fn.drain(self.parallel.device))
-
-    def _reduce_metrics(self, sums: torch.Tensor) -> dict:
-        """Average the loss function's sums over every micro-batch of the global batch.
-
-        Only the last stage computes the loss, and its TP ranks hold identical values: the
-        (last stage, TP rank 0) ranks contribute, everyone receives the result.
-        """
-        p = self.parallel
-        contributes = p.is_last_stage and p.tp_rank == 0
-        sums = device.all_reduce(sums if contributes else torch.zeros_like(sums))
-        return self._averages(sums.tolist())
+        return self._metrics([self.loss_fn.drain(self.parallel.device)])[0]
 
     @staticmethod
     def _averages(sums: list[float]) -> dict:
@@ -311,7 +308,7 @@ class Trainer:
                                               "learning_rate": learning_rate}))
                 stop = self._stop_agreed()
                 if self.step % t.log_interval == 0 or self.step == last_step or stop:
-                    reduced = self._metrics([m for m, _ in window])
+                    reduced = self._metrics([sums for (sums, _), _ in window], [norm for (_, norm), _ in window])
                     history.extend(dict(metrics, **host) for metrics, (_, host) in zip(reduced, window))
                     elapsed = time.perf_counter() - window_start
                     waited, data_iter.wait_seconds = data_iter.wait_seconds, 0.0
