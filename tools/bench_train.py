@@ -395,11 +395,12 @@ def print_table(rows: list[dict], peak: dict, peak_load: float | None) -> None:
     print(f"GEMM peak (2048^3, best of 6) up front: fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s; "
           "each side's MFU is against the peak its own process measured around its steps (column above)")
     print(FLOPS_NOTE)
-    from pretrain.model.cpu_bf16 import calibrated_route
+    from pretrain.model.cpu_bf16 import OVERRIDE_ENV, bf16_route, calibrated_route
 
-    route, record = calibrated_route()
+    _, record = calibrated_route()
     rates = ", ".join(f"{name} {gflops:.0f}" for name, gflops in record["gflops"].items())
-    print(f"bf16 GEMM route on this CPU: {route} (calibrated GFLOP/s: {rates}). With 'fp32', our bf16 GEMMs multiply "
+    forced = f", forced by {OVERRIDE_ENV}" if os.environ.get(OVERRIDE_ENV) else ""
+    print(f"bf16 GEMM route on this CPU: {bf16_route()}{forced} (calibrated GFLOP/s: {rates}). With 'fp32', our bf16 GEMMs multiply "
           "the exactly upcast bf16 operands in fp32 and round to bf16 (the arithmetic of a bf16 GEMM); HF's "
           "autocast uses the native kernel. The bf16 peak is the faster of the two routes.")
     busy = [f"{r['config']} {r['precision']} {side}" for r in rows for side in ("ours", "hf")
