@@ -23,7 +23,8 @@ import torch
 
 from pretrain.checkpointing import CheckpointError, save_vocab
 from pretrain.data.tokenizer import TokenizerError, load_tokenizer
-from pretrain.device import all_gather, all_gather_object, all_reduce, configure_math, describe, to_host
+from pretrain.device import (all_gather, all_gather_object, all_reduce, configure_math, describe, no_optimizer_steps,
+                             to_host)
 from pretrain.interop.apply import read_any
 from pretrain.interop.native import LogicalCheckpoint
 from pretrain.model.bert import logical_parameters
@@ -235,9 +236,11 @@ class Finetuner:
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 2**31 - 1,
         }
-        engine, _, _, _ = deepspeed.initialize(
-            model=self.model, optimizer=optimizer, config=ds_config, mpu=p.mpu,
-            lr_scheduler=lambda opt: make_lr_scheduler(opt, t.lr, warmup, max(self.total_steps, warmup + 1), "linear"))
+        with no_optimizer_steps(optimizer):  # the bf16 wrapper at ZeRO-0 steps once at construction
+            engine, _, _, _ = deepspeed.initialize(
+                model=self.model, optimizer=optimizer, config=ds_config, mpu=p.mpu,
+                lr_scheduler=lambda opt: make_lr_scheduler(opt, t.lr, warmup, max(self.total_steps, warmup + 1),
+                                                           "linear"))
         return engine
 
     # ----------------------------------------------------------------------------- training

@@ -172,9 +172,10 @@ def set_global_grad_norm(engine, norm: float) -> None:
 
 
 def loss_scale(engine) -> float | None:
-    """The fp16 dynamic loss scale, or None without loss scaling. Every DeepSpeed fp16 wrapper
+    """The fp16 dynamic loss scale (None if the wrapper has none). Every DeepSpeed fp16 wrapper
     (FP16_Optimizer, FP16_UnfusedOptimizer, the ZeRO optimizers) exposes the `loss_scale`
-    property; only some have `cur_scale` (FP16_UnfusedOptimizer keeps it in loss_scale_config)."""
+    property; only some have `cur_scale` (FP16_UnfusedOptimizer keeps it in loss_scale_config).
+    Wrappers without loss scaling report 1.0."""
     scale = getattr(engine.optimizer, "loss_scale", None)
     return None if scale is None else float(scale)
 

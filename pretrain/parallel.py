@@ -70,8 +70,10 @@ def discover_launch_env(environ=None) -> LaunchEnv:
         launch = _mpi_launch_env(env)
         # A real srun sets PMI/PMIx variables too; an MPI library that cannot speak srun's PMI
         # (pip's MPICH under PMIx) then makes every task rank 0 of 1, all writing one save_dir.
-        # SLURM's own variables are right whenever MPI sees a smaller job than SLURM started.
-        if not (slurm and launch.world_size == 1 and int(env["SLURM_NTASKS"]) > 1):
+        # Inside an srun step (SLURM_STEP_NUM_TASKS exists only there) SLURM's own variables win
+        # when MPI sees one rank of several; a batch script's mpirun -np 1 stays a single process.
+        step_tasks = int(env.get("SLURM_STEP_NUM_TASKS", 1))
+        if not (slurm and launch.world_size == 1 and step_tasks > 1):
             return launch
     if slurm:
         return LaunchEnv(

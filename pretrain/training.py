@@ -171,8 +171,10 @@ class Trainer:
         sums, grad_norm = self._step(data_iter)
         return self._metrics([sums], [grad_norm])[0]
 
-    def _step(self, data_iter) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step; (loss sums, gradient norm) left on the device, unreduced."""
+    def _step(self, data_iter) -> tuple[torch.Tensor, torch.Tensor | float | None]:
+        """One optimizer step: its loss sums, left on the device unreduced, and the gradient norm
+        as DeepSpeed's wrapper reports it (a device tensor, or a float or None, left as it is: a
+        host number copied to a GPU would wait for the GPU)."""
         if self.pipelined:
             self.engine.train_batch(data_iter=data_iter)
             if not (self.parallel.is_first_stage or self.parallel.is_last_stage):
@@ -185,12 +187,9 @@ class Trainer:
                 loss = self.loss_fn(self.engine(inputs), labels)
                 self.engine.backward(loss)
                 self.engine.step()
-        grad_norm = self.engine.get_global_grad_norm()  # a float or a device tensor, by wrapper
-        grad_norm = torch.as_tensor(float("nan") if grad_norm is None else grad_norm, dtype=torch.float64,
-                                    device=self.parallel.device).reshape(1)
-        return self.loss_fn.drain(self.parallel.device), grad_norm
+        return self.loss_fn.drain(self.parallel.device), self.engine.get_global_grad_norm()
 
-    def _metrics(self, sums: list[torch.Tensor], grad_norms: list[torch.Tensor] = ()) -> list[dict]:
+    def _metrics(self, sums: list[torch.Tensor], grad_norms: list = ()) -> list[dict]:
         """Averages of the loss function's sums of several steps (or of one evaluation), each over
         every micro-batch of its global batch, with this rank's gradient norm of each step: one
         collective and one host sync for all of them.
@@ -201,11 +200,13 @@ class Trainer:
         p = self.parallel
         contributes = p.is_last_stage and p.tp_rank == 0
         reduced = device.all_reduce(torch.stack([s if contributes else torch.zeros_like(s) for s in sums]))
-        values = torch.cat([reduced.reshape(-1), *grad_norms]).tolist()
+        on_device = [g.detach().reshape(1).to(reduced) for g in grad_norms if torch.is_tensor(g)]
+        values = torch.cat([reduced.reshape(-1), *on_device]).tolist()
         width, count = len(PretrainingLoss.METRICS), len(sums)
         metrics = [self._averages(values[i * width:(i + 1) * width]) for i in range(count)]
-        for i, norm in enumerate(values[count * width:]):
-            metrics[i]["grad_norm"] = norm
+        read = iter(values[count * width:])
+        for m, norm in zip(metrics, grad_norms):
+            m["grad_norm"] = next(read) if torch.is_tensor(norm) else float("nan") if norm is None else float(norm)
         return metrics
 
     @torch.no_grad()
@@ -356,9 +357,8 @@ class Trainer:
         train = {k: metrics[k] for k in ("loss", "lm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy",
                                           "learning_rate", "grad_norm")}
         train["params_norm"] = params_norm
-        scale = device.loss_scale(self.engine)
-        if scale is not None:
-            train["loss_scale"] = scale
+        if self.cfg.train.precision == "fp16":  # the other wrappers report a constant 1.0
+            train["loss_scale"] = device.loss_scale(self.engine)
         self._scalars("train", train)
         self._scalars("perf", perf)
         eta = seconds_per_step * (t.train_steps - self.step)

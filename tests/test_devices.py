@@ -162,7 +162,7 @@ def test_finetuning_tp2_keeps_the_best_weights(tiny, tmp_path, device_type):  # 
     files = repeat_task(tmp_path, seed=5, train=128, dev=32)
     common = [*QUIET, f"task.train_file={files['train']}", f"task.dev_files=[{files['dev']}]", "train.epochs=2",
               "train.lr=1e-3", "task.max_seq_length=12", "train.global_batch_size=32", "train.micro_batch_size=8",
-              f"model.init_from={tiny / 'hf'}", "parallel.tensor_parallel=2"]
+              f"model.init_from={tiny / 'hf'}", "parallel.tensor_parallel=2", "train.tf32=false"]
     runs = {}
     for name, env in (("cpu", CPU_ENV), (device_type, DEVICES[device_type][0])):
         outputs = run_ranks(["-m", "finetune", "rte", *common, f"train.output_dir={tmp_path / name}"], 2,

@@ -39,3 +39,16 @@ def test_wrappers_took_effect(engines):
 def test_fp16_loss_scale_is_read_from_every_wrapper(engines):
     """FP16_UnfusedOptimizer (fp16 at ZeRO-0) has no `cur_scale`; the scale comes from `loss_scale`."""
     assert engines["fp16"] == {"loss_scale": 1024.0, "has_cur_scale": False}
+
+
+def test_fine_tuning_takes_no_step_at_construction(tmp_path):
+    """The same guard in fine-tuning: bf16 at ZeRO-0 gets FP16_UnfusedOptimizer there too."""
+    from test_finetune_tasks import QUIET, repeat_task, tiny_bert
+
+    hf = tiny_bert(tmp_path)
+    files = repeat_task(tmp_path, train=64, dev=16)
+    out = tmp_path / "engine.json"
+    run_ranks(["tests/_finetune_engine_worker.py", str(out), "rte", *QUIET, f"model.init_from={hf}",
+               f"task.train_file={files['train']}", f"task.dev_files=[{files['dev']}]", "task.max_seq_length=12",
+               "train.precision=bf16", f"train.output_dir={tmp_path / 'out'}"], 1, timeout=300)
+    assert json.loads(out.read_text()) == {"wrapper": "FP16_UnfusedOptimizer", "optimizer_states": 0}

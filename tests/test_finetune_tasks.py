@@ -22,15 +22,21 @@ QUIET = ["train.progress=false", "model.hidden_dropout=0", "model.attention_drop
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A random-init tiny BertForPreTraining directory (vocab: specials + w0..w11 + fillers)."""
+    """root/hf: a random-init tiny BertForPreTraining directory (see tiny_bert)."""
+    root = tmp_path_factory.mktemp("tiny")
+    tiny_bert(root)
+    return root
+
+
+def tiny_bert(root):
+    """root/hf: a random-init tiny BertForPreTraining directory (vocab: specials + w0..w11 + fillers)."""
     from transformers import BertConfig, BertForPreTraining
 
-    root = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)
     BertForPreTraining(BertConfig(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                   intermediate_size=128, max_position_embeddings=32)).save_pretrained(root / "hf")
     (root / "hf" / "vocab.txt").write_text("\n".join(SPECIALS + WORDS + [f"x{i}" for i in range(15)]) + "\n")
-    return root
+    return root / "hf"
 
 
 def write_tsv(path, header, rows):

@@ -36,10 +36,13 @@ def test_srun_pmi_variables_with_an_mpi_that_sees_one_rank(monkeypatch):
 
     lone = parallel.LaunchEnv(0, 1, 0, "127.0.0.1", 29500, "mpi")
     monkeypatch.setattr(parallel, "_mpi_launch_env", lambda env: lone)
-    slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "3", "SLURM_JOB_NODELIST": "n1",
-             "PMIX_RANK": "0"}
+    slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "3",
+             "SLURM_JOB_NODELIST": "n1", "PMIX_RANK": "0"}
     env = discover_launch_env(slurm)
     assert (env.rank, env.world_size, env.local_rank, env.source) == (3, 4, 3, "slurm")
+    # mpirun -np 1 from a batch script of an 8-task allocation (no srun step): one process, as MPI says
+    batch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "n1", "PMI_SIZE": "1"}
+    assert discover_launch_env(batch) == lone
     # mpirun inside an allocation: MPI sees the whole job and is believed
     whole = parallel.LaunchEnv(2, 4, 2, "n1", 29500, "mpi")
     monkeypatch.setattr(parallel, "_mpi_launch_env", lambda env: whole)

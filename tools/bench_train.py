@@ -172,7 +172,11 @@ def gemm_peak(precision: str, device, n: int = 2048) -> float:
 
 
 def child_peak(args) -> dict:
+    from pretrain.config import TrainConfig
+    from pretrain.device import configure_math
+
     device = bench_device()
+    configure_math(device, TrainConfig().tf32)  # the fp32 GEMMs our trainer runs (TF32 on a GPU)
     return {"peak_gflops": {precision: gemm_peak(precision, device) for precision in PRECISIONS},
             "device": str(device)}
 
@@ -191,6 +195,7 @@ def child_ours(args) -> dict:
                       LOCAL_RANK="0")
     from deepspeed.utils import logger as ds_logger
 
+    from pretrain.device import configure_math
     from pretrain.parallel import init_parallel, shutdown_parallel
     from pretrain.training import Trainer, model_flops_per_sample
 
@@ -198,6 +203,7 @@ def child_ours(args) -> dict:
     cfg = bench_config(args.config, args.batch, args.seq, args.precision, args.optimizer, args.warmup + args.steps)
     parallel = init_parallel(1, 1)
     device = parallel.device
+    configure_math(device, cfg.train.tf32)  # as the Trainer below does, before the peak is measured
     peak = gemm_peak(args.precision, device)
     trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
     batches = iter(make_batches(cfg, args.warmup + args.steps, device))
@@ -263,11 +269,13 @@ def child_hf(args) -> dict:
 
     import torch
 
+    from pretrain.device import configure_math
     from pretrain.training import model_flops_per_sample
 
     device = bench_device()
-    peak = gemm_peak(args.precision, device)
     cfg = bench_config(args.config, args.batch, args.seq, args.precision, args.optimizer, args.warmup + args.steps)
+    configure_math(device, cfg.train.tf32)  # the same fp32 matmul precision as our side (TF32 on a GPU)
+    peak = gemm_peak(args.precision, device)
     torch.manual_seed(cfg.train.seed)
     model = hf_model(cfg).to(device).train()
     optimizer = hf_optimizer(model, cfg)

@@ -163,7 +163,7 @@ class Lamb(torch.optim.Optimizer):
         #    1 if either norm is 0; clamped per group; 1 where the group has no layer adaptation.
         w_norm, u_norm = sums.to(device).sqrt()
         ratios = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-        targets, directions, scales, segment_index, adapt, ceiling, rates = [], [], [], [], [], [], []
+        targets, directions, segment_index, adapt, ceiling, rates = [], [], [], [], [], []
         copy_back = []
         for p, group, u, segments in work:
             flat = p.data.view(-1) if p.data.is_contiguous() else None
@@ -184,9 +184,13 @@ class Lamb(torch.optim.Optimizer):
                                                           lambda: torch.tensor(ceiling, dtype=torch.float64)))
             seg_ratio = torch.where(self._on(device, ("adapt", key), lambda: torch.tensor(adapt)), seg_ratio,
                                     torch.ones_like(seg_ratio))
-            # the learning rates change every step: a host-to-device copy, not a sync
-            scales = (seg_ratio * torch.tensor(rates, dtype=torch.float64, device=device)).float()
-            torch._foreach_add_(targets, torch._foreach_mul(directions, list(scales.unbind())))
+            # The learning rate goes in as `alpha` (a host number), once per distinct rate: a tensor
+            # of rates copied to a GPU would wait for the GPU to finish the backward pass.
+            ratios_f32 = seg_ratio.float().unbind()
+            for rate in dict.fromkeys(rates):
+                chosen = [j for j, r in enumerate(rates) if r == rate]
+                steps = torch._foreach_mul([directions[j] for j in chosen], [ratios_f32[j] for j in chosen])
+                torch._foreach_add_([targets[j] for j in chosen], steps, alpha=rate)
         for p, target in copy_back:
             p.data.copy_(target.view_as(p))
         return loss

@@ -1,0 +1,26 @@
+"""Rank entry point: does the fine-tuning optimizer hold any state right after its engine is built?
+
+usage: python tests/_finetune_engine_worker.py OUT.json TASK OVERRIDES...
+"""
+import json
+import sys
+
+from finetune.config import load_finetune_config
+from finetune.runner import Finetuner
+from pretrain.parallel import init_parallel, shutdown_parallel
+
+
+def main():
+    out_path, task, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+    cfg = load_finetune_config(None, [f"task.name={task}", *overrides])
+    cfg.validate(1)
+    parallel = init_parallel(1, 1, timeout_minutes=3)
+    runner = Finetuner(cfg, parallel, log=lambda *a, **k: None)
+    with open(out_path, "w") as f:
+        json.dump({"wrapper": type(runner.engine.optimizer).__name__,
+                   "optimizer_states": len(runner.engine.basic_optimizer.state)}, f)
+    shutdown_parallel()
+
+
+if __name__ == "__main__":
+    main()
