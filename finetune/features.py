@@ -54,9 +54,13 @@ def extract_features(checkpoint: str, input_file: str, output_file: str, layers:
     if any(not -model_cfg.num_layers - 1 <= layer <= model_cfg.num_layers for layer in layers):
         raise FeatureError(f"layers {layers}: the model has layers 0 (embeddings) to {model_cfg.num_layers} "
                            f"(or -1 to -{model_cfg.num_layers + 1})")
-    source = vocab_file or os.path.join(ckpt.vocab_dir or "", "vocab.txt")
     if not vocab_file and not ckpt.vocab_dir:
         raise FeatureError(f"{checkpoint} carries no vocabulary: pass --vocab-file")
+    source = vocab_file
+    if not source:  # the checkpoint's tokenizer.json, else its vocab.txt (as fill-mask and the fine-tuner choose)
+        source = os.path.join(ckpt.vocab_dir, "tokenizer.json")
+        if not os.path.exists(source):
+            source = os.path.join(ckpt.vocab_dir, "vocab.txt")
     try:
         info = load_tokenizer(**({"tokenizer_json": source} if source.endswith(".json") else {"vocab_file": source}))
     except TokenizerError as e:

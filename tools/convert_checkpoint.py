@@ -3,16 +3,23 @@
 usage:
   python tools/convert_checkpoint.py hf-to-native --input HF_DIR --output DIR --tp T --pp P
   python tools/convert_checkpoint.py native-to-hf --input DIR --output HF_DIR [--vocab-file vocab.txt]
+                                                [--architecture BertForPreTraining|BertForMaskedLM|BertModel]
   python tools/convert_checkpoint.py reshard --input DIR --output DIR --tp T --pp P [--no-optimizer]
 
 hf-to-native reads BertForPreTraining, BertForMaskedLM or BertModel directories
 (model.safetensors, pytorch_model.bin or their sharded index; with or without the `bert.` prefix;
-LayerNorm.gamma/beta names). Heads the architecture lacks are initialised and listed.
+LayerNorm.gamma/beta names). Heads the architecture lacks are initialised and listed. Every
+tokenizer file is carried (vocab.txt, tokenizer.json, tokenizer_config.json, ...); a directory
+without vocab.txt (transformers 5 writes none) gets the one its WordPiece tokenizer.json implies.
+A tokenizer.json of another model (BPE, Unigram) without a vocab.txt is refused.
 
 native-to-hf reads a checkpoint of any TP x PP x DP layout and ZeRO stage (DIR is a save_dir,
 following its `latest`, or one iter_* directory), joins TP shards and ZeRO partitions (fp32
 master weights where the run kept them), drops vocabulary padding, and writes config.json,
-model.safetensors, vocab.txt and tokenizer files for transformers' BertForPreTraining.
+model.safetensors and the tokenizer files, as the architecture the checkpoint was trained as:
+BertForPreTraining for pretraining checkpoints; a converted BertForMaskedLM or BertModel comes
+back as itself, without the heads hf-to-native had to initialise. --architecture asks for
+another (BertForPreTraining on such a checkpoint writes those untrained heads too).
 
 reshard rewrites a native checkpoint at another TP x PP, with its optimizer moments, step, sample
 count and LR-schedule position: training resumes from it in any DP size and ZeRO stage.
@@ -29,6 +36,9 @@ import time
 
 from pretrain.cli import accept_launcher_args
 from pretrain.quiet import hide_library_warnings
+
+# pretrain.interop.hf's tuple (a test checks): importing it here would make --help wait for torch
+PRETRAINING_ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     reshard.add_argument("--no-optimizer", action="store_true", help="write the model weights only")
     to_hf.add_argument("--vocab-file", help="vocab.txt to ship, when the checkpoint carries none "
                                             "(e.g. trained on synthetic data)")
+    to_hf.add_argument("--architecture", choices=PRETRAINING_ARCHITECTURES,
+                       help="transformers class to write (default: the one the checkpoint was trained as, "
+                            "without heads it never trained; BertForPreTraining adds them as initialised)")
     return parser.parse_args(argv)
 
 
@@ -61,7 +74,7 @@ def describe_layout(path: str) -> str:
 
 
 def run(args) -> list[str]:
-    from pretrain.interop.hf import read_hf, write_hf
+    from pretrain.interop.hf import architecture_note, read_hf, trained_architecture, write_hf
     from pretrain.interop.native import read_native, write_native
 
     if args.command == "hf-to-native":
@@ -71,8 +84,9 @@ def run(args) -> list[str]:
     if args.command == "native-to-hf":
         layout = describe_layout(args.input)
         ckpt = read_native(args.input, with_optimizer=False)
-        files = write_hf(ckpt, args.output, vocab_file=args.vocab_file)
-        return [f"read {ckpt.source} ({layout}, step {ckpt.step})",
+        architecture = args.architecture or trained_architecture(ckpt)
+        files = write_hf(ckpt, args.output, vocab_file=args.vocab_file, architecture=architecture)
+        return [f"read {ckpt.source} ({layout}, step {ckpt.step})", architecture_note(ckpt, architecture),
                 f"wrote {args.output}: {', '.join(files)}"]
     layout = describe_layout(args.input)
     ckpt = read_native(args.input, with_optimizer=not args.no_optimizer)

@@ -36,6 +36,9 @@ __all__ = [
     "bert_wordpiece_tokenizer",
     "tokenizer_vocab",
     "load_tokenizer",
+    "tokenizer_model_type",
+    "wordpiece_vocab",
+    "write_vocab_file",
 ]
 
 # The tokens BERT pretraining needs; Google's vocabularies put [PAD] at 0.
@@ -233,3 +236,47 @@ def load_tokenizer(vocab_file: str | None = None, tokenizer_json: str | None = N
         source=os.fspath(source),
         warnings=notes,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# vocab.txt from a tokenizer.json
+# --------------------------------------------------------------------------------------------
+
+
+def tokenizer_model_type(tokenizer_json: str) -> str | None:
+    """The model of a Hugging Face tokenizer.json: "WordPiece", "BPE", "Unigram", ..."""
+    try:
+        with open(tokenizer_json, encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise TokenizerError(f"tokenizer file {tokenizer_json!r} does not exist") from None
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"{tokenizer_json}: not a Hugging Face tokenizer.json ({e})") from None
+    model = config.get("model") if isinstance(config, dict) else None
+    return model.get("type") if isinstance(model, dict) else None
+
+
+def wordpiece_vocab(tokenizer_json: str) -> dict[str, int]:
+    """token -> id of a WordPiece tokenizer.json (added tokens included), as the vocab.txt that
+    expresses it holds them. Only WordPiece has a vocab.txt form: a BPE or Unigram tokenizer
+    also needs its merges or scores, so other models are refused, naming the file."""
+    model_type = tokenizer_model_type(tokenizer_json)
+    if model_type != "WordPiece":
+        raise TokenizerError(f"{tokenizer_json}: a {model_type or 'untyped'} tokenizer, not WordPiece: no vocab.txt "
+                             "can express it (BERT checkpoints carry a WordPiece vocabulary)")
+    vocab = tokenizer_vocab(load_tokenizer(tokenizer_json=tokenizer_json, allow_case_mismatch=True).tokenizer)
+    # vocab.txt numbers tokens by line: an id no token has cannot be written
+    unused = sorted(set(range(len(vocab))) - set(vocab.values()))
+    if unused:
+        raise TokenizerError(f"{tokenizer_json}: {len(vocab)} tokens with ids up to {max(vocab.values())} (no token "
+                             f"has id {unused[0]}): a vocab.txt cannot number them")
+    return vocab
+
+
+def write_vocab_file(vocab: Mapping[str, int], path: str, source: str) -> None:
+    """Write ``vocab`` (ids 0..n-1, as ``wordpiece_vocab`` returns) as a Google-format vocab.txt."""
+    unwritable = [t for t in vocab if not t or "\n" in t or "\r" in t]  # a line holds one non-empty token
+    if unwritable:
+        raise TokenizerError(f"{source}: token {unwritable[0]!r} cannot be a line of a vocab.txt")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("".join(f"{token}\n" for token, _ in sorted(vocab.items(), key=lambda item: item[1])))

@@ -5,7 +5,9 @@ Reads BertForPreTraining, BertForMaskedLM and BertModel checkpoints (with or wit
 LayerNorm.gamma/beta names; a decoder weight stored tied or as an identical copy). Heads the
 architecture does not have are initialised as our trainer would and listed in the notes.
 Writes config.json + model.safetensors + tokenizer files that transformers' from_pretrained
-loads as BertForPreTraining with no missing or unexpected keys.
+loads with no missing or unexpected keys, as the architecture the checkpoint was trained as
+(a converted BertForMaskedLM or BertModel comes back without the heads it never had) or one
+asked for.
 """
 from __future__ import annotations
 
@@ -19,10 +21,12 @@ from ..checkpointing import CheckpointError
 from ..config import Config, ConfigError
 from ..data.tokenizer import SPECIAL_TOKENS, TokenizerError, load_tokenizer, read_vocab
 from ..model.bert import HF_NAME_TABLE, full_initial_value, hf_parameter_info
-from .native import TOKENIZER_FILES, VOCAB_FILE, LogicalCheckpoint, copy_vocab_files
+from .native import (TOKENIZER_FILES, TOKENIZER_JSON, VOCAB_FILE, LogicalCheckpoint, check_vocab_fits,
+                     copy_vocab_files, has_tokenizer)
 
-ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel", "BertForSequenceClassification",
-                 "BertForMultipleChoice", "BertForQuestionAnswering")
+PRETRAINING_ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel")
+ARCHITECTURES = PRETRAINING_ARCHITECTURES + ("BertForSequenceClassification", "BertForMultipleChoice",
+                                             "BertForQuestionAnswering")
 # Task heads of fine-tuned checkpoints: kept aside (LogicalCheckpoint.extra) for the fine-tuner.
 TASK_HEAD_PREFIXES = ("classifier.", "qa_outputs.")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -200,23 +204,29 @@ def read_hf(path: str, seed: int = 1234) -> LogicalCheckpoint:
         notes.append(f"{architecture} has no {head}: initialised {len(names)} tensor(s) "
                      f"(normal(0, {cfg.model.init_std}) weights, zero biases, unit LayerNorm; seed {seed}): "
                      + ", ".join(names))
-    vocab_dir = None
+    notes += _tokenizer_notes(path, cfg.model.vocab_size)
+    return LogicalCheckpoint(config=cfg, weights=weights, source=path, vocab_dir=path if has_tokenizer(path) else None,
+                             notes=notes, extra=extra, initialised_heads=sorted(initialised))
+
+
+def _tokenizer_notes(path: str, vocab_size: int) -> list[str]:
+    """What a conversion carries of the directory's tokenizer. A tokenizer.json is checked when
+    it is written out (copy_vocab_files), not here: reading for training or fine-tuning uses it
+    as it is."""
+    present = [name for name in TOKENIZER_FILES if os.path.exists(os.path.join(path, name))]
+    if not has_tokenizer(path):
+        return [f"{path} has no {VOCAB_FILE} or {TOKENIZER_JSON}: the output carries no vocabulary"]
     if os.path.exists(os.path.join(path, VOCAB_FILE)):
-        check_vocab_fits(os.path.join(path, VOCAB_FILE), cfg.model.vocab_size)
-        vocab_dir = path
-    else:
-        notes.append(f"{path} has no {VOCAB_FILE}: the output carries no vocabulary")
-    return LogicalCheckpoint(config=cfg, weights=weights, source=path, vocab_dir=vocab_dir, notes=notes, extra=extra,
-                             initialised_heads=sorted(initialised))
+        check_vocab_file(os.path.join(path, VOCAB_FILE), vocab_size)
+        return [f"tokenizer files: {', '.join(present)}"]
+    return [f"tokenizer files: {', '.join(present)}; no {VOCAB_FILE}: a conversion writes the one {TOKENIZER_JSON} implies"]
 
 
-def check_vocab_fits(vocab_file: str, vocab_size: int) -> None:
+def check_vocab_file(vocab_file: str, vocab_size: int) -> None:
     try:
-        size = len(read_vocab(vocab_file))
+        check_vocab_fits(read_vocab(vocab_file), vocab_size, vocab_file)
     except TokenizerError as e:
         raise CheckpointError(str(e)) from None
-    if size > vocab_size:
-        raise CheckpointError(f"{vocab_file} has {size} tokens but the model's vocab_size is {vocab_size}")
 
 
 # ----------------------------------------------------------------------------- writing
@@ -246,63 +256,114 @@ def hf_config(cfg: Config, pad_token_id: int = 0, architecture: str = "BertForPr
     }
 
 
-def _write_tokenizer_files(vocab_dir: str, out_dir: str, max_length: int) -> int:
-    """vocab.txt, tokenizer.json, tokenizer_config.json, special_tokens_map.json; returns [PAD]'s id."""
-    copy_vocab_files(vocab_dir, out_dir)
-    vocab_file = os.path.join(out_dir, VOCAB_FILE)
+def _write_tokenizer_files(vocab_dir: str, out_dir: str, max_length: int, vocab_size: int) -> int:
+    """The tokenizer files of vocab_dir as they are (plus the vocab.txt a tokenizer.json implies).
+    A bare vocabulary (a trainer's checkpoint: vocab.txt, perhaps tokenizer.json) gets the
+    tokenizer.json, tokenizer_config.json and special_tokens_map.json transformers loads it
+    with; a directory with its own tokenizer_config.json keeps its settings. Returns [PAD]'s id."""
+    vocab = copy_vocab_files(vocab_dir, out_dir)
+    check_vocab_fits(vocab, vocab_size, vocab_dir)
+    tokenizer_json = os.path.join(out_dir, TOKENIZER_JSON)
+    if os.path.exists(os.path.join(out_dir, "tokenizer_config.json")):
+        return vocab[SPECIAL_TOKENS[0]]
+    source = {"tokenizer_json": tokenizer_json} if os.path.exists(tokenizer_json) else \
+        {"vocab_file": os.path.join(out_dir, VOCAB_FILE)}
     try:
-        info = load_tokenizer(vocab_file=vocab_file)
+        info = load_tokenizer(**source, allow_case_mismatch=True)
     except TokenizerError as e:
         raise CheckpointError(str(e)) from None
-    if not os.path.exists(os.path.join(out_dir, "tokenizer.json")):
-        info.tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    if not os.path.exists(tokenizer_json):
+        info.tokenizer.save(tokenizer_json)
     specials = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
                 "mask_token": "[MASK]"}
-    if not os.path.exists(os.path.join(out_dir, "tokenizer_config.json")):
-        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-            json.dump({"tokenizer_class": "BertTokenizer", "do_lower_case": info.lowercase,
-                       "model_max_length": max_length, **specials}, f, indent=2)
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "BertTokenizer", "do_lower_case": info.lowercase,
+                   "model_max_length": max_length, **specials}, f, indent=2)
     if not os.path.exists(os.path.join(out_dir, "special_tokens_map.json")):
         with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
             json.dump(specials, f, indent=2)
     return info.special_ids[SPECIAL_TOKENS[0]]
 
 
+# ----------------------------------------------------------------------------- which heads
+def trained_architecture(ckpt: LogicalCheckpoint) -> str:
+    """The architecture of the heads that were trained. Heads read_hf initialised (those a
+    BertForMaskedLM or BertModel directory lacks, recorded in the native meta.json through every
+    conversion) never were: writing them would hand out random weights as a model's."""
+    untrained = set(ckpt.initialised_heads)
+    if "MLM head" in untrained:
+        return "BertModel"
+    return "BertForMaskedLM" if untrained else "BertForPreTraining"
+
+
+def written_heads(ckpt: LogicalCheckpoint, architecture: str) -> list[str]:
+    heads = set(ARCHITECTURE_HEADS[architecture])
+    if architecture == "BertModel" and "pooler" not in ckpt.initialised_heads:
+        heads.add("pooler")  # BertModel's pooler is optional: kept when it was trained
+    return [head for head in HEADS if head in heads]
+
+
+def architecture_note(ckpt: LogicalCheckpoint, architecture: str) -> str:
+    """One line on the heads written and left out, for the converter's report."""
+    heads = written_heads(ckpt, architecture)
+    untrained = [h for h in heads if h in ckpt.initialised_heads]
+    left_out = [h for h in HEADS if h not in heads]
+    note = f"architecture {architecture}: encoder{''.join(', ' + h for h in heads)}"
+    if untrained:
+        note += f"; untrained (initialised when converted from a directory without them): {', '.join(untrained)}"
+    if left_out and architecture == trained_architecture(ckpt):
+        note += f"; left out {', '.join(left_out)} (never trained; --architecture BertForPreTraining writes them)"
+    elif left_out:
+        note += f"; left out {', '.join(left_out)}"
+    return note
+
+
+def _written_tensors(ckpt: LogicalCheckpoint, architecture: str) -> dict[str, torch.Tensor]:
+    """The architecture's tensors by the names its transformers class saves: a BertModel's have
+    no `bert.` prefix; a fine-tuned model adds its task head (ckpt.extra)."""
+    heads = written_heads(ckpt, architecture)
+    info = hf_parameter_info(ckpt.config.model)
+    names = [n for n in info if _head_of(n) is None or _head_of(n) in heads]
+    tensors = {n.removeprefix("bert.") if architecture == "BertModel" else n: ckpt.weights[n] for n in names}
+    if architecture not in PRETRAINING_ARCHITECTURES:
+        tensors.update(ckpt.extra or {})
+    return {name: t.to(torch.float32).contiguous() for name, t in tensors.items()}
+
+
 def write_hf(ckpt: LogicalCheckpoint, out_dir: str, vocab_file: str | None = None,
-             architecture: str = "BertForPreTraining", config_extra: dict | None = None) -> list[str]:
-    """Write `ckpt` as a Hugging Face BertForPreTraining directory (temporary sibling directory,
-    renamed into place when complete). Returns the files written. A fine-tuned model names its
-    `architecture` (e.g. BertForSequenceClassification): its encoder and pooler, plus the task
-    head in ckpt.extra, plus `config_extra` (num_labels, id2label, ...) in config.json."""
+             architecture: str | None = None, config_extra: dict | None = None) -> list[str]:
+    """Write `ckpt` as a Hugging Face directory (temporary sibling directory, renamed into place
+    when complete) of `architecture`, by default the one it was trained as (trained_architecture).
+    Returns the files written. A fine-tuned model names its `architecture` (e.g.
+    BertForSequenceClassification): its encoder and pooler, plus the task head in ckpt.extra,
+    plus `config_extra` (num_labels, id2label, ...) in config.json."""
     from safetensors.torch import save_file
 
+    architecture = architecture or trained_architecture(ckpt)
+    if architecture not in ARCHITECTURES:
+        raise CheckpointError(f"unknown architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}")
     vocab_dir = ckpt.vocab_dir
     if vocab_file is not None:
         if not os.path.exists(vocab_file):
             raise CheckpointError(f"--vocab-file {vocab_file} does not exist")
+        check_vocab_file(vocab_file, ckpt.config.model.vocab_size)
         vocab_dir = None
     elif vocab_dir is None:
-        raise CheckpointError(f"{ckpt.source} carries no {VOCAB_FILE} (trained on synthetic data, or converted "
-                              "without one): pass --vocab-file")
-    check_vocab_fits(vocab_file or os.path.join(vocab_dir, VOCAB_FILE), ckpt.config.model.vocab_size)
+        raise CheckpointError(f"{ckpt.source} carries no {VOCAB_FILE} or {TOKENIZER_JSON} (trained on synthetic "
+                              "data, or converted without one): pass --vocab-file")
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise CheckpointError(f"{out_dir} already exists and is not empty; choose a new output directory")
-    info = hf_parameter_info(ckpt.config.model)
     tmp = f"{out_dir.rstrip(os.sep)}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
+        m = ckpt.config.model
         if vocab_file is not None:
             shutil.copyfile(vocab_file, os.path.join(tmp, VOCAB_FILE))
-            pad_id = _write_tokenizer_files(tmp, tmp, ckpt.config.model.max_position_embeddings)
+            pad_id = _write_tokenizer_files(tmp, tmp, m.max_position_embeddings, m.vocab_size)
         else:
-            pad_id = _write_tokenizer_files(vocab_dir, tmp, ckpt.config.model.max_position_embeddings)
-        # a fine-tuned model keeps the encoder (and the pooler, except question answering, which has none)
-        names = [n for n in info if architecture == "BertForPreTraining" or (
-            n.startswith("bert.") and not (architecture == "BertForQuestionAnswering" and n.startswith(HEADS["pooler"])))]
-        tensors = {name: ckpt.weights[name].to(torch.float32).contiguous() for name in names}
-        tensors.update({name: t.to(torch.float32).contiguous() for name, t in (ckpt.extra or {}).items()})
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+            pad_id = _write_tokenizer_files(vocab_dir, tmp, m.max_position_embeddings, m.vocab_size)
+        save_file(_written_tensors(ckpt, architecture), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump({**hf_config(ckpt.config, pad_id, architecture), **(config_extra or {})}, f, indent=2)
         if os.path.isdir(out_dir):
@@ -314,4 +375,5 @@ def write_hf(ckpt: LogicalCheckpoint, out_dir: str, vocab_file: str | None = Non
     return sorted(os.listdir(out_dir))
 
 
-__all__ = ["read_hf", "write_hf", "hf_config", "ARCHITECTURES", "TOKENIZER_FILES"]
+__all__ = ["read_hf", "write_hf", "hf_config", "trained_architecture", "architecture_note", "ARCHITECTURES",
+           "PRETRAINING_ARCHITECTURES", "TOKENIZER_FILES"]

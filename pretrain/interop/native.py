@@ -28,12 +28,17 @@ import torch
 
 from ..checkpointing import LATEST, META, CheckpointError, model_shape_of, tag_for
 from ..config import Config, ConfigError
+from ..data.tokenizer import TokenizerError, read_vocab, tokenizer_model_type, wordpiece_vocab, write_vocab_file
 from ..model.hf_interop import local_value, unpad_vocab
 from ..model.bert import checkpoint_param_names, hf_parameter_info, pipeline_stage_bounds, spec_modules
 from ..optim.groups import group_by_kind
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 VOCAB_FILE = "vocab.txt"
+TOKENIZER_JSON = "tokenizer.json"
+# Every tokenizer file a Hugging Face directory may hold: transformers 5 writes tokenizer.json and
+# tokenizer_config.json only, older versions vocab.txt, special_tokens_map.json, added_tokens.json too.
+TOKENIZER_FILES = (VOCAB_FILE, TOKENIZER_JSON, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
 
 @dataclass
@@ -49,7 +54,7 @@ class LogicalCheckpoint:
     consumed_samples: int = 0
     scheduler_steps: int = 0  # LR scheduler's completed steps (last_epoch)
     source: str = ""
-    vocab_dir: str | None = None  # directory holding vocab.txt and tokenizer files, if any
+    vocab_dir: str | None = None  # directory holding the tokenizer files (vocab.txt and/or tokenizer.json), if any
     notes: list[str] = field(default_factory=list)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # a fine-tuned model's task head (HF names)
     # heads the source did not have, filled with fresh initial values (interop.hf.HEADS names, e.g.
@@ -392,7 +397,7 @@ def read_native(path: str, with_optimizer: bool = True) -> LogicalCheckpoint:
         config=cfg, weights=weights, moments=moments, optimizer_step=steps.pop() if steps else 0,
         step=int(meta.get("step", 0)), consumed_samples=int(meta.get("consumed_samples", 0)),
         scheduler_steps=scheduler_steps or 0, source=tag_dir,
-        vocab_dir=tag_dir if os.path.exists(os.path.join(tag_dir, VOCAB_FILE)) else None,
+        vocab_dir=tag_dir if has_tokenizer(tag_dir) else None,
         initialised_heads=list(meta.get("initialised_heads", [])),
     )
 
@@ -452,6 +457,8 @@ def write_native(ckpt: LogicalCheckpoint, out_dir: str, tp: int, pp: int, with_o
     tag_dir = os.path.join(tmp, tag)
     os.makedirs(tag_dir)
     try:
+        if ckpt.vocab_dir:  # first: a tokenizer that cannot be carried fails before the weights are written
+            check_vocab_fits(copy_vocab_files(ckpt.vocab_dir, tag_dir), m.vocab_size, ckpt.vocab_dir)
         for p, t, mp in _model_ranks(tp, pp):
             names = stage_param_names(m.num_layers, pp, p)
 
@@ -485,8 +492,6 @@ def write_native(ckpt: LogicalCheckpoint, out_dir: str, tp: int, pp: int, with_o
                         continue  # the last stage's copy of the tied embedding: DeepSpeed keeps the first
                     assert spec != decoder_spec
                     torch.save(layer, _layer_file(tag_dir, spec, t))
-        if ckpt.vocab_dir:
-            copy_vocab_files(ckpt.vocab_dir, tag_dir)
         meta = {
             "step": ckpt.step,
             "consumed_samples": ckpt.consumed_samples,
@@ -513,12 +518,59 @@ def write_native(ckpt: LogicalCheckpoint, out_dir: str, tp: int, pp: int, with_o
     return os.path.join(out_dir, tag)
 
 
-TOKENIZER_FILES = (VOCAB_FILE, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# ----------------------------------------------------------------------------- tokenizer files
+def has_tokenizer(directory: str) -> bool:
+    return any(os.path.exists(os.path.join(directory, name)) for name in (VOCAB_FILE, TOKENIZER_JSON))
 
 
-def copy_vocab_files(src_dir: str, dst_dir: str) -> None:
-    if os.path.abspath(src_dir) == os.path.abspath(dst_dir):
-        return
-    for name in TOKENIZER_FILES:
-        if os.path.exists(os.path.join(src_dir, name)):
-            shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+def tokenizer_vocabulary(directory: str) -> dict[str, int]:
+    """token -> id of the tokenizer in `directory`: its WordPiece tokenizer.json's (what
+    transformers' AutoTokenizer reads), which a vocab.txt beside it must agree with; else its
+    vocab.txt's. A tokenizer.json of another model (BPE, ...) is carried only beside a vocab.txt
+    (a run trained with it: checkpointing.save_vocab writes both); alone it is refused, since
+    every BERT checkpoint of ours carries a vocab.txt."""
+    listed, tokenizer_json = os.path.join(directory, VOCAB_FILE), os.path.join(directory, TOKENIZER_JSON)
+    try:
+        if not os.path.exists(tokenizer_json):
+            return read_vocab(listed)
+        if os.path.exists(listed) and tokenizer_model_type(tokenizer_json) != "WordPiece":
+            return read_vocab(listed)
+        vocab = wordpiece_vocab(tokenizer_json)
+        if os.path.exists(listed):
+            _check_same_vocabulary(read_vocab(listed), vocab, listed, tokenizer_json)
+        return vocab
+    except TokenizerError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _check_same_vocabulary(listed: dict[str, int], vocab: dict[str, int], listed_path: str,
+                           tokenizer_json: str) -> None:
+    """vocab.txt's tokens must have its ids in tokenizer.json, which may add tokens after them
+    (transformers 4 kept added tokens out of vocab.txt)."""
+    differ = [token for token, i in listed.items() if vocab.get(token) != i]
+    if differ:
+        token = differ[0]
+        raise CheckpointError(f"{listed_path} and {tokenizer_json} disagree on {len(differ)} token(s), e.g. {token!r}: "
+                              f"id {listed[token]} in {VOCAB_FILE}, {vocab.get(token)} in {TOKENIZER_JSON}")
+
+
+def check_vocab_fits(vocab: dict[str, int], vocab_size: int, source: str) -> None:
+    if len(vocab) > vocab_size:
+        raise CheckpointError(f"{source}: the tokenizer has {len(vocab)} tokens but the model's vocab_size is {vocab_size}")
+
+
+def copy_vocab_files(src_dir: str, dst_dir: str) -> dict[str, int]:
+    """Copy every tokenizer file of src_dir as it is, and write the vocab.txt a WordPiece
+    tokenizer.json implies where there is none (our data pipeline, fill-mask and fine-tuner, and
+    transformers' slow BertTokenizer, read vocab.txt). Returns the vocabulary."""
+    vocab = tokenizer_vocabulary(src_dir)
+    if os.path.abspath(src_dir) != os.path.abspath(dst_dir):
+        for name in TOKENIZER_FILES:
+            if os.path.exists(os.path.join(src_dir, name)):
+                shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+    if not os.path.exists(os.path.join(dst_dir, VOCAB_FILE)):
+        try:
+            write_vocab_file(vocab, os.path.join(dst_dir, VOCAB_FILE), os.path.join(src_dir, TOKENIZER_JSON))
+        except TokenizerError as e:
+            raise CheckpointError(str(e)) from None
+    return vocab
