@@ -317,11 +317,13 @@ class Trainer:
                     window_start, window = time.perf_counter(), []
                 if t.eval_interval and self.step % t.eval_interval == 0:
                     self._log_eval(self.evaluate())
-                if t.save_interval and self.step % t.save_interval == 0:
+                saved = bool(t.save_interval) and self.step % t.save_interval == 0
+                if saved:
                     self.save()
                 if stop:
                     self.log(f"SIGTERM received: saving at step {self.step} and stopping")
-                    self.save()
+                    if not saved:  # the same checkpoint twice would double the time a preemption waits
+                        self.save()
                     break
             else:
                 if not (t.save_interval and self.step % t.save_interval == 0):
