@@ -1,9 +1,26 @@
-"""Warnings the libraries print once per rank (or per step) that say nothing about the run."""
+"""Warnings the libraries print once per rank (or per step) that say nothing about the run.
+
+The one list of warnings we hide, each with its reason; everything else stays visible. The
+programs apply it at start-up, the test workers too, and the test session adds the same list
+to pytest's filters (tests/conftest.py), so a new deprecation in torch, DeepSpeed or
+megatron-core shows up in the test output instead of vanishing under a blanket ignore.
+"""
 import warnings
+
+# (message regex, category, why it is noise)
+LIBRARY_NOISE = [
+    ("Transformer Engine and Apex are not installed", UserWarning,
+     "megatron-core, on import, once per rank: optional GPU kernels are missing; we use none of them"),
+    (".*all_gather_into_tensor. is deprecated", FutureWarning,
+     "DeepSpeed's ZeRO calls a collective torch 2.13 deprecated, once per rank and step"),
+]
 
 
 def hide_library_warnings() -> None:
-    # megatron-core warns on import, once per rank, that optional GPU kernels are missing.
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-    # DeepSpeed's ZeRO calls a torch collective that torch 2.13 deprecated, once per rank and step.
-    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor. is deprecated", category=FutureWarning)
+    for message, category, _ in LIBRARY_NOISE:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
+def pytest_filters() -> list[str]:
+    """The same list as pytest `filterwarnings` lines ("ignore:message:Category")."""
+    return [f"ignore:{message}:{category.__name__}" for message, category, _ in LIBRARY_NOISE]

@@ -175,19 +175,32 @@ class Trainer:
         """One optimizer step: its loss sums, left on the device unreduced, and the gradient norm
         as DeepSpeed's wrapper reports it (a device tensor, or a float or None, left as it is: a
         host number copied to a GPU would wait for the GPU)."""
+        p = self.parallel
+        draws = not self.pipelined or p.is_first_stage or p.is_last_stage
+        micro_batches = [next(data_iter) for _ in range(self.grad_accum)] if draws else []
+        if not self.pipelined or p.is_last_stage:
+            self._scale_loss_to_global_batch([labels for _, labels in micro_batches])
         if self.pipelined:
-            self.engine.train_batch(data_iter=data_iter)
-            if not (self.parallel.is_first_stage or self.parallel.is_last_stage):
+            self.engine.train_batch(data_iter=iter(micro_batches))
+            if not draws:
                 # DeepSpeed never draws from a middle stage's iterator (PipelineEngine.
                 # set_dataiterator); move its position on as the end stages' moved.
                 data_iter.skip(self.grad_accum)
         else:
-            for _ in range(self.grad_accum):
-                inputs, labels = next(data_iter)
+            for inputs, labels in micro_batches:
                 loss = self.loss_fn(self.engine(inputs), labels)
                 self.engine.backward(loss)
                 self.engine.step()
         return self.loss_fn.drain(self.parallel.device), self.engine.get_global_grad_norm()
+
+    def _scale_loss_to_global_batch(self, labels: list) -> None:
+        """The step's MLM loss is a mean over every masked token of the global batch (see
+        PretrainingLoss): count them over this rank's micro-batches and the data-parallel ranks,
+        on the device (one small collective, no host sync)."""
+        masked = torch.stack([PretrainingLoss.masked_tokens(micro) for micro in labels]).sum()
+        if self.parallel.dp_size > 1:
+            masked = device.all_reduce(masked, group=self.parallel.dp_group)
+        self.loss_fn.scale_to_global_batch(masked, self.grad_accum * self.parallel.dp_size)
 
     def _metrics(self, sums: list[torch.Tensor], grad_norms: list = ()) -> list[dict]:
         """Averages of the loss function's sums of several steps (or of one evaluation), each over
@@ -203,7 +216,7 @@ class Trainer:
         on_device = [g.detach().reshape(1).to(reduced) for g in grad_norms if torch.is_tensor(g)]
         values = torch.cat([reduced.reshape(-1), *on_device]).tolist()
         width, count = len(PretrainingLoss.METRICS), len(sums)
-        metrics = [self._averages(values[i * width:(i + 1) * width]) for i in range(count)]
+        metrics = [PretrainingLoss.averages(values[i * width:(i + 1) * width]) for i in range(count)]
         read = iter(values[count * width:])
         for m, norm in zip(metrics, grad_norms):
             m["grad_norm"] = next(read) if torch.is_tensor(norm) else float("nan") if norm is None else float(norm)
@@ -223,18 +236,6 @@ class Trainer:
                     self.loss_fn(self.engine(inputs), labels)
         self.engine.train()
         return self._metrics([self.loss_fn.drain(self.parallel.device)])[0]
-
-    @staticmethod
-    def _averages(sums: list[float]) -> dict:
-        s = dict(zip(PretrainingLoss.METRICS, sums))
-        lm, nsp = s["lm_loss"] / s["micro_batches"], s["nsp_loss"] / s["micro_batches"]
-        return {
-            "loss": lm + nsp,
-            "lm_loss": lm,
-            "nsp_loss": nsp,
-            "mlm_accuracy": s["mlm_correct"] / max(s["mlm_count"], 1.0),
-            "nsp_accuracy": s["nsp_correct"] / max(s["nsp_count"], 1.0),
-        }
 
     def params_norm(self) -> float:
         """L2 norm of the whole logical model, each parameter counted once in any layout."""

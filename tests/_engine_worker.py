@@ -1,6 +1,6 @@
 """Rank entry point: what the optimizer holds right after the trainer built its DeepSpeed engine.
 
-usage: python tests/_engine_worker.py OUT.json
+usage: python tests/_engine_worker.py OUT.json [PRECISION...]   (default: fp32 bf16; fp16 needs a GPU)
 For each precision x ZeRO stage x optimizer: how many parameters already have optimizer state
 (a step taken during construction) and the largest relative difference between the tensors the
 optimizer steps (fp32 masters) and the model's own weights. Also the fp16 loss scale read from
@@ -37,7 +37,8 @@ def inspect(engine) -> dict:
             model = model_values(layout.params[seg.logical_index], seg).double()
             worst = max(worst, ((master - model).abs() / master.abs().clamp(min=1e-3)).max().item())
     return {"optimizer_states": len(engine.basic_optimizer.state), "max_relative_difference": worst,
-            "wrapper": type(engine.optimizer).__name__}
+            "wrapper": type(engine.optimizer).__name__,
+            "model_dtypes": sorted({str(p.dtype) for p in engine.module.parameters()})}
 
 
 def fp16_loss_scale() -> dict:
@@ -50,10 +51,10 @@ def fp16_loss_scale() -> dict:
 
 
 def main():
-    out_path = sys.argv[1]
+    out_path, precisions = sys.argv[1], sys.argv[2:] or ["fp32", "bf16"]
     parallel = init_parallel(1, 1, timeout_minutes=3)
-    results = {}
-    for precision in ("fp32", "bf16"):
+    results = {"device": str(parallel.device)}
+    for precision in precisions:
         for stage in (0, 1, 2, 3):
             for optimizer in ("lamb", "adamw"):
                 extra = ["train.deepspeed_config=tests/zero3-partition-everything.json"] if stage == 3 else []
@@ -63,7 +64,8 @@ def main():
                 trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
                 results[f"{precision}-zero{stage}-{optimizer}"] = inspect(trainer.engine)
                 del trainer
-    results["fp16"] = fp16_loss_scale()
+    if "fp16" not in precisions:
+        results["fp16"] = fp16_loss_scale()
     with open(out_path, "w") as f:
         json.dump(results, f, indent=1)
     shutdown_parallel()

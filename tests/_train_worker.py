@@ -1,15 +1,20 @@
 """Rank entry point for multi-process tests: train one or more configs, write per-step metrics.
 
 usage: python tests/_train_worker.py OUT.json TP PP RUN_JSON...
-Each RUN_JSON is {"name": ..., "overrides": [...]} applied on top of tests' tiny config.
-The logging rank writes {name: [per-step metrics]} to OUT.json.
+Each RUN_JSON is {"name": ..., "overrides": [...]} applied on top of tests' tiny config, with
+optional "evaluate": true (evaluation metrics after training) and "per_shard_lamb": true (the
+negative control: LAMB trust ratios of whatever tensor each rank steps, not of whole parameters).
+The logging rank writes, per run: the per-step metrics, the params norm, where it ran, and what
+every rank reports of its layout and optimizer groups (what proves the layout took effect).
 """
 import json
 import sys
-import warnings
 
-warnings.filterwarnings("ignore")
+from pretrain.quiet import hide_library_warnings
 
+hide_library_warnings()  # the known noise only: anything new shows up in the test run
+
+from pretrain import device  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 from pretrain.parallel import init_parallel, shutdown_parallel  # noqa: E402
 from pretrain.training import Trainer  # noqa: E402
@@ -37,6 +42,67 @@ def where_it_ran(trainer, parallel) -> dict:
             "optimizer_tensors": sorted({str(t.device) for t in stepped})}
 
 
+def layout_report(trainer, parallel) -> dict:
+    """This rank's view of the layout, from the libraries themselves, not from our config: the
+    sizes megatron-core and DeepSpeed work with, what the rank holds, the optimizer wrapper."""
+    from megatron.core import parallel_state as ps
+
+    from pretrain import device
+    from pretrain.model.bert import logical_parameters
+    from pretrain.training import counted_once
+
+    engine = trainer.engine
+    params = list(trainer.model.parameters())
+    zero3 = [p for p in params if device.is_zero3_param(p)]
+    return {
+        "rank": parallel.rank, "tp_rank": parallel.tp_rank, "pp_rank": parallel.pp_rank, "dp_rank": parallel.dp_rank,
+        "megatron_tp_size": ps.get_tensor_model_parallel_world_size(),
+        "deepspeed_dp_size": engine.dp_world_size,
+        "deepspeed_stages": engine.num_stages if trainer.pipelined else 1,
+        "deepspeed_stage_id": engine.stage_id if trainer.pipelined else 0,
+        # elements of the parameters this rank holds (ZeRO-3: of its partitions)
+        "local_elements": sum(device.zero3_partition(p).numel() if device.is_zero3_param(p) else p.numel()
+                              for p in params),
+        # the same for the logical parameters a whole-model sum counts on this rank: over the
+        # ranks of one data-parallel replica they add up to the whole model, in any layout
+        "counted_elements": sum(device.full_shape(lp.param).numel() for lp in counted_once(trainer.model, parallel)),
+        "zero3_parameters": len(zero3),
+        "zero3_partitioned": sum(device.zero3_partition(p).numel() < device.full_shape(p).numel() for p in zero3),
+        "optimizer_wrapper": type(engine.optimizer).__name__,
+        "parameter_dtypes": ",".join(sorted({str(p.dtype) for p in params})),
+        "optimizer_groups": optimizer_groups_by_name(trainer),
+        "logical_names": [lp.hf_name for lp in logical_parameters(trainer.model)],
+    }
+
+
+def optimizer_groups_by_name(trainer) -> dict:
+    """{Hugging Face name: [weight_decay, layer_adaptation]} of the optimizer group that actually
+    steps each parameter this rank holds, read through the wrappers (ZeRO flat groups: through
+    the layout's map from flat segments back to parameters)."""
+    from pretrain.model.bert import logical_parameters
+    from pretrain.optim.layout import layout_for_deepspeed, stepped_tensors_by_group
+
+    names = {id(lp.param): lp.hf_name for lp in logical_parameters(trainer.model)}
+    layout = layout_for_deepspeed(trainer.engine)
+    found = {}
+    for tensor, group in stepped_tensors_by_group(trainer.engine):
+        for segment in layout.segments_for(tensor):
+            param = layout.params[segment.logical_index] if layout.params else tensor
+            found[names[id(param)]] = [group["weight_decay"], group.get("layer_adaptation")]
+    return found
+
+
+def use_per_shard_trust_ratios(trainer) -> None:
+    """The negative control of the layout tests: each stepped tensor (a TP shard, a ZeRO
+    partition) taken for a whole parameter, as a LAMB unaware of the layout would."""
+    from pretrain.optim import Lamb
+    from pretrain.optim.layout import layout_for_params
+
+    client = trainer.engine.basic_optimizer
+    assert isinstance(client, Lamb), type(client).__name__
+    client.set_layout(layout_for_params([g["params"] for g in client.param_groups], tp_group=None))
+
+
 def main():
     out_path, tp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     runs = [json.loads(arg) for arg in sys.argv[4:]]
@@ -46,9 +112,14 @@ def main():
         cfg = load_config(None, TINY + [f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}"] + run["overrides"])
         cfg.validate(world_size=parallel.world_size)
         trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
+        if run.get("per_shard_lamb"):
+            use_per_shard_trust_ratios(trainer)
         history = trainer.train()
         results[run["name"]] = {"history": history, "params_norm": trainer.params_norm(),
-                                "device": where_it_ran(trainer, parallel)}
+                                "device": where_it_ran(trainer, parallel),
+                                "ranks": device.all_gather_object(layout_report(trainer, parallel))}
+        if run.get("evaluate"):
+            results[run["name"]]["evaluation"] = trainer.evaluate()
     if parallel.rank == parallel.logging_rank:
         with open(out_path, "w") as f:
             json.dump(results, f)

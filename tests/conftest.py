@@ -11,12 +11,24 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 REQUIRE_GPU_ENV = "REQUIRE_GPU"
+# CI sets it (.ci/run): there the multi-node tests must run, a machine where network namespaces
+# cannot be made fails them instead of skipping them unnoticed.
+REQUIRE_NETNS_ENV = "REQUIRE_NETNS"
 
 
 def pytest_configure(config):
+    from pretrain.quiet import pytest_filters
+
+    for line in pytest_filters():  # the programs' own list of library noise, nothing broader
+        config.addinivalue_line("filterwarnings", line)
     config.addinivalue_line(
         "markers", "gpu(n=1): needs n CUDA GPUs. Skipped with the reason on a machine without CUDA; fails instead "
                    "of skipping where CUDA is present (too few GPUs) or REQUIRE_GPU=1.")
+    config.addinivalue_line(
+        "markers", "netns: needs network namespaces (root and iproute2's `ip`). Skipped with the reason where "
+                   "they cannot be created; fails instead with REQUIRE_NETNS=1.")
+    config.addinivalue_line(
+        "markers", "slow: multi-process or end-to-end; `pytest -m \"not slow\"` is the fast tier.")
 
 
 def gpu_shortfall(needed: int) -> str | None:
@@ -29,7 +41,27 @@ def gpu_shortfall(needed: int) -> str | None:
     return f"needs {needed} CUDA GPU(s), this machine has {available}"
 
 
+def _required(env: str) -> bool:
+    return os.environ.get(env, "0") not in ("", "0")
+
+
+def _netns_reason(config) -> str | None:
+    """Why namespaces cannot be made here, probed once per session."""
+    if not hasattr(config, "_netns_reason"):
+        from netns import cannot_create_reason
+
+        config._netns_reason = cannot_create_reason()
+    return config._netns_reason
+
+
 def pytest_runtest_setup(item):
+    if item.get_closest_marker("netns") is not None:
+        reason = _netns_reason(item.config)
+        if reason is not None and _required(REQUIRE_NETNS_ENV):
+            pytest.fail(f"network-namespace test {item.nodeid}: namespaces cannot be created here ({reason}) "
+                        f"and {REQUIRE_NETNS_ENV}=1: it fails rather than skips", pytrace=False)
+        if reason is not None:
+            pytest.skip(f"network namespaces cannot be created here: {reason}")
     marker = item.get_closest_marker("gpu")
     if marker is None:
         return
@@ -39,7 +71,7 @@ def pytest_runtest_setup(item):
         return
     import torch
 
-    if os.environ.get(REQUIRE_GPU_ENV, "0") not in ("", "0") or torch.cuda.is_available():
+    if _required(REQUIRE_GPU_ENV) or torch.cuda.is_available():
         pytest.fail(f"GPU test {item.nodeid} {reason} ({REQUIRE_GPU_ENV}={os.environ.get(REQUIRE_GPU_ENV, 'unset')}, "
                     f"CUDA {'present' if torch.cuda.is_available() else 'absent'}): GPU tests fail rather than skip "
                     "where a GPU is expected", pytrace=False)

@@ -1,15 +1,20 @@
 """Start N ranks of a Python script as separate processes (what torchrun does), for tests.
 
 Every rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR=127.0.0.1/MASTER_PORT; a hang or a
-crash fails the caller with every rank's output instead of blocking the test run.
+crash fails the caller with every rank's output instead of blocking the test run. Warnings the
+ranks print are raised again in the test process (once each), so that pytest's summary shows a
+library's new deprecation instead of losing it in a passing rank's output.
 """
 from __future__ import annotations
 
+import builtins
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,6 +39,26 @@ def wait_or_kill(procs: list[subprocess.Popen], timeout: float) -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+# how the warnings module prints one: "path.py:12: FutureWarning: message"
+WARNING_LINE = re.compile(r"^(?P<file>\S+\.py):(?P<line>\d+): (?P<category>\w+Warning): (?P<message>.*)$", re.M)
+
+
+def reraise_warnings(outputs: list[str]) -> None:
+    """Warn, in this process, each distinct warning the ranks printed, with its category (so the
+    session's filters, pretrain/quiet.py's list among them, apply as they do in-process)."""
+    seen = set()
+    for text in outputs:
+        for m in WARNING_LINE.finditer(text):
+            key = (m["file"], m["line"], m["category"], m["message"])
+            if key in seen:
+                continue
+            seen.add(key)
+            category = getattr(builtins, m["category"], None)
+            if not (isinstance(category, type) and issubclass(category, Warning)):
+                category = UserWarning
+            warnings.warn_explicit(m["message"], category, m["file"], int(m["line"]), module="rank")
 
 
 def run_ranks(args: list[str], nprocs: int, timeout: float = 600, env: dict | None = None,
@@ -62,6 +87,7 @@ def run_ranks(args: list[str], nprocs: int, timeout: float = 600, env: dict | No
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
+    reraise_warnings([o.stdout or "" for o in outputs])
     if expect_success and any(o.returncode != 0 for o in outputs):
         dump = "\n".join(f"--- rank {r} (exit {o.returncode}) ---\n{o.stdout[-4000:]}" for r, o in enumerate(outputs))
         raise AssertionError(f"a rank failed:\n{dump}")

@@ -11,6 +11,8 @@ import pytest
 
 from distributed import run_ranks
 
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
@@ -24,6 +26,26 @@ def engines(tmp_path_factory):
 @pytest.mark.parametrize("optimizer", ["lamb", "adamw"])
 def test_no_step_at_construction(engines, precision, stage, optimizer):
     result = engines[f"{precision}-zero{stage}-{optimizer}"]
+    assert result["model_dtypes"] == [f"torch.{PRECISION_DTYPES[precision]}"], result  # the precision took effect
+    assert result["optimizer_states"] == 0, f"the optimizer stepped during engine construction ({result['wrapper']})"
+    assert result["max_relative_difference"] == 0.0, f"fp32 masters differ from the model ({result['wrapper']})"
+
+
+@pytest.fixture(scope="module")
+def fp16_engines(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp16-engines") / "engines.json"
+    run_ranks(["tests/_engine_worker.py", str(out), "fp16"], 1, timeout=600, env={"BERT_FAKE_GPU": "0"})
+    return json.loads(out.read_text())
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("optimizer", ["lamb", "adamw"])
+def test_fp16_takes_no_step_at_construction(fp16_engines, stage, optimizer):
+    """fp16 exists on GPUs only (DeepSpeed has no CPU fp16): the same check in the GPU tier."""
+    result = fp16_engines[f"fp16-zero{stage}-{optimizer}"]
+    assert fp16_engines["device"] == "cuda:0"
+    assert result["model_dtypes"] == ["torch.float16"], result
     assert result["optimizer_states"] == 0, f"the optimizer stepped during engine construction ({result['wrapper']})"
     assert result["max_relative_difference"] == 0.0, f"fp32 masters differ from the model ({result['wrapper']})"
 

@@ -1,35 +1,77 @@
 """Invariant 1: the same initial weights and data give the same per-step losses in every layout.
 
-Each layout is one multi-process job training the tiny BERT twice (LAMB, then AdamW) for 5
-optimizer steps with gradient accumulation and clipping on, dropout off, fp32. Losses, gradient
-norms and the final parameter norm must equal the single-process run within 1e-5 relative.
+Each layout is one multi-process job training the tiny BERT (4 layers, so that 4 pipeline
+stages fit) twice, LAMB then AdamW, for 5 optimizer steps with gradient accumulation and
+clipping on, dropout off, fp32, then evaluating. Losses, gradient norms, the final parameter
+norm and the evaluation metrics must equal the single-process run within 1e-5 relative.
+
+Every layout also proves it took effect, from what megatron-core and DeepSpeed themselves
+report on every rank (sizes, what each rank holds, the optimizer wrapper, ZeRO-3 partitions),
+and that the optimizer steps each parameter, by name, with the intended weight decay and
+trust-ratio settings. A negative control shows the 1e-5 tolerance is tight enough to catch
+LAMB trust ratios computed per shard instead of per whole parameter.
 """
 import json
 
 import pytest
+import torch
 
 from distributed import run_ranks
 
-RUNS = [json.dumps({"name": name, "overrides": [f"optimizer.name={name}"]}) for name in ("lamb", "adamw")]
-# (label, tp, pp, world size, extra overrides); global batch 8 = micro 2 x accumulation x DP.
+FOUR_LAYERS = ["model.num_layers=4", "train.eval_steps=2"]
+# AdamW also leaves the embeddings undecayed: "embeddings as configured" is checked both ways.
+RUNS = [{"name": "lamb", "overrides": ["optimizer.name=lamb"], "evaluate": True},
+        {"name": "adamw", "overrides": ["optimizer.name=adamw", "optimizer.no_weight_decay=[bias,layernorm,embedding]"],
+         "evaluate": True}]
+PER_SHARD = {"name": "lamb-per-shard", "overrides": ["optimizer.name=lamb"], "per_shard_lamb": True}
+ZERO3 = ["parallel.zero_stage=3", "train.deepspeed_config=tests/zero3-partition-everything.json"]
+# (label, tp, pp, world size, extra overrides, DeepSpeed's optimizer wrapper or None for the
+# client optimizer itself); global batch 8 = micro 2 x accumulation x DP.
 LAYOUTS = [
-    ("tp2", 2, 1, 2, []),
-    ("pp2", 1, 2, 2, []),
-    ("dp2-zero1", 1, 1, 2, ["parallel.zero_stage=1"]),
-    ("dp2-zero2", 1, 1, 2, ["parallel.zero_stage=2"]),
+    ("dp2-zero0", 1, 1, 2, [], None),  # the default configuration
+    ("tp2", 2, 1, 2, [], None),
+    ("tp2-zero2", 2, 1, 4, ["parallel.zero_stage=2"], "DeepSpeedZeroOptimizer"),
+    ("pp2", 1, 2, 2, [], None),
+    ("pp2-dp2-zero0", 1, 2, 4, [], None),
+    ("pp4", 1, 4, 4, [], None),  # middle stages never draw from their data iterator
+    ("dp2-zero1", 1, 1, 2, ["parallel.zero_stage=1"], "DeepSpeedZeroOptimizer"),
+    ("dp2-zero2", 1, 1, 2, ["parallel.zero_stage=2"], "DeepSpeedZeroOptimizer"),
     # persistence threshold 0: ZeRO-3 must partition the small parameters too, or this proves nothing
-    ("dp2-zero3", 1, 1, 2, ["parallel.zero_stage=3", "train.deepspeed_config=tests/zero3-partition-everything.json"]),
+    ("dp2-zero3", 1, 1, 2, ZERO3, "DeepSpeedZeroOptimizer_Stage3"),
     # TP with ZeRO-3: shards of different TP ranks must not be mixed by the partitioning
-    ("tp2-dp2-zero3", 2, 1, 4, ["parallel.zero_stage=3", "train.deepspeed_config=tests/zero3-partition-everything.json"]),
-    ("tp2-pp2-dp2-zero1", 2, 2, 8, ["parallel.zero_stage=1"]),
+    ("tp2-dp2-zero3", 2, 1, 4, ZERO3, "DeepSpeedZeroOptimizer_Stage3"),
+    ("tp2-pp2-dp2-zero1", 2, 2, 8, ["parallel.zero_stage=1"], "DeepSpeedZeroOptimizer"),
 ]
+TOLERANCE = 1e-5
 
 
-def train_layout(tmp_path, tp, pp, world, extra):
+def train_layout(tmp_path, tp, pp, world, extra, runs=RUNS):
+    """Each run's results, with its final weights read back from the checkpoint it saved (whole
+    tensors by Hugging Face name, whatever the layout)."""
+    from pretrain.interop.native import read_native
+
     out = tmp_path / f"result-{tp}-{pp}-{world}.json"
-    runs = [json.dumps({"name": r["name"], "overrides": r["overrides"] + extra}) for r in map(json.loads, RUNS)]
+    saves = {run["name"]: tmp_path / f"ckpt-{tp}-{pp}-{world}-{run['name']}" for run in runs}
+    runs = [json.dumps(dict(run, overrides=run["overrides"] + FOUR_LAYERS + extra + [f"train.save_dir={saves[run['name']]}"]))
+            for run in runs]
     run_ranks(["tests/_train_worker.py", str(out), str(tp), str(pp), *runs], world, timeout=900)
-    return json.loads(out.read_text())
+    results = json.loads(out.read_text())
+    for name, path in saves.items():
+        results[name]["weights"] = read_native(str(path), with_optimizer=False).weights
+    return results
+
+
+def weight_errors(ours: dict, reference: dict) -> dict[str, float]:
+    """Each parameter's difference, relative: ||ours - reference|| / ||reference|| (L2; the largest
+    single element would measure zero-initialised biases against their own rounding).
+
+    Left out: the attention key biases. Their gradient is zero in exact arithmetic (a softmax
+    ignores a constant added to all of a query's scores), so what they hold after a few steps
+    of Adam or LAMB is rounding noise normalised to steps of size lr: it differs between any two
+    summation orders, single-process runs included."""
+    assert ours.keys() == reference.keys()
+    return {name: ((ours[name] - ref).norm() / ref.norm()).item() for name, ref in reference.items()
+            if not name.endswith("attention.self.key.bias")}
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +79,64 @@ def reference(tmp_path_factory):
     return train_layout(tmp_path_factory.mktemp("single"), 1, 1, 1, [])
 
 
-def assert_close(actual, expected, what, rel=1e-5):
+def assert_close(actual, expected, what, rel=TOLERANCE):
     assert actual == pytest.approx(expected, rel=rel), f"{what}: {actual} != {expected}"
 
 
-@pytest.mark.parametrize("label,tp,pp,world,extra", LAYOUTS, ids=[l[0] for l in LAYOUTS])
-def test_layout_matches_single_process(reference, tmp_path, label, tp, pp, world, extra):
+def expected_groups(name: str, embeddings_decay: bool, weight_decay: float = 0.01) -> list:
+    """[weight decay, layer adaptation] by the Hugging Face name alone: biases and LayerNorm get
+    neither (BERT's and transformers' run_mlm convention), embeddings decay as configured."""
+    if name.endswith("bias") or ".LayerNorm." in name:
+        return [0.0, False]
+    if "embeddings." in name:
+        return [weight_decay if embeddings_decay else 0.0, True]
+    return [weight_decay, True]
+
+
+def assert_layout_took_effect(run: dict, reference_run: dict, label, tp, pp, world, wrapper, client):
+    ranks = run["ranks"]
+    dp = world // (tp * pp)
+    reference_rank = reference_run["ranks"][0]
+    whole_model = reference_rank["counted_elements"]
+    assert reference_rank["local_elements"] == whole_model
+    assert len(ranks) == world
+    assert {(r["tp_rank"], r["pp_rank"], r["dp_rank"]) for r in ranks} == \
+        {(t, p, d) for t in range(tp) for p in range(pp) for d in range(dp)}, f"{label}: coordinates"
+    for r in ranks:
+        where = f"{label} rank {r['rank']}"
+        assert r["megatron_tp_size"] == tp, where
+        assert r["deepspeed_dp_size"] == dp, where
+        assert r["deepspeed_stages"] == pp and r["deepspeed_stage_id"] == r["pp_rank"], where
+        assert r["optimizer_wrapper"] == (wrapper or client), where
+        assert r["parameter_dtypes"] == "torch.float32", where
+        if tp * pp > 1:
+            assert r["local_elements"] < whole_model, f"{where}: holds the whole model"
+        if r["zero3_parameters"]:
+            assert r["zero3_partitioned"] == r["zero3_parameters"], f"{where}: unpartitioned ZeRO-3 parameters"
+        elif tp * pp == 1:
+            assert r["local_elements"] == whole_model, where
+    assert (wrapper == "DeepSpeedZeroOptimizer_Stage3") == all(r["zero3_parameters"] > 0 for r in ranks), label
+    # Over one data-parallel replica the ranks hold the whole model, each parameter once.
+    assert sum(r["counted_elements"] for r in ranks if r["dp_rank"] == 0) == whole_model, label
+
+
+def assert_groups_by_name(run: dict, reference_run: dict, label: str, embeddings_decay: bool,
+                          weight_decay: float = 0.01):
+    names = set(reference_run["ranks"][0]["logical_names"])
+    seen = {}
+    for r in run["ranks"]:
+        for name, settings in r["optimizer_groups"].items():
+            assert seen.setdefault(name, settings) == settings, f"{label}: ranks disagree on {name}'s group"
+    assert set(seen) == names, f"{label}: parameters no optimizer group steps: {sorted(names - set(seen))}"
+    for name, settings in seen.items():
+        assert settings == expected_groups(name, embeddings_decay, weight_decay), \
+            f"{label}: {name} is stepped with {settings}"
+
+
+@pytest.mark.parametrize("label,tp,pp,world,extra,wrapper", LAYOUTS, ids=[l[0] for l in LAYOUTS])
+def test_layout_matches_single_process(reference, tmp_path, label, tp, pp, world, extra, wrapper):
     result = train_layout(tmp_path, tp, pp, world, extra)
-    for optimizer in ("lamb", "adamw"):
+    for optimizer, client in (("lamb", "Lamb"), ("adamw", "AdamW")):
         ours, ref = result[optimizer]["history"], reference[optimizer]["history"]
         assert len(ours) == len(ref) == 5
         for step, (a, b) in enumerate(zip(ours, ref), start=1):
@@ -52,36 +144,91 @@ def test_layout_matches_single_process(reference, tmp_path, label, tp, pp, world
                 assert_close(a[key], b[key], f"{label} {optimizer} step {step} {key}")
             assert a["learning_rate"] == b["learning_rate"]
         assert_close(result[optimizer]["params_norm"], reference[optimizer]["params_norm"], f"{label} {optimizer} params norm")
+        errors = weight_errors(result[optimizer]["weights"], reference[optimizer]["weights"])
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= TOLERANCE, f"{label} {optimizer}: {worst} differs by {errors[worst]:.2e} of its norm"
+        for key, value in reference[optimizer]["evaluation"].items():
+            assert_close(result[optimizer]["evaluation"][key], value, f"{label} {optimizer} evaluation {key}")
+        assert_layout_took_effect(result[optimizer], reference[optimizer], label, tp, pp, world, wrapper, client)
+        assert_groups_by_name(result[optimizer], reference[optimizer], label, embeddings_decay=optimizer == "lamb")
+
+
+@pytest.mark.parametrize("tp,stage,world", [(1, 0, 1), (2, 1, 4)], ids=["tp1-zero0", "tp2-dp2-zero1"])
+def test_bert_base_parameter_groups_by_name(tmp_path, tp, stage, world):
+    """BERT-base's real parameter list (configs/bert-base.yaml): every parameter transformers'
+    BertForPreTraining has is stepped, with the settings its name calls for, in whole tensors and
+    in TP shards inside ZeRO's flat groups."""
+    from transformers import BertConfig, BertForPreTraining
+
+    with torch.device("meta"):
+        hf_names = [name for name, _ in BertForPreTraining(BertConfig()).named_parameters()]  # BERT-base
+    out = tmp_path / "groups.json"
+    run_ranks(["tests/_groups_worker.py", str(out), str(tp), str(stage)], world, timeout=600)
+    result = json.loads(out.read_text())
+    assert result["no_weight_decay"] == ["bias", "layernorm"]  # so the embeddings decay
+    assert {r["megatron_tp_size"] for r in result["ranks"]} == {tp} and len(result["ranks"]) == world
+    assert sorted(result["ranks"][0]["logical_names"]) == sorted(hf_names) and len(hf_names) == 206
+    assert_groups_by_name(result, result, f"BERT-base tp{tp} zero{stage}", embeddings_decay=True,
+                          weight_decay=result["weight_decay"])
 
 
 def test_reference_learns_and_optimizers_differ(reference):
-    """Guards against a vacuous comparison: training moves the loss, and LAMB is not AdamW."""
+    """Guards against a vacuous comparison: training moves the loss, LAMB is not AdamW, the
+    evaluation sees other data than training, and the groups are checked on every parameter."""
     lamb, adamw = reference["lamb"]["history"], reference["adamw"]["history"]
     assert lamb[0]["loss"] == adamw[0]["loss"]
     assert abs(lamb[-1]["loss"] - adamw[-1]["loss"]) > 1e-3
     assert lamb[-1]["loss"] != lamb[0]["loss"]
     assert all(h["grad_norm"] > 1.0 for h in lamb[:2]), "clipping (max norm 1.0) must be exercised"
+    assert reference["lamb"]["evaluation"]["loss"] != lamb[-1]["loss"]
+    assert reference["lamb"]["evaluation"]["loss"] != reference["adamw"]["evaluation"]["loss"]
+    names = reference["lamb"]["ranks"][0]["logical_names"]
+    assert len(names) == 5 + 4 * 16 + 9  # embeddings, 16 per layer, heads (the decoder is tied)
+
+
+def test_per_shard_trust_ratios_are_caught(reference, tmp_path):
+    """Negative control: TP2 with each rank's shard taken for a whole parameter (what a LAMB
+    unaware of TP computes) must miss the reference by far more than the tolerance, or the
+    tolerance could not tell a right layout from a wrong one."""
+    result = train_layout(tmp_path, 2, 1, 2, [], runs=[PER_SHARD])["lamb-per-shard"]
+    ours, ref = result["history"], reference["lamb"]["history"]
+    assert ours[0]["loss"] == pytest.approx(ref[0]["loss"], rel=TOLERANCE)  # the first loss precedes any step
+    # The losses alone move by less than the tolerance in 5 steps (a shard's norms are close to
+    # half its parameter's): the weights, compared tensor by tensor, are what catches it.
+    errors = weight_errors(result["weights"], reference["lamb"]["weights"])
+    caught = [name for name, error in errors.items() if error > 100 * TOLERANCE]
+    assert caught, f"per-shard trust ratios stay within {100 * TOLERANCE} of the reference: {errors}"
 
 
 def test_bf16_pipeline_zero1_tracks_fp32(reference, tmp_path):
     """bf16 (DeepSpeed bf16: bf16 weights and activations, fp32 master weights) in a PP2 x DP2
-    ZeRO-1 layout follows the fp32 single-process run closely (not exactly: bf16 rounds)."""
+    ZeRO-1 layout follows the fp32 single-process run closely (not exactly: bf16 rounds).
+
+    Tolerances from bf16's 8-bit significand (relative rounding 2**-9 = 0.2%): losses are fp32
+    reductions of bf16 activations, ~0.1% off; gradient norms sum squares of bf16 gradients,
+    each ~0.4% off at most, and the errors partly cancel."""
     result = train_layout(tmp_path, 1, 2, 4, ["parallel.zero_stage=1", "train.precision=bf16"])
     for optimizer in ("lamb", "adamw"):
-        for a, b in zip(result[optimizer]["history"], reference[optimizer]["history"]):
-            assert a["loss"] == pytest.approx(b["loss"], rel=2e-3)
+        for step, (a, b) in enumerate(zip(result[optimizer]["history"], reference[optimizer]["history"]), start=1):
+            assert a["loss"] == pytest.approx(b["loss"], rel=2e-3), f"{optimizer} step {step} loss"
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-2), f"{optimizer} step {step} grad norm"
         assert result[optimizer]["history"][-1]["loss"] != reference[optimizer]["history"][-1]["loss"]
+        assert {r["optimizer_wrapper"] for r in result[optimizer]["ranks"]} == {"DeepSpeedZeroOptimizer"}
+        assert {r["parameter_dtypes"] for r in result[optimizer]["ranks"]} == {"torch.bfloat16"}
 
 
-def test_pipeline_with_middle_stages(tmp_path):
-    """PP4 over 4 layers: stages 1 and 2 never receive the data iterator from DeepSpeed
-    (PipelineEngine.set_dataiterator keeps it for the first and last stage only), yet every
-    stage must agree on the data position; the losses equal one process's."""
-    four_layers = ["model.num_layers=4"]
-    reference = train_layout(tmp_path, 1, 1, 1, four_layers)
-    result = train_layout(tmp_path, 1, 4, 4, four_layers)
+def test_micro_batch_split_does_not_change_the_step(reference, tmp_path):
+    """Gradient accumulation: the MLM loss of a step is one mean over every masked token of the
+    global batch (PretrainingLoss), so global batch 8 as one micro-batch of 8 gives the step that
+    4 micro-batches of 2 give, although those hold different numbers of masked tokens (checked
+    below: under a mean of per-micro-batch means, Megatron's definition, the two would differ)."""
+    from test_hf_training_parity import global_batches
+
+    masked = [int(labels[1][i:i + 2].sum()) for _, labels in global_batches(FOUR_LAYERS) for i in range(0, 8, 2)]
+    assert len(set(masked)) > 1, masked
+    result = train_layout(tmp_path, 1, 1, 1, ["train.micro_batch_size=8"])
     for optimizer in ("lamb", "adamw"):
         for step, (a, b) in enumerate(zip(result[optimizer]["history"], reference[optimizer]["history"]), start=1):
             for key in ("loss", "lm_loss", "nsp_loss", "grad_norm"):
-                assert_close(a[key], b[key], f"pp4 {optimizer} step {step} {key}")
-        assert_close(result[optimizer]["params_norm"], reference[optimizer]["params_norm"], f"pp4 {optimizer} params norm")
+                assert_close(a[key], b[key], f"1x8 vs 4x2 {optimizer} step {step} {key}")
+        assert_close(result[optimizer]["params_norm"], reference[optimizer]["params_norm"], f"1x8 {optimizer} params norm")

@@ -9,7 +9,6 @@ import lzma
 import os
 import subprocess
 import sys
-import warnings
 
 import pytest
 import zstandard
@@ -87,9 +86,7 @@ def test_tokenizer_json_is_a_complete_bert_tokenizer(uncased):
 
 @pytest.mark.parametrize("lowercase", [True, False])
 def test_tokenizes_like_transformers_bert_tokenizer(uncased, cased, lowercase):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from transformers.models.bert import BertTokenizer, BertTokenizerLegacy
+    from transformers.models.bert import BertTokenizer, BertTokenizerLegacy
     vocab_file = str((uncased if lowercase else cased) / "vocab.txt")
     ours = load_tokenizer(vocab_file=vocab_file,
                           tokenizer_type="BertWordPieceLowerCase" if lowercase else "BertWordPieceCase").tokenizer

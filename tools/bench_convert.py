@@ -29,8 +29,7 @@ SIZES = {"base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads
          "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)}
 
 PEER = r"""
-import sys, time, warnings
-warnings.filterwarnings("ignore")
+import sys, time
 from transformers import BertForPreTraining
 started = time.perf_counter()
 model = BertForPreTraining.from_pretrained(sys.argv[1])
@@ -39,8 +38,7 @@ print(f"done in {time.perf_counter() - started:.1f} s")
 """
 
 MAKE = r"""
-import sys, warnings, torch
-warnings.filterwarnings("ignore")
+import sys, torch
 from transformers import BertConfig, BertForPreTraining
 torch.manual_seed(0)
 model = BertForPreTraining(BertConfig(vocab_size=30522, **eval(sys.argv[2])))
@@ -51,8 +49,7 @@ open(sys.argv[1] + "/vocab.txt", "w").write("\n".join(specials + words) + "\n")
 """
 
 ADD_MOMENTS = r"""
-import sys, warnings, torch
-warnings.filterwarnings("ignore")
+import sys, torch
 from pretrain.interop.native import read_native, write_native
 ckpt = read_native(sys.argv[1])
 ckpt.moments = {n: {"exp_avg": torch.randn_like(w), "exp_avg_sq": torch.rand_like(w)} for n, w in ckpt.weights.items()}

@@ -356,9 +356,9 @@ def run_child(kind: str, args, **extra) -> dict:
 
 def child_main(args) -> None:
     set_threads(args.threads)
-    import warnings
+    from pretrain.quiet import hide_library_warnings
 
-    warnings.filterwarnings("ignore")
+    hide_library_warnings()
     result = CHILDREN[args.child](args)
     result["peak_rss_mb"] = peak_rss_mb()
     Path(args.child_out).write_text(json.dumps(result))

@@ -310,14 +310,34 @@ class PretrainingLoss:
 
     Called once per micro-batch (also as the pipeline's loss_fn on the last stage); keeps the
     detached metric sums of the micro-batches since the last `drain`.
+
+    What a step minimises: the MLM loss is one mean over every masked token of the global batch
+    (all micro-batches, all data-parallel ranks), as BertForPreTraining computes it over one
+    batch, not Megatron's mean of per-micro-batch means. So the step does not depend on how the
+    global batch is cut into micro-batches, although micro-batches hold different numbers of
+    masked tokens. `scale_to_global_batch` sets that up before a step's micro-batches; the NSP
+    loss is a per-sequence mean and micro-batches are equal-sized, so it needs nothing.
     """
 
-    METRICS = ("lm_loss", "nsp_loss", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count", "micro_batches")
+    METRICS = ("lm_loss_sum", "mlm_count", "mlm_correct", "nsp_loss_sum", "nsp_count", "nsp_correct")
 
     def __init__(self, tp_group, tp_rank: int):
         self.tp_group = tp_group
         self.tp_rank = tp_rank
         self._sums = None  # stays on the model's device: no host sync per micro-batch
+        self._lm_scale = None  # micro-batches per global batch / its masked tokens, for one step
+
+    def scale_to_global_batch(self, masked_tokens: torch.Tensor, micro_batches: int) -> None:
+        """Until the next `drain`: return each micro-batch's MLM loss as its token sum times
+        micro_batches / masked_tokens. DeepSpeed averages the micro-batches' gradients (1 /
+        accumulation steps, 1 / data-parallel size), so the step's gradient is that of the
+        sum over the global batch's `masked_tokens` tokens divided by their number."""
+        self._lm_scale = micro_batches / masked_tokens.float().clamp(min=1.0)
+
+    @staticmethod
+    def masked_tokens(labels) -> torch.Tensor:
+        """Masked positions of one micro-batch's labels (a device scalar)."""
+        return labels[1].float().sum()
 
     def __call__(self, outputs, labels):
         mlm_logits, nsp_logits = outputs
@@ -332,20 +352,37 @@ class PretrainingLoss:
         fp32_logits = mlm_logits.float() if mlm_logits.dtype != torch.float32 else mlm_logits.clone()
         per_token = tensor_parallel.vocab_parallel_cross_entropy(fp32_logits, masked_labels)
         count = weights.sum()
-        lm_loss = (per_token * weights).sum() / count.clamp(min=1.0)
-        nsp_loss = F.cross_entropy(nsp_logits.float(), nsp_labels)
-        one = torch.ones((), device=count.device)
-        values = torch.stack([lm_loss.detach(), nsp_loss.detach(), mlm_correct, count.detach(), nsp_correct,
-                              one * nsp_labels.numel(), one]).double()
+        lm_sum = (per_token * weights).sum()
+        lm_loss = lm_sum * self._lm_scale if self._lm_scale is not None else lm_sum / count.clamp(min=1.0)
+        nsp_sum = F.cross_entropy(nsp_logits.float(), nsp_labels, reduction="sum")
+        values = torch.stack([lm_sum.detach(), count.detach(), mlm_correct, nsp_sum.detach(),
+                              torch.full_like(count, nsp_labels.numel()), nsp_correct]).double()
         self._sums = values if self._sums is None else self._sums + values
-        return lm_loss + nsp_loss
+        return lm_loss + nsp_sum / nsp_labels.numel()
 
     def drain(self, device: torch.device) -> torch.Tensor:
-        """Sums since the last drain (zeros on ranks that computed no loss), on `device`."""
+        """Sums since the last drain (zeros on ranks that computed no loss), on `device`; ends
+        the step's global-batch scaling."""
         sums = torch.zeros(len(self.METRICS), dtype=torch.float64, device=device) if self._sums is None \
             else self._sums.to(device)
         self._sums = None
+        self._lm_scale = None
         return sums
+
+    @staticmethod
+    def averages(sums: list[float]) -> dict:
+        """The losses and accuracies a set of metric sums stands for: per masked token (MLM) and
+        per sequence (NSP), over everything summed."""
+        s = dict(zip(PretrainingLoss.METRICS, sums))
+        lm = s["lm_loss_sum"] / max(s["mlm_count"], 1.0)
+        nsp = s["nsp_loss_sum"] / max(s["nsp_count"], 1.0)
+        return {
+            "loss": lm + nsp,
+            "lm_loss": lm,
+            "nsp_loss": nsp,
+            "mlm_accuracy": s["mlm_correct"] / max(s["mlm_count"], 1.0),
+            "nsp_accuracy": s["nsp_correct"] / max(s["nsp_count"], 1.0),
+        }
 
 
 def vocab_parallel_argmax(logits: torch.Tensor, tp_group, tp_rank: int) -> torch.Tensor:

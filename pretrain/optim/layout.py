@@ -251,3 +251,19 @@ def _engine_layout(engine, tp_group, dp_group) -> NormLayout:
         return layout_for_params([g["params"] for g in opt.param_groups], tp_group)
     raise TypeError(f"layout_for_deepspeed: engine.optimizer is a {kind}, not an optimizer "
                     "DeepSpeed builds; cannot derive a LAMB layout")
+
+
+def stepped_tensors_by_group(engine) -> list[tuple[torch.Tensor, dict]]:
+    """(tensor, param group) for every tensor the client optimizer steps, read through DeepSpeed's
+    wrapper: what decides the weight decay and trust-ratio settings each parameter really gets.
+    ZeRO-3 empties the groups between steps and steps one sub-group's flat tensor at a time with
+    the group `sub_group_to_group_id` names; every other wrapper leaves its tensors in the groups."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    client = engine.basic_optimizer
+    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
+        opt = engine.optimizer
+        return [(flat, client.param_groups[opt.sub_group_to_group_id[index]])
+                for index, flat in enumerate(opt.fp32_partitioned_groups_flat)]
+    return [(tensor, group) for group in client.param_groups for tensor in group["params"]]
+
