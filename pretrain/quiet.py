@@ -13,6 +13,12 @@ LIBRARY_NOISE = [
      "megatron-core, on import, once per rank: optional GPU kernels are missing; we use none of them"),
     (".*all_gather_into_tensor. is deprecated", FutureWarning,
      "DeepSpeed's ZeRO calls a collective torch 2.13 deprecated, once per rank and step"),
+    (".*reduce_scatter_tensor. is deprecated", FutureWarning,
+     "the same for ZeRO-2/3's gradient reduce-scatter"),
+    (".torch.jit.script_method. is deprecated", DeprecationWarning,
+     "torch's own torch/utils/mkldnn.py, on import (through torch._inductor), once per process"),
+    ("The following imports from .dynamic_context.py. will be removed", DeprecationWarning,
+     "megatron-core's inference package warns about its own imports when megatron.core is imported"),
 ]
 
 

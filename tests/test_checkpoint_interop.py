@@ -57,6 +57,7 @@ def hf_outputs(hf_dir, inputs):
 
 
 # ----------------------------------------------------------------------------- file-level conversions
+@pytest.mark.slow
 def test_hf_to_native_tp2_pp2_to_hf_is_bit_identical(tmp_path):
     source = save_hf(hf_model(), tmp_path / "hf")
     write_native(read_hf(str(source)), str(tmp_path / "native"), tp=2, pp=2)
@@ -79,6 +80,7 @@ def test_hf_to_native_tp2_pp2_to_hf_is_bit_identical(tmp_path):
     assert tokenizer("w1 w2")["input_ids"] == [2, 6, 7, 3]
 
 
+@pytest.mark.slow
 def test_reshard_keeps_weights_and_optimizer_state(tmp_path):
     ckpt = read_hf(str(save_hf(hf_model(), tmp_path / "hf")))
     ckpt.moments = {n: {"exp_avg": torch.randn_like(w), "exp_avg_sq": torch.rand_like(w)} for n, w in ckpt.weights.items()}
@@ -205,6 +207,7 @@ def test_layout_errors_and_nothing_half_written(tmp_path, monkeypatch):
         write_hf(ckpt, str(tmp_path / "o"))
 
 
+@pytest.mark.slow
 def test_command_line_tool(tmp_path):
     source = save_hf(hf_model(), tmp_path / "hf")
     tool = [sys.executable, str(REPO / "tools" / "convert_checkpoint.py")]
@@ -234,6 +237,7 @@ def worker(tmp_path, name, tp, pp, world, runs):
     return torch.load(out, weights_only=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
 def test_converted_hugging_face_model_gives_its_logits(tmp_path, tp, pp):
     save_hf(hf_model(), tmp_path / "hf")
@@ -280,12 +284,14 @@ def assert_hf_matches(tmp_path, native_dir, result):
     assert (result["nsp"] - nsp).abs().max() < 1e-5
 
 
+@pytest.mark.slow
 def test_zero1_tp2_pp2_dp2_checkpoint_converts_to_hugging_face(tmp_path, trained):
     ckpt, result = trained
     assert len(result["history"]) == 3
     assert_hf_matches(tmp_path, ckpt, result)
 
 
+@pytest.mark.slow
 def test_resume_in_other_layouts_continues_the_run(tmp_path, trained):
     """Steps 4-6 resumed from the TP2 x PP2 x DP2 ZeRO-1 checkpoint (directly at TP2 x DP2 with
     ZeRO-3 and with ZeRO-2; after `reshard` to TP1 on one process) equal six steps straight on
@@ -312,6 +318,7 @@ def test_resume_in_other_layouts_continues_the_run(tmp_path, trained):
     assert_hf_matches(tmp_path, tmp_path / "zero3", tp2dp2["zero3"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero, world", [(0, 1), (3, 2)])
 def test_bf16_checkpoints_convert_from_their_fp32_masters(tmp_path, zero, world):
     """bf16 runs keep fp32 master weights (ZeRO-0: per parameter; ZeRO-3: partitioned); the

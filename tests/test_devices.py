@@ -24,6 +24,8 @@ from distributed import REPO, run_ranks
 from test_fill_mask import SENTENCES, VOCAB, check_against_transformers, models  # noqa: F401 (fixture)
 from test_finetune_tasks import QUIET, repeat_task, tiny  # noqa: F401 (fixture)
 
+pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
+
 CPU_ENV = {"BERT_FAKE_GPU": "0", "CUDA_VISIBLE_DEVICES": ""}
 DEVICES = {"fakegpu": ({"BERT_FAKE_GPU": "1"}, "fakeccl"), "cuda": ({"BERT_FAKE_GPU": "0"}, "nccl")}
 ZERO3 = ["parallel.zero_stage=3", "train.deepspeed_config=tests/zero3-partition-everything.json"]

@@ -2,7 +2,11 @@
 it is sharded, are replayed by activation checkpointing, and a TP2 run with dropout trains."""
 import json
 
+import pytest
+
 from distributed import run_ranks
+
+pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
 
 
 def test_dropout_masks_under_tp2(tmp_path):

@@ -11,6 +11,8 @@ import pytest
 
 from distributed import run_ranks
 
+pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
+
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 

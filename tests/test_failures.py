@@ -12,6 +12,8 @@ import pytest
 from distributed import REPO, free_port
 from _train_worker import TINY
 
+pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
+
 
 def start_job(tmp_path, world=2):
     port = free_port()

@@ -488,6 +488,7 @@ def single():
     return res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SINGLE_CHECKS)
 def test_single_process(single, name):
     assert single.get(name) == "ok", single.get(name, f"check {name} did not run")
@@ -516,6 +517,7 @@ def dist_runs(single):  # after `single`, so the extension is built once before 
     return results
 
 
+@pytest.mark.slow
 def test_fakeccl_collectives_equal_gloo(dist_runs):
     for rank, res in enumerate(dist_runs["fake"]):
         assert res["backend"] == "fakeccl"

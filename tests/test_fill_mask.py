@@ -118,6 +118,7 @@ def test_hugging_face_directory_gives_transformers_predictions(models, run):
                for line in text[1::2] + [text[4]])
 
 
+@pytest.mark.slow
 def test_native_tp2_on_two_processes_gives_the_same(models):
     # --top-k above the vocabulary: every real token from both ranks' shards, never a padding row
     outputs = run_ranks(["tools/fill_mask.py", "--checkpoint", str(models / "native-tp2"), "--tp", "2", "--json",

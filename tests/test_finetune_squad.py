@@ -115,6 +115,7 @@ def marker_task(path, n, version, seed):
     return squad_file(path, questions, version)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task, version", [("squad", "1.1"), ("squad2", "2.0")])
 def test_span_extraction_learns(tiny, tmp_path, task, version):  # noqa: F811
     from transformers import BertForQuestionAnswering

@@ -15,6 +15,8 @@ import torch
 
 from distributed import REPO, run_ranks
 
+pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
+
 WORDS = [f"w{i}" for i in range(12)]
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 QUIET = ["train.progress=false", "model.hidden_dropout=0", "model.attention_dropout=0", "model.classifier_dropout=0"]

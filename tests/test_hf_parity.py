@@ -5,6 +5,8 @@ import pytest
 
 from distributed import run_ranks
 
+pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
+
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_logits_and_loss_match_hugging_face(tmp_path, tp):

@@ -21,6 +21,8 @@ from distributed import run_ranks
 from test_lamb import new_state, ref_lamb_step
 from test_layout_invariance import expected_groups
 
+pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
+
 STEPS, LR, MAX_NORM, WEIGHT_DECAY, BETAS, EPS = 20, 1e-3, 1.0, 0.01, (0.9, 0.999), 1e-6
 PARITY = [f"train.train_steps={STEPS}", "scheduler.warmup_steps=0", "scheduler.decay=constant", f"optimizer.lr={LR}",
           f"optimizer.grad_clip={MAX_NORM}"]

@@ -207,6 +207,7 @@ def _wd(cfg):
     return dict(wd=cfg["weight_decay"])
 
 
+@pytest.mark.slow
 def test_flat_dp_partition_matches_reference(ranks):
     offsets = W.flat_offsets()
     ref = W.flat_init_full()
@@ -228,6 +229,7 @@ def test_flat_dp_partition_matches_reference(ranks):
         assert_differs(naive[offsets["A"]:offsets["A"] + 20].view(4, 5), ref["A"], "flat_dp A")
 
 
+@pytest.mark.slow
 def test_tp_sharding_matches_reference(ranks):
     ref = W.tp_init_full()
     states = {n: new_state(w) for n, w in ref.items()}
@@ -259,6 +261,7 @@ def _reference_net_training():
     return weights, net
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_deepspeed_zero_matches_reference(ranks, stage):
     ref, net = _reference_net_training()
@@ -277,6 +280,15 @@ def _max_rel_err(actual, expected):
     return ((actual.float() - expected).abs().max() / expected.abs().max()).item()
 
 
+# bf16 keeps an 8-bit significand: rounding the final weights alone costs up to 2**-9 (0.2%) of a
+# value, and 3 steps at lr 0.05 with bf16 activations and gradients add to it. Measured: 0.2-0.4%
+# on weights and biases, 1.2% on the LayerNorm bias (values near 0, measured against the
+# tensor's largest). One extra optimizer step, what DeepSpeed's FP16_UnfusedOptimizer takes at
+# construction without the guard, shows as 5.7% (fc1.weight) and 10.8% (LayerNorm bias).
+BF16_TOLERANCE = 0.02
+
+
+@pytest.mark.slow
 def test_deepspeed_bf16_layouts(ranks):
     """bf16 runs cannot match the fp32 reference exactly (bf16 forward, gradients and model
     weights), so check the wrappers' layouts: exact coverage of every element, and for the
@@ -298,4 +310,5 @@ def test_deepspeed_bf16_layouts(ranks):
     for r in range(2):  # ZeRO-0: every rank holds whole parameters
         assert torch.equal(zero0[r]["__held__"], numels)
         for n, w in ref.items():
-            assert _max_rel_err(zero0[r][n], w) < 0.2, n
+            assert _max_rel_err(zero0[r][n], w) < BF16_TOLERANCE, n
+            assert _max_rel_err(zero1[r][n], w) < BF16_TOLERANCE, n

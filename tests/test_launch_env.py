@@ -106,6 +106,7 @@ def launch(launcher, extra_env):
                            str(free_port()), *JOB], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_mpirun_two_ranks():
     """launcher.sh --launcher mpirun runs the venv's MPICH mpiexec; ranks come from mpi4py."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
@@ -117,6 +118,7 @@ def test_mpirun_two_ranks():
     assert "step 2/2" in result.stdout
 
 
+@pytest.mark.slow
 def test_slurm_two_tasks(tmp_path):
     """launcher.sh --launcher slurm runs srun; ranks and the master come from SLURM_* variables."""
     srun = tmp_path / "bin" / "srun"

@@ -18,6 +18,8 @@ import torch
 
 from distributed import run_ranks
 
+pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
+
 FOUR_LAYERS = ["model.num_layers=4", "train.eval_steps=2"]
 # AdamW also leaves the embeddings undecayed: "embeddings as configured" is checked both ways.
 RUNS = [{"name": "lamb", "overrides": ["optimizer.name=lamb"], "evaluate": True},

@@ -416,6 +416,7 @@ def _wait_for_temp_files(directory, proc, timeout=60.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "kill a worker"])
 def test_cli_interrupted_or_worker_killed_leaves_no_output(tmp_path, vocab, big_corpus, how):
     import psutil
@@ -446,6 +447,7 @@ def test_cli_interrupted_or_worker_killed_leaves_no_output(tmp_path, vocab, big_
     assert files(out) == []  # neither final names nor temporary ones
 
 
+@pytest.mark.slow
 def test_cli_success_and_usage_errors(tmp_path, vocab):
     corpus = write_jsonl(str(tmp_path / "in.jsonl"), documents(50, seed=16))
     proc = _cli(["--input", corpus, "--output-prefix", str(tmp_path / "ds"), "--vocab-file", vocab,

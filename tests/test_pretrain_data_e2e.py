@@ -18,6 +18,8 @@ from toy_corpus import write_jsonl
 from pretrain.data.bert_dataset import TokenStore
 from pretrain.data.wordpiece import WordPieceVocab
 
+pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
+
 STEP = re.compile(r"step (\d+)/\d+ \| loss [\d.]+ \| lm ([\d.]+) \| nsp ([\d.]+) \| mlm acc ([\d.]+)")
 EVAL = re.compile(r"eval at step (\d+) \| lm ([\d.]+) \| perplexity [\d.]+ \| nsp ([\d.]+) \| mlm acc ([\d.]+) "
                   r"\| nsp acc ([\d.]+)")

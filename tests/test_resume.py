@@ -10,6 +10,8 @@ import pytest
 
 from distributed import REPO, free_port, run_ranks
 
+pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
+
 # Dropout on: the resumed run must also restore every RNG stream to draw the same masks.
 COMMON = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", "train.train_steps=6",
           "optimizer.name=lamb"]

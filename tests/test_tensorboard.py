@@ -1,9 +1,13 @@
 """The trainer writes every promised scalar, readable by TensorBoard's own event reader."""
 import json
 
+import pytest
+
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from distributed import run_ranks
+
+pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
 
 PROMISED = {
     "train": ["loss", "lm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "learning_rate", "grad_norm",
