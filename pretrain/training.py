@@ -204,8 +204,8 @@ class Trainer:
 
     def _metrics(self, sums: list[torch.Tensor], grad_norms: list = ()) -> list[dict]:
         """Averages of the loss function's sums of several steps (or of one evaluation), each over
-        every micro-batch of its global batch, with this rank's gradient norm of each step: one
-        collective and one host sync for all of them.
+        its whole global batch (per masked token, per sequence), with this rank's gradient norm
+        of each step: one collective and one host sync for all of them.
 
         Only the last stage computes the loss, and its TP ranks hold identical values: the
         (last stage, TP rank 0) ranks contribute, everyone receives the result.
