@@ -72,7 +72,7 @@ def extract_features(checkpoint: str, input_file: str, output_file: str, layers:
 
     tracker = RngTracker(parallel.device)
     seed_streams(tracker, 0, parallel.tp_rank, 0, parallel.dp_rank)
-    bert = build_encoder(model_cfg, parallel.tp_rank, parallel.tp_size, tracker)
+    bert = build_encoder(model_cfg, parallel.tp_group, tracker)
     load_encoder(bert, ckpt.weights, model_cfg, parallel.tp_rank, parallel.tp_size)
     bert.to(parallel.device).eval()  # its inputs are made on the device below
     texts = read_lines(input_file)

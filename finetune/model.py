@@ -80,8 +80,8 @@ class MultipleChoiceClassifier(SequenceClassifier):
         return logits.view(batch, choices)
 
 
-def build_encoder(model_cfg, tp_rank: int, tp_size: int, tracker) -> nn.Module:
-    bert = build_model(model_cfg, model_cfg.padded_vocab_size(tp_size), torch.float32, tracker)
+def build_encoder(model_cfg, tp_group, tracker) -> nn.Module:
+    bert = build_model(model_cfg, model_cfg.padded_vocab_size(tp_group.size()), torch.float32, tracker, tp_group)
     for module in bert.tied.values():
         module.sparse_lookup_grad = False  # no MLM decoder in this graph: the lookup's gradient must be dense
     for lp in logical_parameters(bert):

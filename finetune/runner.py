@@ -120,7 +120,7 @@ class Finetuner:
         self.log(f"{describe(parallel)}, ZeRO-{cfg.parallel.zero_stage}, {t.precision}")
         self.tracker = RngTracker(parallel.device)
         seed_streams(self.tracker, t.seed, parallel.tp_rank, 0, parallel.dp_rank)
-        bert = build_encoder(self.model_cfg, parallel.tp_rank, parallel.tp_size, self.tracker)
+        bert = build_encoder(self.model_cfg, parallel.tp_group, self.tracker)
         load_encoder(bert, self.ckpt.weights, self.model_cfg, parallel.tp_rank, parallel.tp_size)
         choices = self.task.name == SWAG.name
         if self.squad:

@@ -7,7 +7,8 @@ megatron-core shows up in the test output instead of vanishing under a blanket i
 """
 import warnings
 
-# (message regex, category, why it is noise)
+# (message regex, category, why it is noise); no ":" in a regex (pytest's filter lines are
+# colon-separated), "." stands for it
 LIBRARY_NOISE = [
     ("Transformer Engine and Apex are not installed", UserWarning,
      "megatron-core, on import, once per rank: optional GPU kernels are missing; we use none of them"),
@@ -19,6 +20,9 @@ LIBRARY_NOISE = [
      "torch's own torch/utils/mkldnn.py, on import (through torch._inductor), once per process"),
     ("The following imports from .dynamic_context.py. will be removed", DeprecationWarning,
      "megatron-core's inference package warns about its own imports when megatron.core is imported"),
+    ("c10d..broadcast_. an autograd kernel was not registered", UserWarning,
+     "raised in the backward pass of DeepSpeed's pipeline engine, which broadcasts tensors that require grad "
+     "(tied weights, gloo p2p); every pipeline layout equals one process exactly (tests/test_layout_invariance.py)"),
 ]
 
 

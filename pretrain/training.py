@@ -116,7 +116,7 @@ class Trainer:
         padded_vocab = cfg.model.padded_vocab_size(par.tp_size)
 
         def make_model():
-            model = build_model(cfg.model, padded_vocab, torch.float32, self.tracker,
+            model = build_model(cfg.model, padded_vocab, torch.float32, self.tracker, par.tp_group,
                                 pipeline_topology=par.topology if self.pipelined else None, loss_fn=self.loss_fn)
             init_weights(model, cfg.model.init_std, cfg.train.seed, cfg.model.vocab_size, par.tp_rank, par.tp_size)
             return model

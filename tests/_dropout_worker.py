@@ -40,7 +40,7 @@ def main():
     padded = cfg.padded_vocab_size(par.tp_size)
     tracker = RngTracker(par.device)
     seed_streams(tracker, 11, par.tp_rank, 0, 0)
-    model = build_model(cfg, padded, torch.float32, tracker)
+    model = build_model(cfg, padded, torch.float32, tracker, par.tp_group)
     init_weights(model, 0.02, 11, cfg.vocab_size, par.tp_rank, par.tp_size)
     model.train()
     loss_fn = PretrainingLoss(par.tp_group, par.tp_rank)

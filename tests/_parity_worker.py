@@ -48,7 +48,7 @@ def main():
 
     tracker = RngTracker(parallel.device)
     seed_streams(tracker, 1, parallel.tp_rank, 0, 0)
-    model = build_model(model_cfg, padded, torch.float32, tracker)
+    model = build_model(model_cfg, padded, torch.float32, tracker, parallel.tp_group)
     load_hf_state_dict(model, hf.state_dict(), padded, parallel.tp_rank, parallel.tp_size)
     model.eval()
 

@@ -72,3 +72,10 @@ def test_reraise_keeps_the_category():
         reraise_warnings(["/x/lib.py:3: DeprecationWarning: old API\n  warnings.warn(\n"])
     with pytest.warns(UserWarning, match="custom"):
         reraise_warnings(["/x/lib.py:4: SomeLibraryWarning: custom\n"])
+
+
+def test_listed_noise_is_valid_for_pytest_and_explained():
+    from pretrain.quiet import LIBRARY_NOISE, pytest_filters
+
+    assert all(line.count(":") == 2 for line in pytest_filters())  # action:message:category
+    assert all(len(reason) > 20 for _, _, reason in LIBRARY_NOISE)

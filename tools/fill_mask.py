@@ -148,7 +148,7 @@ def build_model(ckpt, parallel):
     tracker = RngTracker(parallel.device)
     seed_streams(tracker, 0, parallel.tp_rank, 0, parallel.dp_rank)
     padded = m.padded_vocab_size(parallel.tp_size)
-    model = build_bert(m, padded, torch.float32, tracker).to(parallel.device)
+    model = build_bert(m, padded, torch.float32, tracker, parallel.tp_group).to(parallel.device)
     load_hf_state_dict(model, ckpt.weights, padded, parallel.tp_rank, parallel.tp_size)
     return model.eval()
 

@@ -123,11 +123,12 @@ def spec_modules(num_layers: int) -> list[tuple[str, int | None]]:
             ("PretrainingHeads", None), ("WordEmbedding", None), ("MlmOutputBias", None)]
 
 
-def stage_specs(model_cfg, padded_vocab_size: int, params_dtype: torch.dtype, rng: RngTracker) -> list:
-    """The model as an ordered list of layer specs (see layers.py for what flows between them)."""
-    mp_config = megatron_config(params_dtype)
+def stage_specs(model_cfg, padded_vocab_size: int, params_dtype: torch.dtype, rng: RngTracker, tp_group) -> list:
+    """The model as an ordered list of layer specs (see layers.py for what flows between them);
+    `tp_group` is the tensor-parallel group its sharded layers split over and reduce in."""
+    mp_config = megatron_config(params_dtype, tp_group)
     hidden = model_cfg.hidden_size
-    word = partial(TiedLayerSpec, TIED_EMBEDDING_KEY, WordEmbedding, padded_vocab_size, hidden, mp_config,
+    word = partial(TiedLayerSpec, TIED_EMBEDDING_KEY, WordEmbedding, padded_vocab_size, hidden, mp_config, tp_group,
                    tied_weight_attr=["weight"])
     specs = [
         # No forward_fn on the first use: DeepSpeed saves a pipeline layer only if it is the module
@@ -135,10 +136,10 @@ def stage_specs(model_cfg, padded_vocab_size: int, params_dtype: torch.dtype, rn
         word(),
         LayerSpec(EmbeddingTail, hidden, model_cfg.max_position_embeddings, model_cfg.type_vocab_size,
                   model_cfg.layernorm_epsilon, model_cfg.hidden_dropout, params_dtype),
-        *[LayerSpec(TransformerLayer, i, model_cfg, mp_config, rng) for i in range(model_cfg.num_layers)],
+        *[LayerSpec(TransformerLayer, i, model_cfg, mp_config, rng, tp_group) for i in range(model_cfg.num_layers)],
         LayerSpec(PretrainingHeads, model_cfg, params_dtype),
         word(forward_fn=decode_tokens),
-        LayerSpec(MlmOutputBias, model_cfg.vocab_size, padded_vocab_size, mp_config),
+        LayerSpec(MlmOutputBias, model_cfg.vocab_size, padded_vocab_size, mp_config, tp_group),
     ]
     described = [(spec.typename.__name__, spec.module_args[0] if spec.typename is TransformerLayer else None)
                  for spec in specs]
@@ -240,8 +241,9 @@ class SequentialBert(nn.Module):
         return next(step for step in self._steps if isinstance(step, PretrainingHeads))
 
 
-def build_model(model_cfg, padded_vocab_size, params_dtype, rng, pipeline_topology=None, loss_fn=None) -> nn.Module:
-    specs = stage_specs(model_cfg, padded_vocab_size, params_dtype, rng)
+def build_model(model_cfg, padded_vocab_size, params_dtype, rng, tp_group, pipeline_topology=None,
+                loss_fn=None) -> nn.Module:
+    specs = stage_specs(model_cfg, padded_vocab_size, params_dtype, rng, tp_group)
     if pipeline_topology is None or pipeline_topology.get_dim("pipe") == 1:
         return SequentialBert(specs)
     return PipelineModule(

@@ -28,12 +28,10 @@ from .cpu_bf16 import upcast_bf16
 from .rng import RngTracker, checkpoint_with_rng
 
 
-def megatron_config(params_dtype: torch.dtype) -> ModelParallelConfig:
+def megatron_config(params_dtype: torch.dtype, tp_group) -> ModelParallelConfig:
     """Megatron layer config: allocate on CPU, leave initialisation to `init_weights`."""
-    from megatron.core import parallel_state
-
     return ModelParallelConfig(
-        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        tensor_model_parallel_size=tp_group.size(),
         params_dtype=params_dtype,
         use_cpu_initialization=True,
         perform_initialization=False,
@@ -147,10 +145,10 @@ class WordEmbedding(nn.Module):
     Both uses go through `forward` so that DeepSpeed's module hooks (ZeRO-3) always fire.
     """
 
-    def __init__(self, padded_vocab_size: int, hidden_size: int, mp_config: ModelParallelConfig):
+    def __init__(self, padded_vocab_size: int, hidden_size: int, mp_config: ModelParallelConfig, tp_group):
         super().__init__()
         self.embedding = _sharded(tensor_parallel.VocabParallelEmbedding(
-            padded_vocab_size, hidden_size, init_method=_unused_init, config=mp_config
+            padded_vocab_size, hidden_size, init_method=_unused_init, config=mp_config, tp_group=tp_group
         ), 0)
         # True where the lookup and the decoder meet in one autograd graph (SequentialBert): the
         # lookup's weight gradient is then sparse and autograd adds it in place into the decoder's
@@ -188,7 +186,7 @@ class WordEmbedding(nn.Module):
         mlm_hidden, nsp_logits = inputs
         # hidden is replicated over TP, the weight is vocab-sharded: the copy all-reduces the
         # input's gradient over TP in backward so every rank sees the full-vocabulary gradient.
-        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(mlm_hidden)
+        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(mlm_hidden, group=self.embedding.tp_group)
         return linear(hidden, self.embedding.weight), nsp_logits
 
 
@@ -267,7 +265,7 @@ class EmbeddingTail(nn.Module):
 class TransformerLayer(nn.Module):
     """Post-LN encoder layer: attention on this rank's heads, then the MLP column/row split."""
 
-    def __init__(self, layer_index: int, model_cfg, mp_config: ModelParallelConfig, rng: RngTracker):
+    def __init__(self, layer_index: int, model_cfg, mp_config: ModelParallelConfig, rng: RngTracker, tp_group):
         super().__init__()
         self.layer_index = layer_index
         self.rng = rng
@@ -280,23 +278,23 @@ class TransformerLayer(nn.Module):
 
         def column(out_size):
             return _sharded(ColumnParallelLinear(
-                hidden, out_size, config=mp_config, init_method=_unused_init, bias=True, gather_output=False
-            ), 0)
+                hidden, out_size, config=mp_config, init_method=_unused_init, bias=True, gather_output=False,
+                tp_group=tp_group), 0)
 
         self.query = column(hidden)
         self.key = column(hidden)
         self.value = column(hidden)
         self.attention_output = _sharded(RowParallelLinear(
             hidden, hidden, config=mp_config, init_method=_unused_init, bias=True,
-            input_is_parallel=True, skip_bias_add=False,
+            input_is_parallel=True, skip_bias_add=False, tp_group=tp_group,
         ), 1)
         self.attention_layernorm = layer_norm(hidden, model_cfg.layernorm_epsilon, dtype)
         self.intermediate = _sharded(ColumnParallelLinear(
-            hidden, model_cfg.ffn_size, config=mp_config, init_method=_unused_init, bias=True, gather_output=False
-        ), 0)
+            hidden, model_cfg.ffn_size, config=mp_config, init_method=_unused_init, bias=True, gather_output=False,
+            tp_group=tp_group), 0)
         self.output = _sharded(RowParallelLinear(
             model_cfg.ffn_size, hidden, config=mp_config, init_method=_unused_init, bias=True,
-            input_is_parallel=True, skip_bias_add=False,
+            input_is_parallel=True, skip_bias_add=False, tp_group=tp_group,
         ), 1)
         self.output_layernorm = layer_norm(hidden, model_cfg.layernorm_epsilon, dtype)
         self.dropout = Dropout(model_cfg.hidden_dropout)
@@ -353,12 +351,9 @@ class PretrainingHeads(nn.Module):
 class MlmOutputBias(nn.Module):
     """The MLM decoder's vocabulary-parallel bias; padded vocabulary entries get no probability."""
 
-    def __init__(self, vocab_size: int, padded_vocab_size: int, mp_config: ModelParallelConfig):
+    def __init__(self, vocab_size: int, padded_vocab_size: int, mp_config: ModelParallelConfig, tp_group):
         super().__init__()
-        tp = mp_config.tensor_model_parallel_size
-        from megatron.core import parallel_state
-
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tp, tp_rank = tp_group.size(), tp_group.rank()
         local = padded_vocab_size // tp
         self.bias = nn.Parameter(torch.zeros(local, dtype=mp_config.params_dtype))
         tensor_parallel.set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
