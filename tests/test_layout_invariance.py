@@ -3,13 +3,16 @@
 Each layout is one multi-process job training the tiny BERT (4 layers, so that 4 pipeline
 stages fit) twice, LAMB then AdamW, for 5 optimizer steps with gradient accumulation and
 clipping on, dropout off, fp32, then evaluating. Losses, gradient norms, the final parameter
-norm and the evaluation metrics must equal the single-process run within 1e-5 relative.
+norm, every final weight tensor (read back from the checkpoint) and the evaluation metrics must
+equal the single-process run within 1e-5 relative.
 
 Every layout also proves it took effect, from what megatron-core and DeepSpeed themselves
 report on every rank (sizes, what each rank holds, the optimizer wrapper, ZeRO-3 partitions),
 and that the optimizer steps each parameter, by name, with the intended weight decay and
 trust-ratio settings. A negative control shows the 1e-5 tolerance is tight enough to catch
-LAMB trust ratios computed per shard instead of per whole parameter.
+LAMB trust ratios computed per shard instead of per whole parameter. Also here: the optimizer
+groups on BERT-base's real parameter list, the micro-batch split of the global batch (1x8 = 4x2),
+and bf16 tracking fp32.
 """
 import json
 
