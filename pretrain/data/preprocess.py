@@ -317,7 +317,11 @@ def _encode_ordered(chunks: Iterable[Chunk], options: EncodeOptions, encoder_fac
             for process in list(getattr(executor, "_processes", {}).values()):
                 with contextlib.suppress(Exception):
                     process.kill()
-        executor.shutdown(wait=ok, cancel_futures=True)
+        # Wait for the executor's manager thread even when failing (its workers are dead, so it
+        # ends at once): left running, it races CPython 3.11's exit hook (concurrent.futures.
+        # process._python_exit wakes it without its lock while it closes its pipe), and the job
+        # ends with an "OSError: Bad file descriptor" traceback after our clean message.
+        executor.shutdown(wait=True, cancel_futures=True)
 
 
 def _result(chunk: Chunk, future: Future) -> EncodedChunk:
