@@ -197,12 +197,12 @@ def save_vocab(vocab_file: str, tag_dir: str) -> None:
     if not vocab_file.endswith(".json"):
         shutil.copyfile(vocab_file, os.path.join(tag_dir, "vocab.txt"))
         return
-    from .data.tokenizer import load_tokenizer, tokenizer_vocab
+    from .data.tokenizer import load_tokenizer, tokenizer_vocab, write_vocab_file
 
     shutil.copyfile(vocab_file, os.path.join(tag_dir, "tokenizer.json"))
-    vocab = tokenizer_vocab(load_tokenizer(tokenizer_json=vocab_file).tokenizer)
-    _atomic_write(os.path.join(tag_dir, "vocab.txt"), "".join(f"{token}\n" for token, _ in
-                                                            sorted(vocab.items(), key=lambda item: item[1])))
+    # written into the unpublished tag directory: no temp-then-rename needed
+    write_vocab_file(tokenizer_vocab(load_tokenizer(tokenizer_json=vocab_file).tokenizer),
+                     os.path.join(tag_dir, "vocab.txt"), vocab_file)
 
 
 def _prune(save_dir: str, keep_last: int, keep: str) -> None:
