@@ -255,7 +255,9 @@ def build_model(model_cfg, padded_vocab_size, params_dtype, rng, tp_group, pipel
     )
 
 
-def _seed_for(seed: int, name: str) -> int:
+def name_seed(seed: int, name: str) -> int:
+    """A generator seed derived from the run's seed and a tensor's name: every rank and layout
+    draws the same numbers for the same name without touching a global generator."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
@@ -270,7 +272,7 @@ def full_initial_value(hf_name: str, kind: str, shape, init_std: float, seed: in
         return torch.ones(shape, device=cpu) if hf_name.endswith("weight") else torch.zeros(shape, device=cpu)
     if kind == "bias":
         return torch.zeros(shape, device=cpu)
-    generator = torch.Generator(device=cpu).manual_seed(_seed_for(seed, hf_name))
+    generator = torch.Generator(device=cpu).manual_seed(name_seed(seed, hf_name))
     value = torch.empty(shape, device=cpu).normal_(0.0, init_std, generator=generator)
     if hf_name == HF_NAME_TABLE["WordEmbedding"]["embedding.weight"][0]:
         value[vocab_size:] = 0.0  # vocabulary padding rows are never looked up or predicted
