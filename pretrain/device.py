@@ -1,5 +1,5 @@
-"""Device placement, our collectives, and the DeepSpeed internals we touch: the whole device
-and communication surface of the project in one module.
+"""Device placement and our collectives: the whole device and communication surface of the
+project in one module (the DeepSpeed internals it relies on are in internals.py).
 
 The rules this module keeps, so that the code that runs on CPU/gloo runs unchanged on CUDA/NCCL:
 - An NCCL process group has no CPU backend: every tensor handed to a collective lives on the
@@ -16,9 +16,7 @@ collective or a mixed-device op fails as it would on a GPU.
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import types
 
 import torch
 import torch.distributed as dist
@@ -137,72 +135,3 @@ def reduce_floats(values, device: torch.device, group=None, op: str = "sum") -> 
 
 def barrier(group=None) -> None:
     dist.barrier(group=group)
-
-
-# ----------------------------------------------------------------------------- DeepSpeed internals
-def is_zero3_param(param: torch.Tensor) -> bool:
-    """A parameter partitioned by ZeRO-3 (deepspeed.zero.Init gives it ds_id and ds_tensor)."""
-    return hasattr(param, "ds_id")
-
-
-def zero3_partition(param: torch.Tensor) -> torch.Tensor:
-    """This rank's flat ZeRO-3 partition of `param` (padding past ds_numel on the last rank)."""
-    return param.ds_tensor
-
-
-def full_shape(param: torch.Tensor) -> torch.Size:
-    """The shape of the (TP-local) parameter, also while ZeRO-3 holds only a partition of it."""
-    return param.ds_shape if is_zero3_param(param) else param.shape
-
-
-def hp_fragment(param: torch.Tensor) -> tuple[int, int, int] | None:
-    """(start in the rank's flat fp32 partition, numel, start in the flat parameter) of this
-    parameter's piece under ZeRO-1/2 and DeepSpeed's BF16_Optimizer (DeepSpeed's `_hp_mapping`,
-    utils/tensor_fragment.py), or None when the parameter lies entirely on other ranks."""
-    mapping = getattr(param, "_hp_mapping", None)
-    if mapping is None:
-        return None
-    address = mapping.get_hp_fragment_address()
-    return address.start, address.numel, mapping.lp_fragment_address.start
-
-
-def set_global_grad_norm(engine, norm: float) -> None:
-    """What engine.get_global_grad_norm() reports after our own clipping replaced DeepSpeed's."""
-    engine._global_grad_norm = norm
-
-
-def loss_scale(engine) -> float | None:
-    """The fp16 dynamic loss scale (None if the wrapper has none). Every DeepSpeed fp16 wrapper
-    (FP16_Optimizer, FP16_UnfusedOptimizer, the ZeRO optimizers) exposes the `loss_scale`
-    property; only some have `cur_scale` (FP16_UnfusedOptimizer keeps it in loss_scale_config).
-    Wrappers without loss scaling report 1.0."""
-    scale = getattr(engine.optimizer, "loss_scale", None)
-    return None if scale is None else float(scale)
-
-
-@contextlib.contextmanager
-def no_optimizer_steps(optimizer: torch.optim.Optimizer):
-    """Suppress optimizer.step() while DeepSpeed builds its engine.
-
-    DeepSpeed's FP16_UnfusedOptimizer (fp16, and bf16 at ZeRO-0) and FP16_Optimizer call
-    `optimizer.step()` once with zero gradients from their constructor
-    (deepspeed/runtime/fp16/unfused_optimizer.py, initialize_optimizer_states). With decoupled
-    weight decay that is a real update: AdamW multiplies every decayed weight by (1 - lr*wd),
-    LAMB (trust ratio 1/wd on the update wd*w) by (1 - lr), and both start their step counters
-    at 1. Our optimizers create their state lazily, so skipping that step loses nothing.
-
-    The guard is an instance-level `step` that defers to the class's own; it stays in place
-    afterwards, because the LR scheduler built inside deepspeed.initialize wraps whatever
-    `optimizer.step` is at that moment.
-    """
-    def guarded_step(self, *args, **kwargs):
-        if self._deepspeed_constructing:
-            return None
-        return type(self).step(self, *args, **kwargs)
-
-    optimizer._deepspeed_constructing = True
-    optimizer.step = types.MethodType(guarded_step, optimizer)
-    try:
-        yield optimizer
-    finally:
-        optimizer._deepspeed_constructing = False

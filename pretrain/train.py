@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         print(f"{args.config}: valid for {world_size} rank(s)")
         return 0
 
-    from .checkpointing import CheckpointError
+    from .checkpoint.format import CheckpointError
     from .data.indexed import DataError
     from .data.wordpiece import VocabError
     from .parallel import init_parallel, shutdown_parallel

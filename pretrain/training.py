@@ -10,12 +10,14 @@ import time
 import deepspeed
 import torch
 
-from . import checkpointing, device
+from . import device, internals
 from .config import Config, build_deepspeed_config
 from .data.provider import pretraining_datasets
 from .data.samples import MicroBatchIterator
-from .interop import apply as checkpoint_loading
-from .model.bert import HF_NAME_TABLE, PretrainingLoss, build_model, init_weights, logical_parameters
+from .checkpoint import exact as checkpoint_saving, load as checkpoint_loading
+from .checkpoint.format import CheckpointError
+from .model.bert import PretrainingLoss, build_model, init_weights
+from .model.names import WORD_EMBEDDINGS, logical_parameters
 from .model.rng import RngTracker, seed_streams
 from .optim import Lamb, build_optimizer, layout_for_deepspeed, make_lr_scheduler
 from .optim.groups import group_by_kind
@@ -37,7 +39,7 @@ def optimizer_param_groups(model: torch.nn.Module, optimizer_cfg) -> list[dict]:
 def counted_once(model, parallel: Parallel):
     """Logical parameters of this rank that a whole-model sum must count: TP-replicated ones on
     TP rank 0 only, the tied word embedding on the first pipeline stage only."""
-    tied_word = HF_NAME_TABLE["WordEmbedding"]["embedding.weight"][0]
+    tied_word = WORD_EMBEDDINGS
     for lp in logical_parameters(model):
         if lp.tp_partition_dim is None and parallel.tp_rank != 0:
             continue
@@ -64,7 +66,7 @@ def clip_gradients_exactly(engine, model, parallel: Parallel, max_norm: float) -
     # on the device, no host sync: scaling by a coefficient of exactly 1 leaves gradients as they are
     coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
     torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], coefficient)
-    device.set_global_grad_norm(engine, norm)
+    internals.set_global_grad_norm(engine, norm)
 
 
 def model_flops_per_sample(cfg: Config) -> float:
@@ -141,7 +143,7 @@ class Trainer:
         def scheduler(opt):
             return make_lr_scheduler(opt, o.lr, s.warmup_steps, cfg.train.train_steps, s.decay, s.power, s.min_lr)
 
-        with device.no_optimizer_steps(optimizer):  # the fp16/bf16 wrappers step once at construction
+        with internals.no_optimizer_steps(optimizer):  # the fp16/bf16 wrappers step once at construction
             engine, _, _, _ = deepspeed.initialize(
                 model=model,
                 optimizer=optimizer,
@@ -150,9 +152,10 @@ class Trainer:
                 mpu=None if self.pipelined else par.mpu,  # the pipeline engine takes its grid from the topology
             )
         if par.dp_size == 1 and cfg.parallel.zero_stage == 0 and not self.pipelined:
-            engine.enable_backward_allreduce = False  # nothing to average: skip flattening every gradient
+            internals.skip_backward_allreduce(engine)
         if cfg.parallel.zero_stage == 0 and cfg.train.precision == "fp32":
-            engine.clip_fp32_gradients = lambda: clip_gradients_exactly(engine, model, par, cfg.optimizer.grad_clip)
+            internals.replace_fp32_clipping(engine, lambda: clip_gradients_exactly(engine, model, par,
+                                                                                   cfg.optimizer.grad_clip))
         if isinstance(optimizer, Lamb):
             optimizer.set_layout(layout_for_deepspeed(engine, par.tp_group if par.tp_size > 1 else None,
                                                       par.dp_group if par.dp_size > 1 else None, par.device))
@@ -241,10 +244,10 @@ class Trainer:
         """L2 norm of the whole logical model, each parameter counted once in any layout."""
         total = torch.zeros((), dtype=torch.float64, device=self.parallel.device)
         for lp in counted_once(self.model, self.parallel):
-            zero3 = device.is_zero3_param(lp.param)
+            zero3 = internals.is_zero3_param(lp.param)
             if not zero3 and self.parallel.dp_rank != 0:
                 continue  # replicated over DP; a ZeRO-3 partition is this rank's own
-            tensor = device.zero3_partition(lp.param) if zero3 else lp.param
+            tensor = internals.zero3_partition(lp.param) if zero3 else lp.param
             total += tensor.detach().double().pow(2).sum()
         return math.sqrt(device.all_reduce(total).item())
 
@@ -261,7 +264,7 @@ class Trainer:
     def save(self) -> None:
         if not self.cfg.train.save_dir:
             return
-        tag = checkpointing.save_checkpoint(self.engine, self.cfg.train.save_dir, self.step, self.consumed_samples,
+        tag = checkpoint_saving.save_checkpoint(self.engine, self.cfg.train.save_dir, self.step, self.consumed_samples,
                                             self.cfg, self.parallel, self.tracker, self.cfg.train.keep_last)
         self.log(f"saved checkpoint {self.cfg.train.save_dir}/{tag}")
 
@@ -272,7 +275,7 @@ class Trainer:
             found = checkpoint_loading.resume(self.engine, self.model, t.load_dir, self.cfg, self.parallel,
                                               self.tracker, self.log)
             if found is None and t.load_dir != t.save_dir and not t.init_from:
-                raise checkpointing.CheckpointError(f"no checkpoint in {t.load_dir} (no 'latest' file)")
+                raise CheckpointError(f"no checkpoint in {t.load_dir} (no 'latest' file)")
         if found is None:
             if t.init_from:
                 loaded = checkpoint_loading.init_from(self.engine, self.model, t.init_from, self.cfg, self.parallel,
@@ -361,7 +364,7 @@ class Trainer:
                                           "learning_rate", "grad_norm")}
         train["params_norm"] = params_norm
         if self.cfg.train.precision == "fp16":  # the other wrappers report a constant 1.0
-            train["loss_scale"] = device.loss_scale(self.engine)
+            train["loss_scale"] = internals.loss_scale(self.engine)
         self._scalars("train", train)
         self._scalars("perf", perf)
         eta = seconds_per_step * (t.train_steps - self.step)

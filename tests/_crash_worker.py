@@ -24,7 +24,7 @@ hide_library_warnings()
 import torch  # noqa: E402
 
 from _train_worker import TINY  # noqa: E402
-from pretrain.checkpointing import tag_for  # noqa: E402
+from pretrain.checkpoint.format import tag_for  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 from pretrain.parallel import init_parallel, shutdown_parallel  # noqa: E402
 from pretrain.training import Trainer  # noqa: E402
@@ -49,7 +49,7 @@ def crash_inside_save(step: int, index: int) -> None:
             written.append(f)
         return original(obj, f, *args, **kwargs)
 
-    torch.save = save  # DeepSpeed's checkpoint engine and pretrain.checkpointing call torch.save
+    torch.save = save  # DeepSpeed's checkpoint engine and pretrain.checkpoint.exact call torch.save
 
 
 def main():

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import torch
 
 from _train_worker import TINY
-from pretrain import device
+from pretrain import internals
 from pretrain.config import load_config
 from pretrain.optim.layout import layout_for_deepspeed
 from pretrain.parallel import init_parallel, shutdown_parallel
@@ -22,8 +22,8 @@ from pretrain.training import Trainer
 
 def model_values(param, segment):
     """The model's values that a master segment must equal (ZeRO-3: this rank's partition)."""
-    if device.is_zero3_param(param):
-        return device.zero3_partition(param).reshape(-1)[:segment.numel]
+    if internals.is_zero3_param(param):
+        return internals.zero3_partition(param).reshape(-1)[:segment.numel]
     return param.detach().reshape(-1)[segment.param_offset:segment.param_offset + segment.numel]
 
 
@@ -46,7 +46,7 @@ def fp16_loss_scale() -> dict:
 
     weight = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
     wrapper = FP16_UnfusedOptimizer(torch.optim.SGD([weight], lr=0.1), deepspeed=None, static_loss_scale=1024.0)
-    return {"loss_scale": device.loss_scale(SimpleNamespace(optimizer=wrapper)),
+    return {"loss_scale": internals.loss_scale(SimpleNamespace(optimizer=wrapper)),
             "has_cur_scale": hasattr(wrapper, "cur_scale")}
 
 

@@ -19,7 +19,7 @@ from pretrain.config import ModelConfig  # noqa: E402
 from pretrain.data.samples import collate, split_inputs_labels  # noqa: E402
 from pretrain.data.synthetic import SyntheticDataset  # noqa: E402
 from pretrain.model.bert import PretrainingLoss, build_model  # noqa: E402
-from pretrain.model.hf_interop import load_hf_state_dict  # noqa: E402
+from pretrain.checkpoint.sharding import load_hf_state_dict  # noqa: E402
 from pretrain.model.rng import RngTracker, seed_streams  # noqa: E402
 from pretrain.parallel import init_parallel, shutdown_parallel  # noqa: E402
 

@@ -14,7 +14,7 @@ from pretrain.quiet import hide_library_warnings
 
 hide_library_warnings()  # the known noise only: anything new shows up in the test run
 
-from pretrain import device  # noqa: E402
+from pretrain import device, internals  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 from pretrain.parallel import init_parallel, shutdown_parallel  # noqa: E402
 from pretrain.training import Trainer  # noqa: E402
@@ -32,10 +32,9 @@ TINY = [
 def where_it_ran(trainer, parallel) -> dict:
     """What proves the device took effect: the rank's device and backend, and where the model's
     parameters (ZeRO-3: their partitions) and the optimizer's tensors actually live."""
-    from pretrain import device
     from pretrain.optim.layout import layout_for_deepspeed
 
-    params = [device.zero3_partition(p) if device.is_zero3_param(p) else p for p in trainer.model.parameters()]
+    params = [internals.zero3_partition(p) if internals.is_zero3_param(p) else p for p in trainer.model.parameters()]
     stepped = [tensor for tensor, _ in layout_for_deepspeed(trainer.engine).entries()]
     return {"device": str(parallel.device), "backend": parallel.backend,
             "parameters": sorted({str(p.device) for p in params}),
@@ -47,13 +46,12 @@ def layout_report(trainer, parallel) -> dict:
     sizes megatron-core and DeepSpeed work with, what the rank holds, the optimizer wrapper."""
     from megatron.core import parallel_state as ps
 
-    from pretrain import device
-    from pretrain.model.bert import logical_parameters
+    from pretrain.model.names import logical_parameters
     from pretrain.training import counted_once
 
     engine = trainer.engine
     params = list(trainer.model.parameters())
-    zero3 = [p for p in params if device.is_zero3_param(p)]
+    zero3 = [p for p in params if internals.is_zero3_param(p)]
     return {
         "rank": parallel.rank, "tp_rank": parallel.tp_rank, "pp_rank": parallel.pp_rank, "dp_rank": parallel.dp_rank,
         "megatron_tp_size": ps.get_tensor_model_parallel_world_size(),
@@ -61,13 +59,13 @@ def layout_report(trainer, parallel) -> dict:
         "deepspeed_stages": engine.num_stages if trainer.pipelined else 1,
         "deepspeed_stage_id": engine.stage_id if trainer.pipelined else 0,
         # elements of the parameters this rank holds (ZeRO-3: of its partitions)
-        "local_elements": sum(device.zero3_partition(p).numel() if device.is_zero3_param(p) else p.numel()
+        "local_elements": sum(internals.zero3_partition(p).numel() if internals.is_zero3_param(p) else p.numel()
                               for p in params),
         # the same for the logical parameters a whole-model sum counts on this rank: over the
         # ranks of one data-parallel replica they add up to the whole model, in any layout
-        "counted_elements": sum(device.full_shape(lp.param).numel() for lp in counted_once(trainer.model, parallel)),
+        "counted_elements": sum(internals.full_shape(lp.param).numel() for lp in counted_once(trainer.model, parallel)),
         "zero3_parameters": len(zero3),
-        "zero3_partitioned": sum(device.zero3_partition(p).numel() < device.full_shape(p).numel() for p in zero3),
+        "zero3_partitioned": sum(internals.zero3_partition(p).numel() < internals.full_shape(p).numel() for p in zero3),
         "optimizer_wrapper": type(engine.optimizer).__name__,
         "parameter_dtypes": ",".join(sorted({str(p.dtype) for p in params})),
         "optimizer_groups": optimizer_groups_by_name(trainer),
@@ -79,7 +77,7 @@ def optimizer_groups_by_name(trainer) -> dict:
     """{Hugging Face name: [weight_decay, layer_adaptation]} of the optimizer group that actually
     steps each parameter this rank holds, read through the wrappers (ZeRO flat groups: through
     the layout's map from flat segments back to parameters)."""
-    from pretrain.model.bert import logical_parameters
+    from pretrain.model.names import logical_parameters
     from pretrain.optim.layout import layout_for_deepspeed, stepped_tensors_by_group
 
     names = {id(lp.param): lp.hf_name for lp in logical_parameters(trainer.model)}

@@ -16,8 +16,8 @@ import pytest
 
 from _train_worker import TINY
 from distributed import REPO, free_port
-from pretrain.checkpointing import CheckpointError, _prune, latest_tag, tag_for, verify_checkpoint
-from pretrain.interop.native import resolve_tag_dir
+from pretrain.checkpoint.exact import _prune
+from pretrain.checkpoint.format import CheckpointError, latest_tag, resolve_tag_dir, tag_for, verify_checkpoint
 
 # Dropout on: a resumed run must also restore the RNG streams to draw the same masks. ZeRO-1 so a
 # checkpoint has an optimizer shard besides the model states. A long schedule that the runs stop

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 from transformers import BertConfig, BertForMaskedLM, BertForPreTraining, BertModel
 
 from distributed import REPO, run_ranks
-from pretrain.checkpointing import CheckpointError
-from pretrain.interop.hf import read_hf, write_hf
-from pretrain.interop.native import read_native, write_native
+from pretrain.checkpoint.format import CheckpointError
+from pretrain.checkpoint.hf import read_hf, write_hf
+from pretrain.checkpoint.logical import read_native, write_native
 
 # tests/_train_worker.py's TINY model
 VOCAB, HIDDEN, LAYERS, HEADS, FFN, POSITIONS = 200, 64, 2, 4, 256, 64
@@ -323,7 +323,7 @@ def test_resume_in_other_layouts_continues_the_run(tmp_path, trained):
 def test_bf16_checkpoints_convert_from_their_fp32_masters(tmp_path, zero, world):
     """bf16 runs keep fp32 master weights (ZeRO-0: per parameter; ZeRO-3: partitioned); the
     conversion takes those, not the bf16 copies the model computes with."""
-    from pretrain.model.bert import checkpoint_param_names
+    from pretrain.checkpoint.format import checkpoint_param_names
 
     save_dir = tmp_path / "bf16"
     result = worker(tmp_path, "bf16", 1, 1, world, [{"name": "bf16", "overrides": [

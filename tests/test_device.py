@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pretrain import device
-from pretrain.checkpointing import restore_rng_state, rng_state
+from pretrain.checkpoint.exact import restore_rng_state, rng_state
 from pretrain.model.rng import MODEL_PARALLEL_STREAM, RngTracker, seed_streams
 
 

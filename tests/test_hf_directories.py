@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, BertForPreT
 
 from test_checkpoint_interop import SPECIALS
 from pretrain.data.tokenizer import load_tokenizer
-from pretrain.interop.hf import PRETRAINING_ARCHITECTURES
+from pretrain.checkpoint.hf import PRETRAINING_ARCHITECTURES
 from tools import convert_checkpoint
 
 WORDS = ["the", "The", "cat", "##s", "play", "##ing", "##ed", "are", "in", "who", "Who", "hello", "Hello", "world",
@@ -190,6 +190,6 @@ def test_tokenizer_that_cannot_be_carried_is_named(tmp_path, capsys, tokenizer, 
     error = capsys.readouterr().err
     assert error.startswith(f"convert_checkpoint: error: {source}/") and message in error, error
     assert sorted(os.listdir(tmp_path)) == ["hf", "hf-vocab.txt"]  # no output, no temporary directory
-    from pretrain.interop.hf import read_hf
+    from pretrain.checkpoint.hf import read_hf
 
     assert read_hf(str(source)).vocab_dir == str(source)

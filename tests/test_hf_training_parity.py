@@ -123,7 +123,7 @@ def test_reference_trains(references):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_training_matches_hugging_face(tmp_path, hugging_face_dir, references, tp):
-    from pretrain.interop.native import read_native
+    from pretrain.checkpoint.logical import read_native
 
     runs = [json.dumps({"name": optimizer, "overrides": PARITY + [
         f"optimizer.name={optimizer}", f"train.init_from={hugging_face_dir}", f"train.save_dir={tmp_path / optimizer}"]})

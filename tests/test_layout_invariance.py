@@ -56,7 +56,7 @@ TOLERANCE = 1e-5
 def train_layout(tmp_path, tp, pp, world, extra, runs=RUNS):
     """Each run's results, with its final weights read back from the checkpoint it saved (whole
     tensors by Hugging Face name, whatever the layout)."""
-    from pretrain.interop.native import read_native
+    from pretrain.checkpoint.logical import read_native
 
     out = tmp_path / f"result-{tp}-{pp}-{world}.json"
     saves = {run["name"]: tmp_path / f"ckpt-{tp}-{pp}-{world}-{run['name']}" for run in runs}

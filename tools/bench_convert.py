@@ -50,7 +50,7 @@ open(sys.argv[1] + "/vocab.txt", "w").write("\n".join(specials + words) + "\n")
 
 ADD_MOMENTS = r"""
 import sys, torch
-from pretrain.interop.native import read_native, write_native
+from pretrain.checkpoint.logical import read_native, write_native
 ckpt = read_native(sys.argv[1])
 ckpt.moments = {n: {"exp_avg": torch.randn_like(w), "exp_avg_sq": torch.rand_like(w)} for n, w in ckpt.weights.items()}
 ckpt.step = ckpt.optimizer_step = ckpt.scheduler_steps = 1000

@@ -37,7 +37,7 @@ import time
 from pretrain.cli import accept_launcher_args
 from pretrain.quiet import hide_library_warnings
 
-# pretrain.interop.hf's tuple (a test checks): importing it here would make --help wait for torch
+# pretrain.checkpoint.hf's tuple (a test checks): importing it here would make --help wait for torch
 PRETRAINING_ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel")
 
 
@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def describe_layout(path: str) -> str:
-    from pretrain.interop.native import read_meta, resolve_tag_dir
+    from pretrain.checkpoint.format import read_meta, resolve_tag_dir
 
     layout = read_meta(resolve_tag_dir(path))["layout"]
     return (f"TP{layout['tensor_parallel']} x PP{layout['pipeline_parallel']} x DP{layout['data_parallel']}, "
@@ -74,8 +74,8 @@ def describe_layout(path: str) -> str:
 
 
 def run(args) -> list[str]:
-    from pretrain.interop.hf import architecture_note, read_hf, trained_architecture, write_hf
-    from pretrain.interop.native import read_native, write_native
+    from pretrain.checkpoint.hf import architecture_note, read_hf, trained_architecture, write_hf
+    from pretrain.checkpoint.logical import read_native, write_native
 
     if args.command == "hf-to-native":
         ckpt = read_hf(args.input, seed=args.seed)
@@ -107,8 +107,8 @@ def main(argv=None) -> int:
     # Conversion runs on the CPU whatever the machine has; keep the libraries' import chatter out.
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     hide_library_warnings()
-    from pretrain.checkpointing import CheckpointError
-    import pretrain.interop.hf  # noqa: F401  (imports first: "done in" times the conversion alone)
+    from pretrain.checkpoint.format import CheckpointError
+    import pretrain.checkpoint.hf  # noqa: F401  (imports first: "done in" times the conversion alone)
 
     started = time.perf_counter()
     try:

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     hide_library_warnings()
     from finetune.features import FeatureError, extract_features
-    from pretrain.checkpointing import CheckpointError
+    from pretrain.checkpoint.format import CheckpointError
     from pretrain.parallel import init_parallel, shutdown_parallel
 
     parallel = init_parallel(args.tp, 1)

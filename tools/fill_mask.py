@@ -83,23 +83,13 @@ def read_sentences(args) -> list[tuple[str, str]]:
 def load_tokenizer_for(ckpt, checkpoint: str, vocab_file: str | None):
     """The tokenizer --vocab-file names, else the checkpoint's (tokenizer.json, else vocab.txt),
     as the fine-tuner chooses it; padding and truncation off."""
-    from pretrain.data.tokenizer import TokenizerError, load_tokenizer
+    from pretrain.checkpoint.format import CheckpointError
+    from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer
 
-    if vocab_file:
-        source = vocab_file
-    elif ckpt.vocab_dir:
-        source = os.path.join(ckpt.vocab_dir, "tokenizer.json")
-        if not os.path.exists(source):
-            source = os.path.join(ckpt.vocab_dir, "vocab.txt")
-    else:
-        raise FillMaskError(f"{checkpoint} carries no vocabulary: pass --vocab-file")
     try:
-        info = load_tokenizer(**({"tokenizer_json": source} if source.endswith(".json") else {"vocab_file": source}))
-    except TokenizerError as e:
+        info = checkpoint_tokenizer(ckpt.vocab_dir, ckpt.config.model.vocab_size, checkpoint, vocab_file)
+    except CheckpointError as e:
         raise FillMaskError(str(e)) from None
-    if info.vocab_size > ckpt.config.model.vocab_size:
-        raise FillMaskError(f"the tokenizer ({source}) has {info.vocab_size} tokens, the checkpoint's vocabulary "
-                            f"{ckpt.config.model.vocab_size}: they do not belong together")
     info.tokenizer.no_padding()
     info.tokenizer.no_truncation()
     return info
@@ -109,10 +99,10 @@ def check_mlm_head(ckpt, checkpoint: str) -> None:
     """Refuse a checkpoint whose MLM head the reader (or hf-to-native) had to initialise."""
     if "MLM head" not in ckpt.initialised_heads:
         return
-    from pretrain.interop.apply import is_hf_directory
+    from pretrain.checkpoint.load import is_hf_directory
 
     if is_hf_directory(checkpoint):
-        from pretrain.interop.hf import read_hf_config
+        from pretrain.checkpoint.hf import read_hf_config
 
         architecture = read_hf_config(checkpoint)[1]
         kind = f"a {architecture} directory" if architecture else "its config.json names no architecture"
@@ -141,7 +131,7 @@ def build_model(ckpt, parallel):
     import torch
 
     from pretrain.model.bert import build_model as build_bert
-    from pretrain.model.hf_interop import load_hf_state_dict
+    from pretrain.checkpoint.sharding import load_hf_state_dict
     from pretrain.model.rng import RngTracker, seed_streams
 
     m = ckpt.config.model
@@ -208,8 +198,8 @@ def report(sentences, encodings, results, info, as_json: bool) -> list[str]:
 
 
 def run(args, parallel) -> list[str]:
-    from pretrain.interop.apply import read_any
-    from pretrain.interop.native import check_layout
+    from pretrain.checkpoint.load import read_any
+    from pretrain.checkpoint.logical import check_layout
 
     sentences = read_sentences(args)
     missing = [name for name, text in sentences if MASK not in text]
@@ -235,7 +225,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no "setting accelerator to CPU" warning
     # stdout carries the predictions (--json: nothing else): the libraries' start-up chatter goes to stderr
     with contextlib.redirect_stdout(sys.stderr):
-        from pretrain.checkpointing import CheckpointError
+        from pretrain.checkpoint.format import CheckpointError
         from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
 
         launch = discover_launch_env()

@@ -8,7 +8,6 @@ a TiedLayerSpec, lives on the first and the last stage with its gradient summed 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -18,7 +17,8 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from megatron.core import tensor_parallel
 from torch import nn
 
-from ..device import all_reduce, full_shape, is_zero3_param
+from ..device import all_reduce
+from ..internals import full_shape, is_zero3_param
 from .layers import (
     EmbeddingTail,
     MlmOutputBias,
@@ -28,100 +28,8 @@ from .layers import (
     decode_tokens,
     megatron_config,
 )
+from .names import TIED_EMBEDDING_KEY, WORD_EMBEDDINGS, logical_parameters, spec_modules
 from .rng import RngTracker
-
-TIED_EMBEDDING_KEY = "word_embeddings"
-
-# The one table from our parameters to Hugging Face BertForPreTraining names, the kind that
-# weight-decay / layer-adaptation exclusions refer to, and the dimension tensor parallelism cuts
-# the parameter along (None: replicated). "{i}" is the transformer layer index. Conversion tools
-# build on this table; nothing else may spell these names.
-HF_NAME_TABLE: dict[str, dict[str, tuple[str, str, int | None]]] = {
-    "WordEmbedding": {
-        "embedding.weight": ("bert.embeddings.word_embeddings.weight", "embedding", 0),
-    },
-    "EmbeddingTail": {
-        "position_embeddings.weight": ("bert.embeddings.position_embeddings.weight", "embedding", None),
-        "token_type_embeddings.weight": ("bert.embeddings.token_type_embeddings.weight", "embedding", None),
-        "layernorm.weight": ("bert.embeddings.LayerNorm.weight", "layernorm", None),
-        "layernorm.bias": ("bert.embeddings.LayerNorm.bias", "layernorm", None),
-    },
-    "TransformerLayer": {
-        "query.weight": ("bert.encoder.layer.{i}.attention.self.query.weight", "weight", 0),
-        "query.bias": ("bert.encoder.layer.{i}.attention.self.query.bias", "bias", 0),
-        "key.weight": ("bert.encoder.layer.{i}.attention.self.key.weight", "weight", 0),
-        "key.bias": ("bert.encoder.layer.{i}.attention.self.key.bias", "bias", 0),
-        "value.weight": ("bert.encoder.layer.{i}.attention.self.value.weight", "weight", 0),
-        "value.bias": ("bert.encoder.layer.{i}.attention.self.value.bias", "bias", 0),
-        "attention_output.weight": ("bert.encoder.layer.{i}.attention.output.dense.weight", "weight", 1),
-        "attention_output.bias": ("bert.encoder.layer.{i}.attention.output.dense.bias", "bias", None),
-        "attention_layernorm.weight": ("bert.encoder.layer.{i}.attention.output.LayerNorm.weight", "layernorm", None),
-        "attention_layernorm.bias": ("bert.encoder.layer.{i}.attention.output.LayerNorm.bias", "layernorm", None),
-        "intermediate.weight": ("bert.encoder.layer.{i}.intermediate.dense.weight", "weight", 0),
-        "intermediate.bias": ("bert.encoder.layer.{i}.intermediate.dense.bias", "bias", 0),
-        "output.weight": ("bert.encoder.layer.{i}.output.dense.weight", "weight", 1),
-        "output.bias": ("bert.encoder.layer.{i}.output.dense.bias", "bias", None),
-        "output_layernorm.weight": ("bert.encoder.layer.{i}.output.LayerNorm.weight", "layernorm", None),
-        "output_layernorm.bias": ("bert.encoder.layer.{i}.output.LayerNorm.bias", "layernorm", None),
-    },
-    "PretrainingHeads": {
-        "pooler.weight": ("bert.pooler.dense.weight", "weight", None),
-        "pooler.bias": ("bert.pooler.dense.bias", "bias", None),
-        "nsp.weight": ("cls.seq_relationship.weight", "weight", None),
-        "nsp.bias": ("cls.seq_relationship.bias", "bias", None),
-        "mlm_dense.weight": ("cls.predictions.transform.dense.weight", "weight", None),
-        "mlm_dense.bias": ("cls.predictions.transform.dense.bias", "bias", None),
-        "mlm_layernorm.weight": ("cls.predictions.transform.LayerNorm.weight", "layernorm", None),
-        "mlm_layernorm.bias": ("cls.predictions.transform.LayerNorm.bias", "layernorm", None),
-    },
-    "MlmOutputBias": {
-        "bias": ("cls.predictions.bias", "bias", 0),
-    },
-}
-
-
-@dataclass
-class LogicalParam:
-    """A local parameter (possibly a TP shard) and the whole parameter it belongs to."""
-
-    hf_name: str
-    kind: str
-    param: nn.Parameter
-    tp_partition_dim: int | None  # None: replicated over TP
-
-
-def logical_parameters(model: nn.Module) -> list[LogicalParam]:
-    """Every parameter of the model with its Hugging Face name, each shared one once."""
-    found, seen = [], set()
-    for module in model.modules():
-        table = HF_NAME_TABLE.get(type(module).__name__)
-        if table is None:
-            continue
-        for local_name, param in module.named_parameters():
-            if id(param) in seen:
-                continue
-            if local_name not in table:
-                raise KeyError(f"{type(module).__name__}.{local_name} has no entry in HF_NAME_TABLE")
-            seen.add(id(param))
-            hf_name, kind, partition_dim = table[local_name]
-            sharded = getattr(param, "tensor_model_parallel", False)
-            if (param.partition_dim if sharded else None) != partition_dim:
-                raise KeyError(f"{type(module).__name__}.{local_name}: HF_NAME_TABLE says partition dim "
-                               f"{partition_dim}, the layer says {param.partition_dim if sharded else None}")
-            found.append(LogicalParam(hf_name.format(i=getattr(module, "layer_index", "")), kind, param,
-                                      partition_dim))
-    owned = {id(p) for p in model.parameters()}
-    if owned != seen:
-        raise KeyError("model has parameters outside HF_NAME_TABLE's modules")
-    return found
-
-
-def spec_modules(num_layers: int) -> list[tuple[str, int | None]]:
-    """(module type, transformer layer index) of each entry of `stage_specs`, in order: what the
-    checkpoint files of each module structure are named after (see `checkpoint_param_names`)."""
-    return [("WordEmbedding", None), ("EmbeddingTail", None), *[("TransformerLayer", i) for i in range(num_layers)],
-            ("PretrainingHeads", None), ("WordEmbedding", None), ("MlmOutputBias", None)]
-
 
 def stage_specs(model_cfg, padded_vocab_size: int, params_dtype: torch.dtype, rng: RngTracker, tp_group) -> list:
     """The model as an ordered list of layer specs (see layers.py for what flows between them);
@@ -141,57 +49,10 @@ def stage_specs(model_cfg, padded_vocab_size: int, params_dtype: torch.dtype, rn
         word(forward_fn=decode_tokens),
         LayerSpec(MlmOutputBias, model_cfg.vocab_size, padded_vocab_size, mp_config, tp_group),
     ]
-    described = [(spec.typename.__name__, spec.module_args[0] if spec.typename is TransformerLayer else None)
+    described = [(spec.typename, spec.module_args[0] if spec.typename is TransformerLayer else None)
                  for spec in specs]
     assert described == spec_modules(model_cfg.num_layers), "spec_modules is out of date"
     return specs
-
-
-def pipeline_stage_bounds(num_layers: int, pipeline_parallel: int) -> list[int]:
-    """Spec index where each pipeline stage starts (plus the end), as PipelineModule's
-    "type:TransformerLayer" partitioning computes it."""
-    from deepspeed.runtime.utils import partition_balanced
-
-    weights = [1 if kind == "TransformerLayer" else 0 for kind, _ in spec_modules(num_layers)]
-    return partition_balanced(weights=weights, num_parts=pipeline_parallel)
-
-
-def checkpoint_param_names(num_layers: int, pipelined: bool) -> list[tuple[int, str, str]]:
-    """(spec index, parameter name in the engine's module, Hugging Face name) of every parameter,
-    in each spec's order; the tied word embedding once, at its first use (spec 0).
-
-    SequentialBert names them tied.word_embeddings.* and layers.<k>.* (k counts the untied
-    specs); DeepSpeed's PipelineModule tied_modules.word_embeddings.* and <spec index>.*.
-    """
-    names, untied = [], 0
-    for index, (kind, layer) in enumerate(spec_modules(num_layers)):
-        tied = kind == "WordEmbedding"
-        if tied and index > 0:
-            continue
-        if tied:
-            prefix = f"tied_modules.{TIED_EMBEDDING_KEY}" if pipelined else f"tied.{TIED_EMBEDDING_KEY}"
-        else:
-            prefix = str(index) if pipelined else f"layers.{untied}"
-            untied += 1
-        for local, (hf_name, _, _) in HF_NAME_TABLE[kind].items():
-            names.append((index, f"{prefix}.{local}", hf_name.format(i=layer if layer is not None else "")))
-    return names
-
-
-def hf_parameter_info(model_cfg) -> dict[str, tuple[tuple[int, ...], str, int | None]]:
-    """Hugging Face name -> (full shape with the unpadded vocabulary, kind, TP partition dim)."""
-    h, f, v = model_cfg.hidden_size, model_cfg.ffn_size, model_cfg.vocab_size
-    shapes = {
-        "embedding.weight": (v, h), "position_embeddings.weight": (model_cfg.max_position_embeddings, h),
-        "token_type_embeddings.weight": (model_cfg.type_vocab_size, h), "intermediate.weight": (f, h),
-        "intermediate.bias": (f,), "output.weight": (h, f), "nsp.weight": (2, h), "nsp.bias": (2,), "bias": (v,),
-    }
-    info = {}
-    for kind, layer in spec_modules(model_cfg.num_layers):
-        for local, (hf_name, param_kind, dim) in HF_NAME_TABLE[kind].items():
-            default = (h,) if local.endswith("bias") or "layernorm" in local else (h, h)
-            info[hf_name.format(i=layer if layer is not None else "")] = (shapes.get(local, default), param_kind, dim)
-    return info
 
 
 class SequentialBert(nn.Module):
@@ -274,7 +135,7 @@ def full_initial_value(hf_name: str, kind: str, shape, init_std: float, seed: in
         return torch.zeros(shape, device=cpu)
     generator = torch.Generator(device=cpu).manual_seed(name_seed(seed, hf_name))
     value = torch.empty(shape, device=cpu).normal_(0.0, init_std, generator=generator)
-    if hf_name == HF_NAME_TABLE["WordEmbedding"]["embedding.weight"][0]:
+    if hf_name == WORD_EMBEDDINGS:
         value[vocab_size:] = 0.0  # vocabulary padding rows are never looked up or predicted
     return value
 

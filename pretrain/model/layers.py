@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from megatron.core import ModelParallelConfig, tensor_parallel
 from torch import nn
 
+from ..internals import CpuGemmOverride
 from .cpu_bf16 import upcast_bf16
 from .rng import RngTracker, checkpoint_with_rng
 
@@ -119,23 +120,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-class _GemmByDevice:
-    """The GEMM of megatron-core's parallel linears: on an accelerator megatron's own (its
-    backward overlaps the input-gradient all-reduce with the weight-gradient GEMM), on the CPU
+class ColumnParallelLinear(CpuGemmOverride, tensor_parallel.ColumnParallelLinear):
+    """megatron-core's column-parallel linear (sharding, TP regions); on the CPU its GEMM is
     `_linear` (the bias inside the GEMM)."""
 
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        if weight.device.type == "cpu":
-            return _linear(input, weight, *args, **kwargs)
-        return super()._forward_impl(input, weight, *args, **kwargs)
+    cpu_forward = staticmethod(_linear)
 
 
-class ColumnParallelLinear(_GemmByDevice, tensor_parallel.ColumnParallelLinear):
-    """megatron-core's column-parallel linear (sharding, TP regions)."""
+class RowParallelLinear(CpuGemmOverride, tensor_parallel.RowParallelLinear):
+    """megatron-core's row-parallel linear (sharding, TP reduction); on the CPU its GEMM is `_linear`."""
 
-
-class RowParallelLinear(_GemmByDevice, tensor_parallel.RowParallelLinear):
-    """megatron-core's row-parallel linear (sharding, TP reduction)."""
+    cpu_forward = staticmethod(_linear)
 
 
 class WordEmbedding(nn.Module):

@@ -24,7 +24,8 @@ from typing import Iterable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from ..device import hp_fragment
+from ..internals import (FlatPartitions, WholeCopies, Zero3Groups, client_optimizer, hp_fragment, is_tp_sharded,
+                         optimizer_wrapper, zero3_partition_info)
 
 
 class Segment(NamedTuple):
@@ -95,12 +96,6 @@ class NormLayout:
         return len(self._by_id)
 
 
-def _is_tp_sharded(param: torch.Tensor) -> bool:
-    # megatron-core marks sharded weights with tensor_model_parallel=True; everything else is
-    # replicated over TP, i.e. already whole on each TP rank.
-    return bool(getattr(param, "tensor_model_parallel", False))
-
-
 def _group_or_none(group):
     """Drop groups of one rank: summing over them is a no-op, and a None group lets the
     optimizer skip the collective altogether."""
@@ -116,7 +111,7 @@ def layout_for_params(param_groups_params: Sequence[Sequence[torch.Tensor]], tp_
     for params in param_groups_params:
         for p in params:
             entries.append((p, [Segment(len(sharded), 0, p.numel())] if p.numel() else []))
-            sharded.append(_is_tp_sharded(p))
+            sharded.append(is_tp_sharded(p))
             owners.append(p)
     return NormLayout(entries, sharded, dp_group=None, tp_group=_group_or_none(tp_group), params=owners)
 
@@ -155,7 +150,7 @@ def _hp_mapped_layout(lp_groups, hp_partitions, partition_groups, dp_group, tp_g
         segments = []
         for p in lp_params:
             index = len(sharded)  # same enumeration on every rank: all ranks hold all lp params
-            sharded.append(_is_tp_sharded(p))
+            sharded.append(is_tp_sharded(p))
             owners.append(p)
             fragment = hp_fragment(p)
             if fragment is not None and fragment[1] > 0:
@@ -165,27 +160,24 @@ def _hp_mapped_layout(lp_groups, hp_partitions, partition_groups, dp_group, tp_g
     return NormLayout(entries, sharded, dp_group=group, tp_group=_group_or_none(tp_group), params=owners)
 
 
-def _stage3_layout(opt, dp_group, tp_group) -> NormLayout:
-    """ZeRO-3: sub-group i's flat fp32 tensor `fp32_partitioned_groups_flat[i]` is the
-    concatenation of `param.ds_tensor` (partition_numel() elements each) for the params of
-    `fp16_groups[i]`.  Rank r's partition of a parameter covers flat elements
-    [r*ps, (r+1)*ps) of it, ps = partition_numel(); elements past ds_numel are padding."""
-    if getattr(opt, "params_in_nvme_and_cpu", False) or getattr(opt, "swap_optimizer", False):
-        raise NotImplementedError("layout_for_deepspeed: ZeRO-3 with NVMe offload is not supported by Lamb")
+def _stage3_layout(wrapper: Zero3Groups, dp_group, tp_group) -> NormLayout:
+    """ZeRO-3: sub-group i's flat fp32 tensor is the concatenation of this rank's partition
+    (Zero3Partition.size elements each) of the params of model group i. Rank r's partition of a
+    parameter covers flat elements [r*size, (r+1)*size) of it; elements past numel are padding."""
     entries, sharded, groups, owners = [], [], [], []
-    for params, flat in zip(opt.fp16_groups, opt.fp32_partitioned_groups_flat):
+    for params, flat in zip(wrapper.model_groups, wrapper.fp32_flat):
         segments, offset = [], 0
         for p in params:
             index = len(sharded)
-            sharded.append(_is_tp_sharded(p))
+            sharded.append(is_tp_sharded(p))
             owners.append(p)
-            ps = p.partition_numel()
-            rank = dist.get_rank(group=p.ds_process_group)
-            real = max(0, min(ps, p.ds_numel - rank * ps))
+            part = zero3_partition_info(p)
+            rank = dist.get_rank(group=part.process_group)
+            real = max(0, min(part.size, part.numel - rank * part.size))
             if real > 0:
-                segments.append(Segment(index, offset, real, rank * ps))
-            offset += ps
-            groups.append(p.ds_process_group)
+                segments.append(Segment(index, offset, real, rank * part.size))
+            offset += part.size
+            groups.append(part.process_group)
         if offset != flat.numel():
             raise RuntimeError(f"layout_for_deepspeed: ZeRO-3 sub-group holds {flat.numel()} elements, "
                                f"its params' partitions add up to {offset}")
@@ -194,14 +186,14 @@ def _stage3_layout(opt, dp_group, tp_group) -> NormLayout:
     return NormLayout(entries, sharded, dp_group=group, tp_group=_group_or_none(tp_group), params=owners)
 
 
-def _unfused_layout(opt, tp_group) -> NormLayout:
+def _unfused_layout(wrapper: WholeCopies, tp_group) -> NormLayout:
     """FP16_UnfusedOptimizer (fp16, or bf16 with ZeRO-0 off the pipeline): one whole fp32
     copy per parameter; TP flags live on the model's low-precision parameters."""
     entries, sharded, owners = [], [], []
-    for lp_params, fp32_params in zip(opt.fp16_groups, opt.fp32_groups):
+    for lp_params, fp32_params in zip(wrapper.model_groups, wrapper.fp32_copies):
         for lp, hp in zip(lp_params, fp32_params):
             entries.append((hp, [Segment(len(sharded), 0, hp.numel())] if hp.numel() else []))
-            sharded.append(_is_tp_sharded(lp))
+            sharded.append(is_tp_sharded(lp))
             owners.append(lp)
     return NormLayout(entries, sharded, dp_group=None, tp_group=_group_or_none(tp_group), params=owners)
 
@@ -218,52 +210,30 @@ def layout_for_deepspeed(engine, tp_group=None, dp_group=None, comm_device: torc
 
 
 def _engine_layout(engine, tp_group, dp_group) -> NormLayout:
-    # Imported here: deepspeed is slow to import and plain runs do not need it.
-    from deepspeed.runtime.base_optimizer import ZeROOptimizer
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    opt = engine.optimizer
-    kind = type(opt).__name__
-    if isinstance(opt, DeepSpeedZeroOptimizer):
-        if getattr(opt, "zenflow", False):
-            raise NotImplementedError("layout_for_deepspeed: ZenFlow optimizer is not supported by Lamb")
-        return _hp_mapped_layout(opt.bit16_groups, opt.single_partition_of_fp32_groups,
-                                 opt.real_dp_process_group, dp_group, tp_group, kind)
-    if isinstance(opt, BF16_Optimizer):
-        if not opt.using_real_optimizer:
-            raise ValueError("layout_for_deepspeed: BF16_Optimizer has no client optimizer")
-        return _hp_mapped_layout(opt.bf16_groups, opt.fp32_groups_flat_partition,
-                                 opt.real_dp_process_group, dp_group, tp_group, kind)
-    if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
-        return _stage3_layout(opt, dp_group, tp_group)
-    if isinstance(opt, FP16_UnfusedOptimizer):
-        return _unfused_layout(opt, tp_group)
-    if isinstance(opt, (FP16_Optimizer, ZeROOptimizer)):
-        raise NotImplementedError(f"layout_for_deepspeed: DeepSpeed optimizer wrapper {kind} is not "
-                                  "supported by Lamb (supported: ZeRO-0 fp32, ZeRO-1/2, ZeRO-3, "
-                                  "BF16_Optimizer, FP16_UnfusedOptimizer)")
-    if isinstance(opt, torch.optim.Optimizer):
-        # ZeRO-0 fp32: DeepSpeed steps the client optimizer on the model's own parameters.
-        return layout_for_params([g["params"] for g in opt.param_groups], tp_group)
-    raise TypeError(f"layout_for_deepspeed: engine.optimizer is a {kind}, not an optimizer "
-                    "DeepSpeed builds; cannot derive a LAMB layout")
+    try:
+        wrapper = optimizer_wrapper(engine)
+    except NotImplementedError as e:
+        raise NotImplementedError(f"layout_for_deepspeed: {e}; LAMB's layout cannot be read") from None
+    kind = type(engine.optimizer).__name__
+    if isinstance(wrapper, FlatPartitions):
+        return _hp_mapped_layout(wrapper.model_groups, wrapper.fp32_partitions, wrapper.process_groups,
+                                 dp_group, tp_group, kind)
+    if isinstance(wrapper, Zero3Groups):
+        return _stage3_layout(wrapper, dp_group, tp_group)
+    if isinstance(wrapper, WholeCopies):
+        return _unfused_layout(wrapper, tp_group)
+    # ZeRO-0 fp32: DeepSpeed steps the client optimizer on the model's own parameters.
+    return layout_for_params([g["params"] for g in wrapper.param_groups], tp_group)
 
 
 def stepped_tensors_by_group(engine) -> list[tuple[torch.Tensor, dict]]:
     """(tensor, param group) for every tensor the client optimizer steps, read through DeepSpeed's
     wrapper: what decides the weight decay and trust-ratio settings each parameter really gets.
     ZeRO-3 empties the groups between steps and steps one sub-group's flat tensor at a time with
-    the group `sub_group_to_group_id` names; every other wrapper leaves its tensors in the groups."""
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
-    client = engine.basic_optimizer
-    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
-        opt = engine.optimizer
-        return [(flat, client.param_groups[opt.sub_group_to_group_id[index]])
-                for index, flat in enumerate(opt.fp32_partitioned_groups_flat)]
+    the group its sub-group belongs to; every other wrapper leaves its tensors in the groups."""
+    client = client_optimizer(engine)
+    wrapper = optimizer_wrapper(engine)
+    if isinstance(wrapper, Zero3Groups):
+        return [(flat, client.param_groups[wrapper.group_of_sub_group[index]])
+                for index, flat in enumerate(wrapper.fp32_flat)]
     return [(tensor, group) for group in client.param_groups for tensor in group["params"]]
-

@@ -1,7 +1,7 @@
 """Our checkpoints as whole logical tensors: read from any layout, written at any TP x PP.
 
-A trainer checkpoint is DeepSpeed's files for the layout it was trained in (see
-checkpointing.py). `read_native` puts the pieces back together without any process group:
+A trainer checkpoint is DeepSpeed's files for the layout it was trained in (format.py,
+exact.py). `read_native` puts the pieces back together without any process group:
 
 * weights: the fp32 master copy where DeepSpeed keeps one (ZeRO-1/2/3 partitions, the bf16
   optimizers), else the module states (ZeRO-0 fp32); TP shards concatenated along each
@@ -12,11 +12,10 @@ checkpointing.py). `read_native` puts the pieces back together without any proce
 `write_native` writes that state at a chosen TP x PP in the files of a one-process-per-model-
 shard ZeRO-0 fp32 run (module states, the optimizer's state by parameter index), with a
 meta.json saying it is not an exact-resume checkpoint: the trainer then loads it through
-`pretrain.interop.apply`, into any DP size and ZeRO stage.
+load.py, into any DP size and ZeRO stage.
 """
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -26,20 +25,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checkpointing import LATEST, META, CheckpointError, model_shape_of, tag_for
-from ..config import Config, ConfigError
-from ..data.tokenizer import TokenizerError, read_vocab, tokenizer_model_type, wordpiece_vocab, write_vocab_file
-from ..model.hf_interop import local_value, unpad_vocab
-from ..model.bert import checkpoint_param_names, hf_parameter_info, pipeline_stage_bounds, spec_modules
+from ..config import Config
+from ..model.names import spec_modules
 from ..optim.groups import group_by_kind
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-VOCAB_FILE = "vocab.txt"
-TOKENIZER_JSON = "tokenizer.json"
-# Every tokenizer file a Hugging Face directory may hold: transformers 5 writes tokenizer.json and
-# tokenizer_config.json only, older versions vocab.txt, special_tokens_map.json, added_tokens.json too.
-TOKENIZER_FILES = (VOCAB_FILE, TOKENIZER_JSON, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
-
+from .format import (LATEST, META, MOMENTS, CheckpointError, check_complete, config_of, hf_parameter_info,
+                     layer_file, model_ranks, model_shape_of, mp_file, read_meta, resolve_tag_dir, stage_param_names,
+                     stage_spec_range, tag_for, zero_file)
+from .sharding import local_value, unpad_vocab
+from .tokenizer_files import check_vocab_fits, copy_vocab_files, has_tokenizer
 
 @dataclass
 class LogicalCheckpoint:
@@ -57,118 +50,9 @@ class LogicalCheckpoint:
     vocab_dir: str | None = None  # directory holding the tokenizer files (vocab.txt and/or tokenizer.json), if any
     notes: list[str] = field(default_factory=list)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # a fine-tuned model's task head (HF names)
-    # heads the source did not have, filled with fresh initial values (interop.hf.HEADS names, e.g.
+    # heads the source did not have, filled with fresh initial values (hf.HEADS names, e.g.
     # "MLM head" for a BertModel directory); kept through write_native so tools can tell untrained heads
     initialised_heads: list[str] = field(default_factory=list)
-
-
-# ----------------------------------------------------------------------------- locating
-def resolve_tag_dir(path: str) -> str:
-    """A checkpoint directory: either a save_dir (follow `latest`) or one tag directory."""
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    if os.path.exists(os.path.join(path, META)):
-        return path
-    latest = os.path.join(path, LATEST)
-    if os.path.exists(latest):
-        with open(latest) as f:
-            tag = f.read().strip()
-        tag_dir = os.path.join(path, tag)
-        if not os.path.isdir(tag_dir):
-            raise CheckpointError(f"{latest} names {tag!r}, which is not a directory in {path}")
-        if not os.path.exists(os.path.join(tag_dir, META)):
-            raise CheckpointError(f"{tag_dir}/{META} is missing: the checkpoint is incomplete (half-written?)")
-        return tag_dir
-    if glob.glob(os.path.join(path, "iter_*")):
-        raise CheckpointError(f"{path} has iter_* directories but no '{LATEST}' file: no save completed "
-                              "(pass one iter_* directory to use it anyway)")
-    raise CheckpointError(f"{path} is not a checkpoint of this trainer (no {META} and no '{LATEST}' file)")
-
-
-def read_meta(tag_dir: str) -> dict:
-    path = os.path.join(tag_dir, META)
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path} is missing: {tag_dir} is not a complete checkpoint of this trainer")
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read ({e})") from None
-    for key in ("layout", "config"):
-        if key not in meta:
-            raise CheckpointError(f"{path}: no '{key}' entry; not a checkpoint of this trainer")
-    return meta
-
-
-def _config_of(meta: dict, tag_dir: str) -> Config:
-    try:
-        return Config.from_dict(meta["config"], source=f"{tag_dir}/{META}")
-    except ConfigError as e:
-        raise CheckpointError(f"{tag_dir}/{META}: invalid config:\n  " + "\n  ".join(e.problems)) from None
-
-
-def _model_ranks(tp: int, pp: int) -> list[tuple[int, int, int]]:
-    """(pipeline rank, tensor rank, DeepSpeed's model-parallel file rank) of every model shard."""
-    return [(p, t, p * tp + t if pp > 1 else t) for p in range(pp) for t in range(tp)]
-
-
-def _stage_specs(num_layers: int, pp: int, stage: int) -> range:
-    if pp == 1:
-        return range(len(spec_modules(num_layers)))
-    bounds = pipeline_stage_bounds(num_layers, pp)
-    return range(bounds[stage], bounds[stage + 1])
-
-
-def stage_param_names(num_layers: int, pp: int, stage: int) -> list[tuple[str, str]]:
-    """(engine parameter name, HF name) of one pipeline stage, in the module's parameter order:
-    the tied word embedding first on the stages that use it (first and last), then by spec."""
-    specs = _stage_specs(num_layers, pp, stage)
-    decoder_spec = len(spec_modules(num_layers)) - 2  # the tied embedding's second use
-    names = []
-    for index, name, hf_name in checkpoint_param_names(num_layers, pipelined=pp > 1):
-        tied = index == 0
-        if (tied and (0 in specs or decoder_spec in specs)) or (not tied and index in specs):
-            names.append((name, hf_name))
-    return names
-
-
-def _layer_file(tag_dir: str, spec: int, tp_rank: int) -> str:
-    return os.path.join(tag_dir, f"layer_{spec:02d}-model_{tp_rank:02d}-model_states.pt")
-
-
-def _mp_file(tag_dir: str, mp_rank: int) -> str:
-    return os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")
-
-
-def _zero_file(tag_dir: str, prefix: str, dp_rank: int, mp_rank: int, what: str) -> str:
-    return os.path.join(tag_dir, f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_{what}_states.pt")
-
-
-def expected_files(tag_dir: str, layout: dict, num_layers: int) -> list[str]:
-    """Every file DeepSpeed writes for this layout (plus our meta.json)."""
-    tp, pp, dp, zero = (layout["tensor_parallel"], layout["pipeline_parallel"], layout["data_parallel"],
-                        layout["zero_stage"])
-    files = [os.path.join(tag_dir, META)]
-    optim_prefix = "bf16_" if layout.get("precision") == "bf16" else ""
-    for p, t, m in _model_ranks(tp, pp):
-        if zero == 3:  # DeepSpeed prefixes only the optimizer files with bf16_
-            files += [_zero_file(tag_dir, "", d, m, "model") for d in range(dp)]
-            files += [_zero_file(tag_dir, optim_prefix, d, m, "optim") for d in range(dp)]
-            continue
-        files.append(_mp_file(tag_dir, m))
-        if pp > 1:
-            specs = [s for s in _stage_specs(num_layers, pp, p) if s != len(spec_modules(num_layers)) - 2]
-            files += [_layer_file(tag_dir, s, t) for s in specs]
-        if zero in (1, 2) or (pp > 1 and optim_prefix):
-            files += [_zero_file(tag_dir, optim_prefix, d, m, "optim") for d in range(dp)]
-    return files
-
-
-def check_complete(tag_dir: str, layout: dict, num_layers: int) -> None:
-    missing = [os.path.basename(f) for f in expected_files(tag_dir, layout, num_layers) if not os.path.exists(f)]
-    if missing:
-        raise CheckpointError(f"{tag_dir} is incomplete (half-written, or files were removed): missing "
-                              f"{len(missing)} file(s): {', '.join(missing)}")
 
 
 def _load(path: str):
@@ -203,9 +87,9 @@ class _ShardReader:
         if self.zero == 3:
             self._read_zero3(prefix, with_optimizer)
             return
-        mp_state = _load(_mp_file(self.tag_dir, self.m))
+        mp_state = _load(mp_file(self.tag_dir, self.m))
         self.scheduler_steps = _as_int((mp_state.get("lr_scheduler") or {}).get("last_epoch", 0))
-        zero_files = [_zero_file(self.tag_dir, prefix, d, self.m, "optim") for d in range(self.dp)]
+        zero_files = [zero_file(self.tag_dir, prefix, d, self.m, "optim") for d in range(self.dp)]
         if all(os.path.exists(f) for f in zero_files) and (self.zero in (1, 2) or prefix):
             self._read_flat_partitions(zero_files, mp_state, with_optimizer)
             return
@@ -228,12 +112,12 @@ class _ShardReader:
             module = mp_state["module"]
             for name, _ in self.names:
                 if name not in module:
-                    raise CheckpointError(f"{_mp_file(self.tag_dir, self.m)}: no tensor {name}")
+                    raise CheckpointError(f"{mp_file(self.tag_dir, self.m)}: no tensor {name}")
                 self.weights[name] = module[name].float()
             return
         for name, _ in self.names:
             spec, local = _split_pipeline_name(name)
-            path = _layer_file(self.tag_dir, spec, self.t)
+            path = layer_file(self.tag_dir, spec, self.t)
             layer = self._layer(path)
             if local not in layer:
                 raise CheckpointError(f"{path}: no tensor {local}")
@@ -248,12 +132,12 @@ class _ShardReader:
         """Engine parameter names of each param group of a by-index optimizer state."""
         o = self.cfg.optimizer
         info = hf_parameter_info(self.cfg.model)
-        groups = group_by_kind([(name, info[hf][1]) for name, hf in self.names], o.no_weight_decay,
+        groups = group_by_kind([(name, info[hf].kind) for name, hf in self.names], o.no_weight_decay,
                                o.no_layer_adaptation)
         grouped = [names for _, _, names in groups]
         saved = [len(g["params"]) for g in optimizer_state["param_groups"]]
         if saved != [len(g) for g in grouped]:
-            raise CheckpointError(f"{_mp_file(self.tag_dir, self.m)}: optimizer param groups hold {saved} "
+            raise CheckpointError(f"{mp_file(self.tag_dir, self.m)}: optimizer param groups hold {saved} "
                                   f"parameters, the model's grouping gives {[len(g) for g in grouped]}")
         return grouped
 
@@ -304,12 +188,12 @@ class _ShardReader:
     # ZeRO-3: each parameter split into dp equal parts (the last padded), one per DP rank, laid
     # end to end in parameter order in the rank's flat fp32 groups
     def _read_zero3(self, prefix: str, with_optimizer: bool) -> None:
-        model_states = [_load(_zero_file(self.tag_dir, "", d, self.m, "model")) for d in range(self.dp)]
+        model_states = [_load(zero_file(self.tag_dir, "", d, self.m, "model")) for d in range(self.dp)]
         self.scheduler_steps = _as_int((model_states[0].get("lr_scheduler") or {}).get("last_epoch", 0))
         shapes = [(name, shape) for group in model_states[0]["param_shapes"] for name, shape in group.items()]
         flats: dict[str, list[torch.Tensor]] = {"weight": [], "exp_avg": [], "exp_avg_sq": []}
         for d in range(self.dp):
-            sd = _load(_zero_file(self.tag_dir, prefix, d, self.m, "optim"))["optimizer_state_dict"]
+            sd = _load(zero_file(self.tag_dir, prefix, d, self.m, "optim"))["optimizer_state_dict"]
             flats["weight"].append(torch.cat([f.flatten() for f in sd["fp32_flat_groups"]]))
             states = [sd["optimizer_state_dict"]["state"].get(g) for g in range(len(sd["fp32_flat_groups"]))]
             if with_optimizer and all(states):
@@ -351,7 +235,7 @@ def read_native(path: str, with_optimizer: bool = True) -> LogicalCheckpoint:
     or one of its iter_* directories), from any TP x PP x DP layout and ZeRO stage."""
     tag_dir = resolve_tag_dir(path)
     meta = read_meta(tag_dir)
-    cfg = _config_of(meta, tag_dir)
+    cfg = config_of(meta, tag_dir)
     layout = meta["layout"]
     tp, pp = layout["tensor_parallel"], layout["pipeline_parallel"]
     check_complete(tag_dir, layout, cfg.model.num_layers)
@@ -360,7 +244,7 @@ def read_native(path: str, with_optimizer: bool = True) -> LogicalCheckpoint:
     by_hf: dict[str, dict[int, torch.Tensor]] = {}
     moments_by_hf: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     steps, scheduler_steps = set(), None
-    for p, t, m in _model_ranks(tp, pp):
+    for p, t, m in model_ranks(tp, pp):
         shard = _ShardReader(tag_dir, layout, cfg, p, t, m)
         shard.read(with_optimizer)
         for name, hf_name in shard.names:
@@ -425,7 +309,7 @@ def _indexed_optimizer_state(ckpt: LogicalCheckpoint, names: list[tuple[str, str
     """A ZeRO-0 optimizer's state_dict for one model shard: state by parameter index, in the
     trainer's param-group order."""
     o, info = ckpt.config.optimizer, hf_parameter_info(ckpt.config.model)
-    groups = group_by_kind([(hf, info[hf][1]) for _, hf in names], o.no_weight_decay, o.no_layer_adaptation)
+    groups = group_by_kind([(hf, info[hf].kind) for _, hf in names], o.no_weight_decay, o.no_layer_adaptation)
     state, param_groups, index = {}, [], 0
     for decay, adapt, members in groups:
         ids = []
@@ -459,11 +343,11 @@ def write_native(ckpt: LogicalCheckpoint, out_dir: str, tp: int, pp: int, with_o
     try:
         if ckpt.vocab_dir:  # first: a tokenizer that cannot be carried fails before the weights are written
             check_vocab_fits(copy_vocab_files(ckpt.vocab_dir, tag_dir), m.vocab_size, ckpt.vocab_dir)
-        for p, t, mp in _model_ranks(tp, pp):
+        for p, t, mp in model_ranks(tp, pp):
             names = stage_param_names(m.num_layers, pp, p)
 
             def local(hf_name, tensor):
-                return local_value(hf_name, tensor, padded, info[hf_name][2], t, tp)
+                return local_value(hf_name, tensor, padded, info[hf_name].partition_dim, t, tp)
 
             module = OrderedDict((name, local(hf, ckpt.weights[hf])) for name, hf in names)
             state = {
@@ -480,7 +364,7 @@ def write_native(ckpt: LogicalCheckpoint, out_dir: str, tp: int, pp: int, with_o
                 "step": ckpt.step,
                 "consumed_samples": ckpt.consumed_samples,
             }
-            torch.save(state, _mp_file(tag_dir, mp))
+            torch.save(state, mp_file(tag_dir, mp))
             if pp > 1:
                 by_spec: dict[int, OrderedDict] = {}
                 for name, _ in names:
@@ -488,10 +372,10 @@ def write_native(ckpt: LogicalCheckpoint, out_dir: str, tp: int, pp: int, with_o
                     by_spec.setdefault(spec, OrderedDict())[local_name] = module[name]
                 decoder_spec = len(spec_modules(m.num_layers)) - 2
                 for spec, layer in by_spec.items():
-                    if spec == 0 and 0 not in _stage_specs(m.num_layers, pp, p):
+                    if spec == 0 and 0 not in stage_spec_range(m.num_layers, pp, p):
                         continue  # the last stage's copy of the tied embedding: DeepSpeed keeps the first
                     assert spec != decoder_spec
-                    torch.save(layer, _layer_file(tag_dir, spec, t))
+                    torch.save(layer, layer_file(tag_dir, spec, t))
         meta = {
             "step": ckpt.step,
             "consumed_samples": ckpt.consumed_samples,
@@ -518,59 +402,3 @@ def write_native(ckpt: LogicalCheckpoint, out_dir: str, tp: int, pp: int, with_o
     return os.path.join(out_dir, tag)
 
 
-# ----------------------------------------------------------------------------- tokenizer files
-def has_tokenizer(directory: str) -> bool:
-    return any(os.path.exists(os.path.join(directory, name)) for name in (VOCAB_FILE, TOKENIZER_JSON))
-
-
-def tokenizer_vocabulary(directory: str) -> dict[str, int]:
-    """token -> id of the tokenizer in `directory`: its WordPiece tokenizer.json's (what
-    transformers' AutoTokenizer reads), which a vocab.txt beside it must agree with; else its
-    vocab.txt's. A tokenizer.json of another model (BPE, ...) is carried only beside a vocab.txt
-    (a run trained with it: checkpointing.save_vocab writes both); alone it is refused, since
-    every BERT checkpoint of ours carries a vocab.txt."""
-    listed, tokenizer_json = os.path.join(directory, VOCAB_FILE), os.path.join(directory, TOKENIZER_JSON)
-    try:
-        if not os.path.exists(tokenizer_json):
-            return read_vocab(listed)
-        if os.path.exists(listed) and tokenizer_model_type(tokenizer_json) != "WordPiece":
-            return read_vocab(listed)
-        vocab = wordpiece_vocab(tokenizer_json)
-        if os.path.exists(listed):
-            _check_same_vocabulary(read_vocab(listed), vocab, listed, tokenizer_json)
-        return vocab
-    except TokenizerError as e:
-        raise CheckpointError(str(e)) from None
-
-
-def _check_same_vocabulary(listed: dict[str, int], vocab: dict[str, int], listed_path: str,
-                           tokenizer_json: str) -> None:
-    """vocab.txt's tokens must have its ids in tokenizer.json, which may add tokens after them
-    (transformers 4 kept added tokens out of vocab.txt)."""
-    differ = [token for token, i in listed.items() if vocab.get(token) != i]
-    if differ:
-        token = differ[0]
-        raise CheckpointError(f"{listed_path} and {tokenizer_json} disagree on {len(differ)} token(s), e.g. {token!r}: "
-                              f"id {listed[token]} in {VOCAB_FILE}, {vocab.get(token)} in {TOKENIZER_JSON}")
-
-
-def check_vocab_fits(vocab: dict[str, int], vocab_size: int, source: str) -> None:
-    if len(vocab) > vocab_size:
-        raise CheckpointError(f"{source}: the tokenizer has {len(vocab)} tokens but the model's vocab_size is {vocab_size}")
-
-
-def copy_vocab_files(src_dir: str, dst_dir: str) -> dict[str, int]:
-    """Copy every tokenizer file of src_dir as it is, and write the vocab.txt a WordPiece
-    tokenizer.json implies where there is none (our data pipeline, fill-mask and fine-tuner, and
-    transformers' slow BertTokenizer, read vocab.txt). Returns the vocabulary."""
-    vocab = tokenizer_vocabulary(src_dir)
-    if os.path.abspath(src_dir) != os.path.abspath(dst_dir):
-        for name in TOKENIZER_FILES:
-            if os.path.exists(os.path.join(src_dir, name)):
-                shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
-    if not os.path.exists(os.path.join(dst_dir, VOCAB_FILE)):
-        try:
-            write_vocab_file(vocab, os.path.join(dst_dir, VOCAB_FILE), os.path.join(src_dir, TOKENIZER_JSON))
-        except TokenizerError as e:
-            raise CheckpointError(str(e)) from None
-    return vocab

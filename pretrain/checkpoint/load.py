@@ -1,7 +1,7 @@
 """Load a checkpoint of any layout (or a Hugging Face directory) into a running engine.
 
 The trainer's own checkpoints of the *same* layout are restored by DeepSpeed (exact resume,
-checkpointing.py). Everything else comes here as whole logical tensors (native.py, hf.py) and
+exact.py). Everything else comes here as whole logical tensors (logical.py, hf.py) and
 each rank copies its part into:
 
 * the model's parameters (its TP shard; ZeRO-3 partitions through GatheredParameters), and
@@ -15,17 +15,19 @@ import os
 
 import torch
 
-from .. import checkpointing
-from ..checkpointing import SHAPE_FIELDS, CheckpointError
-from ..model.bert import logical_parameters
-from ..model.hf_interop import load_hf_state_dict, local_value
+from ..internals import client_optimizer, set_position
+from ..model.names import logical_parameters
 from ..model.rng import seed_streams
 from ..optim import Lamb, layout_for_deepspeed
-from .native import MOMENTS, LogicalCheckpoint, read_native, read_meta, resolve_tag_dir
+from . import exact
+from .format import (CONFIG_JSON, LATEST, MOMENTS, CheckpointError, latest_tag, layout_differences, model_shape_of,
+                     read_meta, resolve_tag_dir, restores_exactly, shape_differences)
+from .logical import LogicalCheckpoint, read_native
+from .sharding import load_hf_state_dict, local_value
 
 
 def is_hf_directory(path: str) -> bool:
-    return os.path.exists(os.path.join(path, "config.json")) and not os.path.exists(os.path.join(path, "latest"))
+    return os.path.exists(os.path.join(path, CONFIG_JSON)) and not os.path.exists(os.path.join(path, LATEST))
 
 
 def read_any(path: str, with_optimizer: bool) -> LogicalCheckpoint:
@@ -47,21 +49,9 @@ def native_meta(path: str) -> tuple[str, dict] | None:
 
 def check_model_matches(ckpt: LogicalCheckpoint, cfg, path: str) -> None:
     """Shapes must agree; the vocabulary padding (a layout matter) may differ."""
-    differences = [f"model.{name}: checkpoint {getattr(ckpt.config.model, name)} vs run {getattr(cfg.model, name)}"
-                   for name in SHAPE_FIELDS if name != "make_vocab_size_divisible_by"
-                   and getattr(ckpt.config.model, name) != getattr(cfg.model, name)]
+    differences = shape_differences(model_shape_of(ckpt.config), cfg, ignore_padding=True)
     if differences:
         raise CheckpointError(f"checkpoint {path} does not fit this run's model:\n  " + "\n  ".join(differences))
-
-
-def _client_optimizer(engine) -> torch.optim.Optimizer:
-    """Our torch optimizer, which holds the optimizer state of the tensors DeepSpeed steps: the
-    one DeepSpeed's wrapper (ZeRO, bf16) keeps as `.optimizer`, or the engine's own (ZeRO-0 fp32)."""
-    inner = getattr(engine.optimizer, "optimizer", None)
-    optimizer = inner if isinstance(inner, torch.optim.Optimizer) else engine.optimizer
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise CheckpointError(f"unsupported optimizer wrapper {type(engine.optimizer).__name__}")
-    return optimizer
 
 
 def _fresh_state(optimizer, tensor: torch.Tensor, step: int) -> dict:
@@ -86,7 +76,7 @@ def load_into_engine(engine, model, ckpt: LogicalCheckpoint, cfg, parallel, with
                                        tp_rank, tp_size).flatten()
 
     layout = layout_for_deepspeed(engine)
-    optimizer = _client_optimizer(engine)
+    optimizer = client_optimizer(engine)
     for tensor, segments in layout.entries():
         flat = tensor.data.view(-1)
         state = None
@@ -102,20 +92,20 @@ def load_into_engine(engine, model, ckpt: LogicalCheckpoint, cfg, parallel, with
     if with_schedule:
         steps = ckpt.scheduler_steps
         engine.lr_scheduler.load_state_dict({"last_epoch": steps, "_step_count": steps + 1})
-        engine.global_steps, engine.global_samples = ckpt.step, ckpt.consumed_samples
+        set_position(engine, ckpt.step, ckpt.consumed_samples)
 
 
 def resume(engine, model, load_dir: str, cfg, parallel, tracker, log) -> tuple[int, int] | None:
     """Continue the run saved in load_dir: exactly (DeepSpeed) when it was written in this
     layout, otherwise layout-free with weights, optimizer state, step, samples and LR schedule.
     Returns (step, consumed_samples), or None when load_dir holds no checkpoint yet."""
-    tag = checkpointing.latest_tag(load_dir)
+    tag = latest_tag(load_dir)
     if tag is None:
         return None
     tag_dir = os.path.join(load_dir, tag)
     meta = read_meta(tag_dir)
-    if checkpointing.restores_exactly(meta, cfg, parallel):
-        return checkpointing.load_checkpoint(engine, load_dir, cfg, parallel, tracker, log)
+    if restores_exactly(meta, cfg, parallel):
+        return exact.load_checkpoint(engine, load_dir, cfg, parallel, tracker, log)
     ckpt = read_native(tag_dir, with_optimizer=True)
     check_model_matches(ckpt, cfg, tag_dir)
     if ckpt.moments is not None and ckpt.config.optimizer.name != cfg.optimizer.name:
@@ -125,7 +115,7 @@ def resume(engine, model, load_dir: str, cfg, parallel, tracker, log) -> tuple[i
     load_into_engine(engine, model, ckpt, cfg, parallel, with_optimizer=True, with_schedule=True)
     # The dropout streams of another layout cannot be carried over: new ones, distinct per step.
     seed_streams(tracker, cfg.train.seed + ckpt.step, parallel.tp_rank, parallel.pp_rank, parallel.dp_rank)
-    differences = checkpointing.layout_differences(meta, cfg, parallel)
+    differences = layout_differences(meta, cfg, parallel)
     log(f"{tag_dir}: {'; '.join(differences) or 'a converted checkpoint'}: loaded layout-free (weights, "
         f"{'optimizer state, ' if ckpt.moments is not None else 'no optimizer state (fresh moments), '}"
         "step, samples, LR schedule; new dropout RNG streams)")
@@ -138,8 +128,8 @@ def init_from(engine, model, path: str, cfg, parallel, optimizer_states: bool) -
     found = native_meta(path)
     if found is not None:
         tag_dir, meta = found
-        if checkpointing.restores_exactly(meta, cfg, parallel):
-            saved_at = checkpointing.init_from_checkpoint(engine, tag_dir, cfg, parallel,
+        if restores_exactly(meta, cfg, parallel):
+            saved_at = exact.init_from_checkpoint(engine, tag_dir, cfg, parallel,
                                                           optimizer_states)
             return f"{tag_dir} (its step {saved_at})"
     ckpt = read_any(path, with_optimizer=optimizer_states)

@@ -1,13 +1,5 @@
-"""Checkpoints: DeepSpeed's model/optimizer files plus what DeepSpeed does not keep.
-
-Layout of `save_dir`:
-  latest                      tag of the newest *complete* checkpoint (moved last, atomically)
-  <tag>/meta.json             step, consumed samples, parallel layout, model shape, config, and
-                              the name and size of every other file of the checkpoint
-  <tag>/rng_rank<R>.pt        per-rank Python/NumPy/torch RNG states and the dropout streams
-  <tag>/...                   DeepSpeed's mp_rank_*/layer_*/zero_pp_rank_* files
-  <tag>.partial/              a save in progress, or one that was killed: never loaded; removed
-                              by the next save of that step and by pruning
+"""Exact save and resume: DeepSpeed's model/optimizer files plus what DeepSpeed does not keep
+(RNG states, data position, the file list), in the layout of format.py.
 
 A save writes into <tag>.partial; once every rank has written its files, rank 0 lists them in
 meta.json, renames the directory to <tag> and only then moves `latest`. So an iter_* directory
@@ -20,32 +12,17 @@ import json
 import os
 import pickle
 import random
-import re
 import shutil
 
 import numpy as np
 import torch
 
-from .config import Config
-from .device import barrier
-from .model.rng import seed_streams
-
-LATEST = "latest"
-META = "meta.json"
-PARTIAL = ".partial"  # suffix of a tag directory being written
-REPLACED = ".replaced"  # suffix of a complete checkpoint while a new save of its step replaces it
-TAG_PATTERN = re.compile(r"iter_(\d+)")
-# Model fields that change parameter shapes: a checkpoint only loads into the same values.
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_size",
-                "max_position_embeddings", "type_vocab_size", "make_vocab_size_divisible_by")
-
-
-class CheckpointError(RuntimeError):
-    pass
-
-
-def tag_for(step: int) -> str:
-    return f"iter_{step:07d}"
+from ..config import Config
+from ..device import barrier
+from ..model.rng import seed_streams
+from .format import (LATEST, META, PARTIAL, REPLACED, TAG_PATTERN, CheckpointError, check_compatible, complete_tags,
+                     latest_tag, layout_of, model_shape_of, read_meta, rng_file, tag_for, verify_checkpoint)
+from .tokenizer_files import save_vocab
 
 
 def _atomic_write(path: str, text: str) -> None:
@@ -69,21 +46,6 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def layout_of(cfg: Config, parallel) -> dict:
-    return {
-        "tensor_parallel": parallel.tp_size,
-        "pipeline_parallel": parallel.pp_size,
-        "data_parallel": parallel.dp_size,
-        "zero_stage": cfg.parallel.zero_stage,
-        "precision": cfg.train.precision,
-        "optimizer": cfg.optimizer.name,
-    }
-
-
-def model_shape_of(cfg: Config) -> dict:
-    return {name: getattr(cfg.model, name) for name in SHAPE_FIELDS}
 
 
 def rng_state(tracker) -> dict:
@@ -142,7 +104,7 @@ def save_checkpoint(engine, save_dir: str, step: int, consumed_samples: int, cfg
     barrier()  # nobody writes into the directory while rank 0 removes it
     client_state = {"step": step, "consumed_samples": consumed_samples}
     engine.save_checkpoint(save_dir, tag=staging_tag, client_state=client_state, save_latest=False)
-    rng_path = os.path.join(staging, f"rng_rank{parallel.rank:05d}.pt")
+    rng_path = rng_file(staging, parallel.rank)
     torch.save(rng_state(tracker), rng_path + ".tmp")
     os.replace(rng_path + ".tmp", rng_path)
     if parallel.rank == 0 and cfg.data.vocab_file:
@@ -191,131 +153,17 @@ def _publish(staging: str, final: str) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def save_vocab(vocab_file: str, tag_dir: str) -> None:
-    """Keep the tokenizer with the weights (conversion to Hugging Face format needs it): a
-    vocab.txt as is; a tokenizer.json as is plus the vocab.txt it implies."""
-    if not vocab_file.endswith(".json"):
-        shutil.copyfile(vocab_file, os.path.join(tag_dir, "vocab.txt"))
-        return
-    from .data.tokenizer import load_tokenizer, tokenizer_vocab, write_vocab_file
-
-    shutil.copyfile(vocab_file, os.path.join(tag_dir, "tokenizer.json"))
-    # written into the unpublished tag directory: no temp-then-rename needed
-    write_vocab_file(tokenizer_vocab(load_tokenizer(tokenizer_json=vocab_file).tokenizer),
-                     os.path.join(tag_dir, "vocab.txt"), vocab_file)
-
-
 def _prune(save_dir: str, keep_last: int, keep: str) -> None:
     """Remove the complete checkpoints older than the newest keep_last (by step, not by name) and
     what killed saves left (<tag>.partial; <tag>.replaced, needed only until `latest` names a
     complete directory, which it does when this runs). Nothing else in save_dir is touched."""
-    complete = _complete_tags(save_dir)
+    complete = complete_tags(save_dir)
     old = complete[:-keep_last] if keep_last > 0 else []
     leftovers = [name for name in os.listdir(save_dir) if name.endswith((PARTIAL, REPLACED))
                  and TAG_PATTERN.fullmatch(name.rsplit(".", 1)[0]) and os.path.isdir(os.path.join(save_dir, name))]
     for name in old + leftovers:
         if name != keep:
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
-
-
-def latest_tag(load_dir: str) -> str | None:
-    """The tag `latest` names, after checking that checkpoint is whole (verify_checkpoint): a
-    damaged one raises CheckpointError naming the file, before anything is loaded. None when
-    load_dir holds no `latest` yet."""
-    path = os.path.join(load_dir, LATEST)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            tag = f.read().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read ({e})") from None
-    tag_dir = os.path.join(load_dir, tag)
-    if not tag or not os.path.isdir(tag_dir):
-        aside = tag_dir + REPLACED
-        if tag and os.path.isdir(aside) and os.path.exists(os.path.join(aside, META)):
-            try:  # a save replacing this step's checkpoint was killed between its two renames
-                os.rename(aside, tag_dir)
-            except OSError:
-                pass  # another rank took it back first
-        if not tag or not os.path.isdir(tag_dir):
-            raise CheckpointError(f"{path} names {tag!r}, which is not a directory in {load_dir}")
-    try:
-        verify_checkpoint(tag_dir)
-    except CheckpointError as e:
-        older = [name for name in _complete_tags(load_dir) if name != tag][-3:]
-        hint = f"; older checkpoints: {', '.join(older)} (write one's name into {path} to resume from it)"
-        raise CheckpointError(f"{e}{hint if older else ''}") from None
-    return tag
-
-
-def _complete_tags(save_dir: str) -> list[str]:
-    """The iter_* directories holding a meta.json, by step."""
-    found = [name for name in os.listdir(save_dir) if TAG_PATTERN.fullmatch(name)
-             and os.path.exists(os.path.join(save_dir, name, META))]
-    return sorted(found, key=lambda name: int(name[len("iter_"):]))
-
-
-def read_meta(load_dir: str, tag: str) -> dict:
-    return _read_meta_file(os.path.join(load_dir, tag))
-
-
-def _read_meta_file(tag_dir: str) -> dict:
-    path = os.path.join(tag_dir, META)
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path} is missing: {tag_dir} is not a complete checkpoint of this trainer")
-    try:
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:  # ValueError: JSON syntax, or bytes that are not UTF-8
-        raise CheckpointError(f"{path}: cannot read ({e})") from None
-    if not isinstance(meta, dict) or any(key not in meta for key in ("layout", "config")):
-        raise CheckpointError(f"{path}: not the meta.json of a checkpoint of this trainer (no layout or config)")
-    return meta
-
-
-def verify_checkpoint(tag_dir: str) -> dict:
-    """Check a checkpoint before loading any of it: meta.json readable, and every file it lists
-    present with the size it had when saved. Reads no tensor file. Returns the meta.
-    (Checkpoints written before meta.json listed the files are checked for meta.json only.)"""
-    meta = _read_meta_file(tag_dir)
-    files = meta.get("files", {})
-    for name, size in files.items():
-        path = os.path.join(tag_dir, name)
-        try:
-            actual = os.path.getsize(path)
-        except OSError:
-            raise CheckpointError(f"{path} is missing: checkpoint {tag_dir} is damaged "
-                                  f"(saved with {len(files)} files besides {META})") from None
-        if actual != size:
-            raise CheckpointError(f"{path} has {actual} bytes, {size} when saved (truncated or overwritten): "
-                                  f"checkpoint {tag_dir} is damaged")
-    return meta
-
-
-def layout_differences(meta: dict, cfg: Config, parallel) -> list[str]:
-    ours = layout_of(cfg, parallel)
-    return [f"{key}: checkpoint {meta['layout'].get(key)} vs run {ours[key]}"
-            for key in ("tensor_parallel", "pipeline_parallel", "data_parallel", "zero_stage", "precision", "optimizer")
-            if meta["layout"].get(key) != ours[key]]
-
-
-def shape_differences(meta: dict, cfg: Config) -> list[str]:
-    return [f"model.{key}: checkpoint {meta['model_shape'].get(key)} vs run {value}"
-            for key, value in model_shape_of(cfg).items() if meta["model_shape"].get(key) != value]
-
-
-def restores_exactly(meta: dict, cfg: Config, parallel) -> bool:
-    """A checkpoint the trainer wrote in this very layout: DeepSpeed restores it bit for bit."""
-    return meta.get("exact_resume", True) and not layout_differences(meta, cfg, parallel) \
-        and not shape_differences(meta, cfg)
-
-
-def check_compatible(meta: dict, cfg: Config, parallel, path: str) -> None:
-    """Refuse a checkpoint of another layout or model shape, listing every difference."""
-    differences = layout_differences(meta, cfg, parallel) + shape_differences(meta, cfg)
-    if differences:
-        raise CheckpointError(f"checkpoint {path} does not match this run's layout:\n  " + "\n  ".join(differences))
 
 
 # What a damaged file makes torch.load or DeepSpeed raise (a missing file: DeepSpeed's own asserts).
@@ -340,8 +188,8 @@ def load_checkpoint(engine, load_dir: str, cfg: Config, parallel, tracker, log=p
     if tag is None:
         return None
     path = os.path.join(load_dir, tag)
-    check_compatible(read_meta(load_dir, tag), cfg, parallel, path)
-    rng_path = os.path.join(path, f"rng_rank{parallel.rank:05d}.pt")
+    check_compatible(read_meta(path), cfg, parallel, path)  # latest_tag verified the files
+    rng_path = rng_file(path, parallel.rank)
     if not os.path.exists(rng_path):
         raise CheckpointError(f"{rng_path} is missing: the checkpoint was written by a different number of ranks")
     try:
@@ -362,7 +210,7 @@ def load_checkpoint(engine, load_dir: str, cfg: Config, parallel, tracker, log=p
 def init_from_checkpoint(engine, tag_dir: str, cfg: Config, parallel, optimizer_states: bool) -> int:
     """Load the weights (and optionally optimizer moments) of a checkpoint of this run's layout
     into a fresh run: no step, data position, LR schedule or RNG state. Returns the step it was
-    saved at. (Other layouts and Hugging Face directories: pretrain.interop.apply.init_from.)"""
+    saved at. (Other layouts and Hugging Face directories: load.init_from.)"""
     tag_dir = os.path.normpath(tag_dir)
     check_compatible(verify_checkpoint(tag_dir), cfg, parallel, tag_dir)
     client_state = _engine_load(engine, tag_dir, load_module_only=not optimizer_states,

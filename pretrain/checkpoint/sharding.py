@@ -1,12 +1,15 @@
-"""Hugging Face BertForPreTraining state dicts <-> our (TP-sharded) parameters, via HF_NAME_TABLE."""
+"""Whole tensors (Hugging Face names, unpadded vocabulary) <-> this rank's TP shards of them,
+via HF_NAME_TABLE: the padding of vocabulary-indexed rows and the slicing along each parameter's
+partition dimension."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .bert import HF_NAME_TABLE, assign_local, local_shard, logical_parameters
+from ..model.bert import assign_local, local_shard
+from ..model.names import MLM_BIAS, WORD_EMBEDDINGS, logical_parameters
 
-_VOCAB_ROWS = {HF_NAME_TABLE["WordEmbedding"]["embedding.weight"][0], HF_NAME_TABLE["MlmOutputBias"]["bias"][0]}
+_VOCAB_ROWS = {WORD_EMBEDDINGS, MLM_BIAS}
 
 
 def pad_vocab(hf_name: str, tensor: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:

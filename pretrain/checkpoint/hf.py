@@ -17,12 +17,13 @@ import shutil
 
 import torch
 
-from ..checkpointing import CheckpointError
 from ..config import Config, ConfigError
 from ..data.tokenizer import SPECIAL_TOKENS, TokenizerError, load_tokenizer, read_vocab
-from ..model.bert import HF_NAME_TABLE, full_initial_value, hf_parameter_info
-from .native import (TOKENIZER_FILES, TOKENIZER_JSON, VOCAB_FILE, LogicalCheckpoint, check_vocab_fits,
-                     copy_vocab_files, has_tokenizer)
+from ..model.bert import full_initial_value
+from ..model.names import MLM_BIAS, WORD_EMBEDDINGS
+from .format import CONFIG_JSON, LATEST, META, TOKENIZER_FILES, TOKENIZER_JSON, VOCAB_FILE, CheckpointError, hf_parameter_info
+from .logical import LogicalCheckpoint
+from .tokenizer_files import check_vocab_fits, copy_vocab_files, has_tokenizer
 
 PRETRAINING_ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel")
 ARCHITECTURES = PRETRAINING_ARCHITECTURES + ("BertForSequenceClassification", "BertForMultipleChoice",
@@ -30,8 +31,6 @@ ARCHITECTURES = PRETRAINING_ARCHITECTURES + ("BertForSequenceClassification", "B
 # Task heads of fine-tuned checkpoints: kept aside (LogicalCheckpoint.extra) for the fine-tuner.
 TASK_HEAD_PREFIXES = ("classifier.", "qa_outputs.")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-WORD_EMBEDDINGS = HF_NAME_TABLE["WordEmbedding"]["embedding.weight"][0]
-MLM_BIAS = HF_NAME_TABLE["MlmOutputBias"]["bias"][0]
 DECODER_WEIGHT, DECODER_BIAS = "cls.predictions.decoder.weight", "cls.predictions.decoder.bias"
 BUFFERS = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids")
 # Parameters by head: a checkpoint of an architecture without the head gets them initialised.
@@ -52,9 +51,9 @@ def _head_of(name: str) -> str | None:
 
 # ----------------------------------------------------------------------------- reading
 def read_hf_config(path: str) -> tuple[dict, str]:
-    config_path = os.path.join(path, "config.json")
+    config_path = os.path.join(path, CONFIG_JSON)
     if not os.path.exists(config_path):
-        native = any(os.path.exists(os.path.join(path, f)) for f in ("latest", "meta.json"))
+        native = any(os.path.exists(os.path.join(path, f)) for f in (LATEST, META))
         raise CheckpointError(f"{config_path} is missing: {path} is not a Hugging Face model directory"
                               + (" (it is a native checkpoint)" if native else ""))
     try:
@@ -155,7 +154,7 @@ def read_hf(path: str, seed: int = 1234) -> LogicalCheckpoint:
     """A Hugging Face BERT directory as a LogicalCheckpoint; heads its architecture lacks are
     initialised (normal(0, initializer_range) from `seed`, as the trainer initialises)."""
     hf, architecture = read_hf_config(path)
-    cfg = config_from_hf(hf, f"{path}/config.json")
+    cfg = config_from_hf(hf, os.path.join(path, CONFIG_JSON))
     raw, file = read_hf_weights(path)
     state = {}
     for name, tensor in raw.items():
@@ -174,8 +173,8 @@ def read_hf(path: str, seed: int = 1234) -> LogicalCheckpoint:
     info = hf_parameter_info(cfg.model)
     extra = {n: state.pop(n).to(torch.float32) for n in list(state) if n.startswith(TASK_HEAD_PREFIXES)}
     unexpected = sorted(set(state) - set(info))
-    mismatched = [f"{n}: file {tuple(state[n].shape)}, config.json implies {tuple(info[n][0])}"
-                  for n in info if n in state and tuple(state[n].shape) != tuple(info[n][0])]
+    mismatched = [f"{n}: file {tuple(state[n].shape)}, config.json implies {tuple(info[n].shape)}"
+                  for n in info if n in state and tuple(state[n].shape) != tuple(info[n].shape)]
     required_heads = ARCHITECTURE_HEADS[architecture]
     missing = [n for n in info if n not in state]
     missing_required = [n for n in missing if _head_of(n) is None or _head_of(n) in required_heads]
@@ -364,7 +363,7 @@ def write_hf(ckpt: LogicalCheckpoint, out_dir: str, vocab_file: str | None = Non
         else:
             pad_id = _write_tokenizer_files(vocab_dir, tmp, m.max_position_embeddings, m.vocab_size)
         save_file(_written_tensors(ckpt, architecture), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(tmp, "config.json"), "w") as f:
+        with open(os.path.join(tmp, CONFIG_JSON), "w") as f:
             json.dump({**hf_config(ckpt.config, pad_id, architecture), **(config_extra or {})}, f, indent=2)
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)

@@ -1,0 +1,313 @@
+"""What a checkpoint is on disk: its names, paths and meta.json. Nothing here loads a tensor.
+
+Layout of a `save_dir` the trainer writes (exact.py):
+  latest                      tag of the newest *complete* checkpoint (moved last, atomically)
+  <tag>/meta.json             step, consumed samples, parallel layout, model shape, config, and
+                              the name and size of every other file of the checkpoint
+  <tag>/rng_rank<R>.pt        per-rank Python/NumPy/torch RNG states and the dropout streams
+  <tag>/vocab.txt, tokenizer.json   the run's tokenizer (tokenizer_files.py)
+  <tag>/...                   DeepSpeed's mp_rank_*/layer_*/zero_pp_rank_* files (named below)
+  <tag>.partial/              a save in progress, or one that was killed: never loaded
+
+Converted checkpoints (logical.py) have the same layout, written as one ZeRO-0 fp32 process
+per model shard, with "exact_resume": false in meta.json.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from typing import NamedTuple
+
+from ..config import Config, ConfigError
+from ..model.layers import TransformerLayer, WordEmbedding
+from ..model.names import HF_NAME_TABLE, TIED_EMBEDDING_KEY, spec_modules
+
+LATEST = "latest"
+META = "meta.json"
+CONFIG_JSON = "config.json"  # what makes a directory a Hugging Face model (hf.py)
+PARTIAL = ".partial"  # suffix of a tag directory being written
+REPLACED = ".replaced"  # suffix of a complete checkpoint while a new save of its step replaces it
+TAG_PATTERN = re.compile(r"iter_(\d+)")
+MOMENTS = ("exp_avg", "exp_avg_sq")  # the optimizer state carried per parameter (LAMB and AdamW)
+VOCAB_FILE = "vocab.txt"
+TOKENIZER_JSON = "tokenizer.json"
+# Every tokenizer file a Hugging Face directory may hold: transformers 5 writes tokenizer.json and
+# tokenizer_config.json only, older versions vocab.txt, special_tokens_map.json, added_tokens.json too.
+TOKENIZER_FILES = (VOCAB_FILE, TOKENIZER_JSON, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+# Model fields that change parameter shapes: a checkpoint only loads into the same values.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_size",
+                "max_position_embeddings", "type_vocab_size", "make_vocab_size_divisible_by")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read, written or used as asked (the message names the file)."""
+
+
+def tag_for(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def rng_file(tag_dir: str, rank: int) -> str:
+    return os.path.join(tag_dir, f"rng_rank{rank:05d}.pt")
+
+
+# ----------------------------------------------------------------------------- DeepSpeed's files
+def model_ranks(tp: int, pp: int) -> list[tuple[int, int, int]]:
+    """(pipeline rank, tensor rank, DeepSpeed's model-parallel file rank) of every model shard."""
+    return [(p, t, p * tp + t if pp > 1 else t) for p in range(pp) for t in range(tp)]
+
+
+def stage_spec_range(num_layers: int, pp: int, stage: int) -> range:
+    if pp == 1:
+        return range(len(spec_modules(num_layers)))
+    bounds = pipeline_stage_bounds(num_layers, pp)
+    return range(bounds[stage], bounds[stage + 1])
+
+
+def layer_file(tag_dir: str, spec: int, tp_rank: int) -> str:
+    return os.path.join(tag_dir, f"layer_{spec:02d}-model_{tp_rank:02d}-model_states.pt")
+
+
+def mp_file(tag_dir: str, mp_rank: int) -> str:
+    return os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")
+
+
+def zero_file(tag_dir: str, prefix: str, dp_rank: int, mp_rank: int, what: str) -> str:
+    return os.path.join(tag_dir, f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_{what}_states.pt")
+
+
+def expected_files(tag_dir: str, layout: dict, num_layers: int) -> list[str]:
+    """Every file DeepSpeed writes for this layout (plus our meta.json)."""
+    tp, pp, dp, zero = (layout["tensor_parallel"], layout["pipeline_parallel"], layout["data_parallel"],
+                        layout["zero_stage"])
+    files = [os.path.join(tag_dir, META)]
+    optim_prefix = "bf16_" if layout.get("precision") == "bf16" else ""
+    for p, t, m in model_ranks(tp, pp):
+        if zero == 3:  # DeepSpeed prefixes only the optimizer files with bf16_
+            files += [zero_file(tag_dir, "", d, m, "model") for d in range(dp)]
+            files += [zero_file(tag_dir, optim_prefix, d, m, "optim") for d in range(dp)]
+            continue
+        files.append(mp_file(tag_dir, m))
+        if pp > 1:
+            specs = [s for s in stage_spec_range(num_layers, pp, p) if s != len(spec_modules(num_layers)) - 2]
+            files += [layer_file(tag_dir, s, t) for s in specs]
+        if zero in (1, 2) or (pp > 1 and optim_prefix):
+            files += [zero_file(tag_dir, optim_prefix, d, m, "optim") for d in range(dp)]
+    return files
+
+
+def check_complete(tag_dir: str, layout: dict, num_layers: int) -> None:
+    missing = [os.path.basename(f) for f in expected_files(tag_dir, layout, num_layers) if not os.path.exists(f)]
+    if missing:
+        raise CheckpointError(f"{tag_dir} is incomplete (half-written, or files were removed): missing "
+                              f"{len(missing)} file(s): {', '.join(missing)}")
+
+
+# ----------------------------------------------------------------------------- parameter names
+class HfParameter(NamedTuple):
+    shape: tuple[int, ...]  # the whole tensor, unpadded vocabulary
+    kind: str  # weight, bias, layernorm or embedding (optimizer groups)
+    partition_dim: int | None  # the dimension TP cuts it along; None: replicated
+
+
+def pipeline_stage_bounds(num_layers: int, pipeline_parallel: int) -> list[int]:
+    """Spec index where each pipeline stage starts (plus the end), as PipelineModule's
+    "type:TransformerLayer" partitioning computes it."""
+    from deepspeed.runtime.utils import partition_balanced
+
+    weights = [1 if kind is TransformerLayer else 0 for kind, _ in spec_modules(num_layers)]
+    return partition_balanced(weights=weights, num_parts=pipeline_parallel)
+
+
+def checkpoint_param_names(num_layers: int, pipelined: bool) -> list[tuple[int, str, str]]:
+    """(spec index, parameter name in the engine's module, Hugging Face name) of every parameter,
+    in each spec's order; the tied word embedding once, at its first use (spec 0).
+
+    SequentialBert names them tied.word_embeddings.* and layers.<k>.* (k counts the untied
+    specs); DeepSpeed's PipelineModule tied_modules.word_embeddings.* and <spec index>.*.
+    """
+    names, untied = [], 0
+    for index, (kind, layer) in enumerate(spec_modules(num_layers)):
+        tied = kind is WordEmbedding
+        if tied and index > 0:
+            continue
+        if tied:
+            prefix = f"tied_modules.{TIED_EMBEDDING_KEY}" if pipelined else f"tied.{TIED_EMBEDDING_KEY}"
+        else:
+            prefix = str(index) if pipelined else f"layers.{untied}"
+            untied += 1
+        for local, entry in HF_NAME_TABLE[kind].items():
+            names.append((index, f"{prefix}.{local}", entry.hf_name.format(i=layer if layer is not None else "")))
+    return names
+
+
+def hf_parameter_info(model_cfg) -> dict[str, HfParameter]:
+    """Hugging Face name -> its whole shape (unpadded vocabulary), kind and TP partition dim."""
+    h, f, v = model_cfg.hidden_size, model_cfg.ffn_size, model_cfg.vocab_size
+    shapes = {
+        "embedding.weight": (v, h), "position_embeddings.weight": (model_cfg.max_position_embeddings, h),
+        "token_type_embeddings.weight": (model_cfg.type_vocab_size, h), "intermediate.weight": (f, h),
+        "intermediate.bias": (f,), "output.weight": (h, f), "nsp.weight": (2, h), "nsp.bias": (2,), "bias": (v,),
+    }
+    info = {}
+    for kind, layer in spec_modules(model_cfg.num_layers):
+        for local, entry in HF_NAME_TABLE[kind].items():
+            default = (h,) if local.endswith("bias") or "layernorm" in local else (h, h)
+            info[entry.hf_name.format(i=layer if layer is not None else "")] = HfParameter(
+                shapes.get(local, default), entry.kind, entry.partition_dim)
+    return info
+
+
+def stage_param_names(num_layers: int, pp: int, stage: int) -> list[tuple[str, str]]:
+    """(engine parameter name, HF name) of one pipeline stage, in the module's parameter order:
+    the tied word embedding first on the stages that use it (first and last), then by spec."""
+    specs = stage_spec_range(num_layers, pp, stage)
+    decoder_spec = len(spec_modules(num_layers)) - 2  # the tied embedding's second use
+    names = []
+    for index, name, hf_name in checkpoint_param_names(num_layers, pipelined=pp > 1):
+        tied = index == 0
+        if (tied and (0 in specs or decoder_spec in specs)) or (not tied and index in specs):
+            names.append((name, hf_name))
+    return names
+
+
+
+# ----------------------------------------------------------------------------- meta.json
+def layout_of(cfg: Config, parallel) -> dict:
+    return {
+        "tensor_parallel": parallel.tp_size,
+        "pipeline_parallel": parallel.pp_size,
+        "data_parallel": parallel.dp_size,
+        "zero_stage": cfg.parallel.zero_stage,
+        "precision": cfg.train.precision,
+        "optimizer": cfg.optimizer.name,
+    }
+
+
+def model_shape_of(cfg: Config) -> dict:
+    return {name: getattr(cfg.model, name) for name in SHAPE_FIELDS}
+
+
+def read_meta(tag_dir: str) -> dict:
+    path = os.path.join(tag_dir, META)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: {tag_dir} is not a complete checkpoint of this trainer")
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: JSON syntax, or bytes that are not UTF-8
+        raise CheckpointError(f"{path}: cannot read ({e})") from None
+    if not isinstance(meta, dict) or any(key not in meta for key in ("layout", "config")):
+        raise CheckpointError(f"{path}: not the meta.json of a checkpoint of this trainer (no layout or config)")
+    return meta
+
+
+def verify_checkpoint(tag_dir: str) -> dict:
+    """Check a checkpoint before loading any of it: meta.json readable, and every file it lists
+    present with the size it had when saved. Reads no tensor file. Returns the meta.
+    (Checkpoints written before meta.json listed the files are checked for meta.json only.)"""
+    meta = read_meta(tag_dir)
+    files = meta.get("files", {})
+    for name, size in files.items():
+        path = os.path.join(tag_dir, name)
+        try:
+            actual = os.path.getsize(path)
+        except OSError:
+            raise CheckpointError(f"{path} is missing: checkpoint {tag_dir} is damaged "
+                                  f"(saved with {len(files)} files besides {META})") from None
+        if actual != size:
+            raise CheckpointError(f"{path} has {actual} bytes, {size} when saved (truncated or overwritten): "
+                                  f"checkpoint {tag_dir} is damaged")
+    return meta
+
+
+def config_of(meta: dict, tag_dir: str) -> Config:
+    try:
+        return Config.from_dict(meta["config"], source=f"{tag_dir}/{META}")
+    except ConfigError as e:
+        raise CheckpointError(f"{tag_dir}/{META}: invalid config:\n  " + "\n  ".join(e.problems)) from None
+
+
+def layout_differences(meta: dict, cfg: Config, parallel) -> list[str]:
+    ours = layout_of(cfg, parallel)
+    return [f"{key}: checkpoint {meta['layout'].get(key)} vs run {ours[key]}"
+            for key in ("tensor_parallel", "pipeline_parallel", "data_parallel", "zero_stage", "precision", "optimizer")
+            if meta["layout"].get(key) != ours[key]]
+
+
+def shape_differences(saved_shape: dict, cfg: Config, ignore_padding: bool = False) -> list[str]:
+    """The model fields in which a checkpoint's shape (meta.json's model_shape) differs from the
+    run's; the vocabulary padding, a layout matter, may be ignored (layout-free loading re-pads)."""
+    return [f"model.{key}: checkpoint {saved_shape.get(key)} vs run {value}"
+            for key, value in model_shape_of(cfg).items()
+            if saved_shape.get(key) != value and not (ignore_padding and key == "make_vocab_size_divisible_by")]
+
+
+def restores_exactly(meta: dict, cfg: Config, parallel) -> bool:
+    """A checkpoint the trainer wrote in this very layout: DeepSpeed restores it bit for bit."""
+    return meta.get("exact_resume", True) and not layout_differences(meta, cfg, parallel) \
+        and not shape_differences(meta["model_shape"], cfg)
+
+
+def check_compatible(meta: dict, cfg: Config, parallel, path: str) -> None:
+    """Refuse a checkpoint of another layout or model shape, listing every difference."""
+    differences = layout_differences(meta, cfg, parallel) + shape_differences(meta["model_shape"], cfg)
+    if differences:
+        raise CheckpointError(f"checkpoint {path} does not match this run's layout:\n  " + "\n  ".join(differences))
+
+
+# ----------------------------------------------------------------------------- locating
+def complete_tags(save_dir: str) -> list[str]:
+    """The iter_* directories holding a meta.json, by step."""
+    found = [name for name in os.listdir(save_dir) if TAG_PATTERN.fullmatch(name)
+             and os.path.exists(os.path.join(save_dir, name, META))]
+    return sorted(found, key=lambda name: int(name[len("iter_"):]))
+
+
+def latest_tag(load_dir: str) -> str | None:
+    """The tag `latest` names, after checking that checkpoint is whole (verify_checkpoint): a
+    damaged one raises CheckpointError naming the file, before anything is loaded. None when
+    load_dir holds no `latest` yet."""
+    path = os.path.join(load_dir, LATEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            tag = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from None
+    tag_dir = os.path.join(load_dir, tag)
+    if not tag or not os.path.isdir(tag_dir):
+        aside = tag_dir + REPLACED
+        if tag and os.path.isdir(aside) and os.path.exists(os.path.join(aside, META)):
+            try:  # a save replacing this step's checkpoint was killed between its two renames
+                os.rename(aside, tag_dir)
+            except OSError:
+                pass  # another rank took it back first
+        if not tag or not os.path.isdir(tag_dir):
+            raise CheckpointError(f"{path} names {tag!r}, which is not a directory in {load_dir}")
+    try:
+        verify_checkpoint(tag_dir)
+    except CheckpointError as e:
+        older = [name for name in complete_tags(load_dir) if name != tag][-3:]
+        hint = f"; older checkpoints: {', '.join(older)} (write one's name into {path} to resume from it)"
+        raise CheckpointError(f"{e}{hint if older else ''}") from None
+    return tag
+
+
+def resolve_tag_dir(path: str) -> str:
+    """A checkpoint directory: either one tag directory, or a save_dir (its `latest`, checked
+    whole as a resume checks it)."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if os.path.exists(os.path.join(path, META)):
+        return path
+    tag = latest_tag(path)
+    if tag is not None:
+        return os.path.join(path, tag)
+    if glob.glob(os.path.join(path, "iter_*")):
+        raise CheckpointError(f"{path} has iter_* directories but no '{LATEST}' file: no save completed "
+                              "(pass one iter_* directory to use it anyway)")
+    raise CheckpointError(f"{path} is not a checkpoint of this trainer (no {META} and no '{LATEST}' file)")

@@ -1,0 +1,228 @@
+"""Every DeepSpeed and megatron-core internal this project relies on, in one module.
+
+Internal means anything those libraries do not document as API: private attributes (`_hp_mapping`,
+`_global_grad_norm`, megatron's `_forward_impl`), and the bookkeeping attributes of DeepSpeed's
+optimizer wrappers and ZeRO-3 parameters. Nothing outside this module names them; `PINNED` lists
+each one with the class that holds it, and tests/test_internals.py checks every entry against the
+installed versions (in their source, and on real engines), so an upgrade that renames one fails
+there, in one place, instead of deep inside a training run.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import NamedTuple
+
+import torch
+
+# Library module -> the internal names of it this module reads or writes: attributes its classes
+# set on their instances (or on parameters), and methods we override or call.
+PINNED: dict[str, tuple[str, ...]] = {
+    "deepspeed.runtime.engine": (
+        "basic_optimizer", "global_steps", "global_samples", "_global_grad_norm", "enable_backward_allreduce",
+        "clip_fp32_gradients"),
+    "deepspeed.runtime.zero.stage_1_and_2": (  # DeepSpeedZeroOptimizer (ZeRO-1/2)
+        "bit16_groups", "single_partition_of_fp32_groups", "real_dp_process_group", "zenflow"),
+    "deepspeed.runtime.bf16_optimizer": (  # BF16_Optimizer
+        "bf16_groups", "fp32_groups_flat_partition", "real_dp_process_group", "using_real_optimizer"),
+    "deepspeed.runtime.zero.stage3": (  # DeepSpeedZeroOptimizer_Stage3
+        "fp16_groups", "fp32_partitioned_groups_flat", "sub_group_to_group_id", "params_in_nvme_and_cpu",
+        "swap_optimizer"),
+    "deepspeed.runtime.fp16.unfused_optimizer": ("fp16_groups", "fp32_groups"),  # FP16_UnfusedOptimizer
+    "deepspeed.runtime.zero.partition_parameters": (  # what deepspeed.zero.Init adds to each parameter
+        "ds_id", "ds_tensor", "ds_shape", "ds_numel", "ds_process_group", "partition_numel"),
+    "deepspeed.utils.mixed_precision_linkage": ("_hp_mapping",),  # ZeRO-1/2, bf16: parameter -> fp32 fragment
+    "deepspeed.utils.tensor_fragment": ("get_hp_fragment_address", "lp_fragment_address"),
+    "megatron.core.tensor_parallel.layers": ("_forward_impl", "tensor_model_parallel", "partition_dim"),
+}
+
+
+# ----------------------------------------------------------------------------- megatron-core
+def is_tp_sharded(param: torch.Tensor) -> bool:
+    """megatron-core marks sharded weights with tensor_model_parallel=True; everything else is
+    replicated over TP (including biases of row-parallel layers)."""
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def tp_partition_dim(param: torch.Tensor) -> int | None:
+    """The dimension megatron-core cut a TP-sharded parameter along; None when replicated."""
+    return param.partition_dim if is_tp_sharded(param) else None
+
+
+class CpuGemmOverride:
+    """Mixin for megatron-core's parallel linears: on the CPU their `_forward_impl` (the GEMM
+    with the TP communication of its backward) becomes the subclass's `cpu_forward`; on an
+    accelerator megatron's own runs (its backward overlaps the input-gradient all-reduce with
+    the weight-gradient GEMM)."""
+
+    cpu_forward = None  # staticmethod(f(input, weight, *args, **kwargs)), set by the subclass
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if weight.device.type == "cpu":
+            return type(self).cpu_forward(input, weight, *args, **kwargs)
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- ZeRO-3 parameters
+def is_zero3_param(param: torch.Tensor) -> bool:
+    """A parameter partitioned by ZeRO-3 (deepspeed.zero.Init gives it ds_id and ds_tensor)."""
+    return hasattr(param, "ds_id")
+
+
+def zero3_partition(param: torch.Tensor) -> torch.Tensor:
+    """This rank's flat ZeRO-3 partition of `param` (padding past ds_numel on the last rank)."""
+    return param.ds_tensor
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of the (TP-local) parameter, also while ZeRO-3 holds only a partition of it."""
+    return param.ds_shape if is_zero3_param(param) else param.shape
+
+
+class Zero3Partition(NamedTuple):
+    size: int  # elements per rank (the parameter padded to a multiple of the DP size)
+    numel: int  # elements of the whole parameter
+    process_group: object  # the group it is partitioned over
+
+
+def zero3_partition_info(param: torch.Tensor) -> Zero3Partition:
+    return Zero3Partition(param.partition_numel(), param.ds_numel, param.ds_process_group)
+
+
+# ----------------------------------------------------------------------------- ZeRO-1/2 and bf16 fragments
+def hp_fragment(param: torch.Tensor) -> tuple[int, int, int] | None:
+    """(start in the rank's flat fp32 partition, numel, start in the flat parameter) of this
+    parameter's piece under ZeRO-1/2 and DeepSpeed's BF16_Optimizer (DeepSpeed's `_hp_mapping`,
+    utils/tensor_fragment.py), or None when the parameter lies entirely on other ranks."""
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None:
+        return None
+    address = mapping.get_hp_fragment_address()
+    return address.start, address.numel, mapping.lp_fragment_address.start
+
+
+# ----------------------------------------------------------------------------- optimizer wrappers
+class FlatPartitions(NamedTuple):
+    """What a ZeRO-1/2 or BF16_Optimizer wrapper steps: per param group, the model parameters
+    and this rank's flat fp32 partition, partitioned over one DP group per param group."""
+
+    model_groups: list
+    fp32_partitions: list
+    process_groups: list
+
+
+class Zero3Groups(NamedTuple):
+    """ZeRO-3: per sub-group, the model parameters and the flat fp32 tensor of their partitions,
+    and the client param group each sub-group belongs to."""
+
+    model_groups: list
+    fp32_flat: list
+    group_of_sub_group: dict
+
+
+class WholeCopies(NamedTuple):
+    """FP16_UnfusedOptimizer (fp16, bf16 at ZeRO-0): one whole fp32 copy per model parameter."""
+
+    model_groups: list
+    fp32_copies: list
+
+
+def optimizer_wrapper(engine):
+    """DeepSpeed's wrapper around our optimizer, read as one of FlatPartitions, Zero3Groups or
+    WholeCopies; the client torch optimizer itself when DeepSpeed steps it directly (ZeRO-0
+    fp32). Raises NotImplementedError for wrappers whose layout we do not read (fused fp16,
+    ZenFlow, NVMe offload, MoE groups are checked by the caller)."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    opt = engine.optimizer
+    kind = type(opt).__name__
+    if isinstance(opt, DeepSpeedZeroOptimizer):
+        if getattr(opt, "zenflow", False):
+            raise NotImplementedError(f"{kind} with ZenFlow is not supported")
+        return FlatPartitions(opt.bit16_groups, opt.single_partition_of_fp32_groups, opt.real_dp_process_group)
+    if isinstance(opt, BF16_Optimizer):
+        if not opt.using_real_optimizer:
+            raise ValueError(f"{kind} has no client optimizer")
+        return FlatPartitions(opt.bf16_groups, opt.fp32_groups_flat_partition, opt.real_dp_process_group)
+    if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
+        if getattr(opt, "params_in_nvme_and_cpu", False) or getattr(opt, "swap_optimizer", False):
+            raise NotImplementedError(f"{kind} with NVMe offload is not supported")
+        return Zero3Groups(opt.fp16_groups, opt.fp32_partitioned_groups_flat, opt.sub_group_to_group_id)
+    if isinstance(opt, FP16_UnfusedOptimizer):
+        return WholeCopies(opt.fp16_groups, opt.fp32_groups)
+    if isinstance(opt, (FP16_Optimizer, ZeROOptimizer)):
+        raise NotImplementedError(f"DeepSpeed optimizer wrapper {kind} is not supported (supported: ZeRO-0 fp32, "
+                                  "ZeRO-1/2, ZeRO-3, BF16_Optimizer, FP16_UnfusedOptimizer)")
+    if isinstance(opt, torch.optim.Optimizer):
+        return opt
+    raise TypeError(f"engine.optimizer is a {kind}, not an optimizer DeepSpeed builds")
+
+
+def client_optimizer(engine) -> torch.optim.Optimizer:
+    """Our torch optimizer, as DeepSpeed holds it (it keeps the optimizer state of the tensors
+    DeepSpeed steps: fp32 partitions or copies under a wrapper, the parameters at ZeRO-0 fp32)."""
+    return engine.basic_optimizer
+
+
+def set_position(engine, step: int, samples: int) -> None:
+    """The engine's own step and sample counters (its checkpoints and the pipeline engine use
+    them), after a layout-free load."""
+    engine.global_steps, engine.global_samples = step, samples
+
+
+def set_global_grad_norm(engine, norm: float) -> None:
+    """What engine.get_global_grad_norm() reports after our own clipping replaced DeepSpeed's."""
+    engine._global_grad_norm = norm
+
+
+def replace_fp32_clipping(engine, clip) -> None:
+    """ZeRO-0 fp32: the engine calls `clip()` where it would clip with its own routine."""
+    engine.clip_fp32_gradients = clip
+
+
+def skip_backward_allreduce(engine) -> None:
+    """One data-parallel replica: the engine has nothing to average, so it need not flatten and
+    reduce every gradient."""
+    engine.enable_backward_allreduce = False
+
+
+def loss_scale(engine) -> float | None:
+    """The fp16 dynamic loss scale (None if the wrapper has none). Every DeepSpeed fp16 wrapper
+    (FP16_Optimizer, FP16_UnfusedOptimizer, the ZeRO optimizers) exposes the `loss_scale`
+    property; only some have `cur_scale` (FP16_UnfusedOptimizer keeps it in loss_scale_config).
+    Wrappers without loss scaling report 1.0."""
+    scale = getattr(engine.optimizer, "loss_scale", None)
+    return None if scale is None else float(scale)
+
+
+@contextlib.contextmanager
+def no_optimizer_steps(optimizer: torch.optim.Optimizer):
+    """Suppress optimizer.step() while DeepSpeed builds its engine.
+
+    DeepSpeed's FP16_UnfusedOptimizer (fp16, and bf16 at ZeRO-0) and FP16_Optimizer call
+    `optimizer.step()` once with zero gradients from their constructor
+    (deepspeed/runtime/fp16/unfused_optimizer.py, initialize_optimizer_states). With decoupled
+    weight decay that is a real update: AdamW multiplies every decayed weight by (1 - lr*wd),
+    LAMB (trust ratio 1/wd on the update wd*w) by (1 - lr), and both start their step counters
+    at 1. Our optimizers create their state lazily, so skipping that step loses nothing.
+
+    The guard is an instance-level `step` that defers to the class's own; it stays in place
+    afterwards, because the LR scheduler built inside deepspeed.initialize wraps whatever
+    `optimizer.step` is at that moment.
+    """
+    def guarded_step(self, *args, **kwargs):
+        if self._deepspeed_constructing:
+            return None
+        return type(self).step(self, *args, **kwargs)
+
+    optimizer._deepspeed_constructing = True
+    optimizer.step = types.MethodType(guarded_step, optimizer)
+    try:
+        yield optimizer
+    finally:
+        optimizer._deepspeed_constructing = False
