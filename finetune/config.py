@@ -8,9 +8,9 @@ from typing import Any, Sequence
 
 from pretrain.config import ConfigError, load_sections
 
-from .glue import TASKS as GLUE_TASKS
+from .tasks import TASKS
 
-TASK_NAMES = (*GLUE_TASKS, "swag", "squad", "squad2")
+TASK_NAMES = tuple(TASKS)
 
 
 @dataclass
@@ -98,9 +98,8 @@ class FinetuneConfig:
             problems.append(f"model.init_from {m.init_from} does not exist")
         if t.max_seq_length < 8:
             problems.append(f"task.max_seq_length ({t.max_seq_length}) must be at least 8")
-        if t.name.startswith("squad") and t.max_seq_length - t.max_query_length - 3 < 1:
-            problems.append(f"task.max_seq_length ({t.max_seq_length}) leaves no room for the context after "
-                            f"max_query_length ({t.max_query_length}) + 3 special tokens")
+        if t.name in TASKS:
+            problems += TASKS[t.name].config_problems(t)
         if t.doc_stride < 1 or t.n_best_size < 1 or t.max_answer_length < 1:
             problems.append("task.doc_stride, task.n_best_size and task.max_answer_length must be >= 1")
         if p.zero_stage not in (0, 1, 2):

@@ -14,8 +14,9 @@ import os
 
 import torch
 
-from pretrain.data.tokenizer import TokenizerError, load_tokenizer
-from pretrain.interop.apply import read_any
+from pretrain.checkpoint.format import CheckpointError
+from pretrain.checkpoint.load import read_any
+from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer
 from pretrain.model.rng import RngTracker, seed_streams
 
 from .inputs import fixed_length_tokenizer
@@ -54,20 +55,10 @@ def extract_features(checkpoint: str, input_file: str, output_file: str, layers:
     if any(not -model_cfg.num_layers - 1 <= layer <= model_cfg.num_layers for layer in layers):
         raise FeatureError(f"layers {layers}: the model has layers 0 (embeddings) to {model_cfg.num_layers} "
                            f"(or -1 to -{model_cfg.num_layers + 1})")
-    if not vocab_file and not ckpt.vocab_dir:
-        raise FeatureError(f"{checkpoint} carries no vocabulary: pass --vocab-file")
-    source = vocab_file
-    if not source:  # the checkpoint's tokenizer.json, else its vocab.txt (as fill-mask and the fine-tuner choose)
-        source = os.path.join(ckpt.vocab_dir, "tokenizer.json")
-        if not os.path.exists(source):
-            source = os.path.join(ckpt.vocab_dir, "vocab.txt")
     try:
-        info = load_tokenizer(**({"tokenizer_json": source} if source.endswith(".json") else {"vocab_file": source}))
-    except TokenizerError as e:
+        info = checkpoint_tokenizer(ckpt.vocab_dir, model_cfg.vocab_size, checkpoint, vocab_file)
+    except CheckpointError as e:
         raise FeatureError(str(e)) from None
-    if info.vocab_size > model_cfg.vocab_size:
-        raise FeatureError(f"the tokenizer ({source}) has {info.vocab_size} tokens, the checkpoint's vocabulary "
-                           f"{model_cfg.vocab_size}")
     tokenizer = fixed_length_tokenizer(info.tokenizer, max_seq_length)
 
     tracker = RngTracker(parallel.device)

@@ -1,5 +1,5 @@
-"""What every task's inputs share: fixed-length tokenisation and batches of the three input
-tensors (plus labels), sliced by example index."""
+"""What every task's inputs share: fixed-length tokenisation, batches of the three input tensors
+(plus labels) sliced by example index, and tokenised texts as such a batch source."""
 from __future__ import annotations
 
 import torch
@@ -30,3 +30,16 @@ class Batches:
         inputs = (self.input_ids[index].to(device), self.token_type_ids[index].to(device),
                   self.attention_mask[index].to(device))
         return inputs, (self.labels[index].to(device) if self.labels is not None else None)
+
+
+class TextFeatures(Batches):
+    """Texts (a string or a pair each) tokenised and padded to max_length: [N, S], or
+    [N, choices, S] when every example is `choices` consecutive texts."""
+
+    def __init__(self, tokenizer, texts: list, labels: torch.Tensor | None, max_length: int, choices: int = 1):
+        encoded = fixed_length_tokenizer(tokenizer, max_length).encode_batch(texts)
+        shape = (-1, choices, max_length) if choices > 1 else (-1, max_length)
+        self.input_ids = torch.tensor([e.ids for e in encoded], dtype=torch.long).view(shape)
+        self.token_type_ids = torch.tensor([e.type_ids for e in encoded], dtype=torch.long).view(shape)
+        self.attention_mask = torch.tensor([e.attention_mask for e in encoded], dtype=torch.long).view(shape)
+        self.labels = labels

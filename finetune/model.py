@@ -8,22 +8,21 @@ output, so its gradients agree across TP ranks without communication.
 """
 from __future__ import annotations
 
-import hashlib
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pretrain.model.bert import build_model, logical_parameters
-from pretrain.model.hf_interop import load_hf_state_dict
+from pretrain.checkpoint.sharding import load_hf_state_dict
+from pretrain.model.bert import build_model, name_seed
+from pretrain.model.names import logical_parameters
+
 
 def _seeded_linear(in_features: int, out_features: int, init_std: float, seed: int, name: str) -> nn.Linear:
     """A linear layer initialised like BERT's heads (normal weights, zero bias) from a seed, so
     every rank builds the same one without touching the global generator."""
     layer = nn.Linear(in_features, out_features)
-    key = int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+    generator = torch.Generator().manual_seed(name_seed(seed, name))
     with torch.no_grad():
-        layer.weight.copy_(torch.empty_like(layer.weight).normal_(0.0, init_std, generator=torch.Generator().manual_seed(key)))
+        layer.weight.copy_(torch.empty_like(layer.weight).normal_(0.0, init_std, generator=generator))
         layer.bias.zero_()
     return layer
 
@@ -115,15 +114,3 @@ class SpanModel(SequenceClassifier):
     def forward(self, input_ids, token_type_ids, attention_mask):
         hidden, _ = self.bert.encode(encoder_inputs(input_ids, token_type_ids, attention_mask))
         return self.head(hidden)
-
-
-def span_loss(logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Mean of the start and end cross entropies (run_squad.py's loss)."""
-    logits = logits.float()
-    return (F.cross_entropy(logits[..., 0], positions[:, 0]) + F.cross_entropy(logits[..., 1], positions[:, 1])) / 2
-
-
-def classification_loss(logits: torch.Tensor, labels: torch.Tensor, regression: bool) -> torch.Tensor:
-    if regression:
-        return F.mse_loss(logits.squeeze(-1).float(), labels.float())
-    return F.cross_entropy(logits.float(), labels)

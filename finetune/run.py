@@ -49,7 +49,7 @@ def main(argv=None) -> int:
 
     from pretrain.parallel import init_parallel, shutdown_parallel
 
-    from .runner import FinetuneError, run
+    from .trainer import FinetuneError, run
 
     parallel = init_parallel(cfg.parallel.tensor_parallel, 1)
     try:

@@ -38,6 +38,7 @@ __all__ = [
     "Config",
     "load_config",
     "build_deepspeed_config",
+    "deepspeed_settings",
 ]
 
 # The kinds the model labels its parameters with; optimizer.no_weight_decay and
@@ -607,27 +608,36 @@ _MISSING = object()
 _DS_STEPS_PER_PRINT = 2**31 - 1  # effectively never: the trainer does its own logging
 
 
+def deepspeed_settings(global_batch_size: int, micro_batch_size: int, grad_accum_steps: int, grad_clip: float,
+                       zero_stage: int, precision: str) -> dict[str, Any]:
+    """The DeepSpeed config of the settings our configs own (batch sizes, clipping, ZeRO stage,
+    precision), as pretraining and fine-tuning both hand it to DeepSpeed."""
+    ds: dict[str, Any] = {
+        "train_batch_size": global_batch_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum_steps,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": zero_stage},
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16"},
+        "zero_allow_untested_optimizer": True,  # our LAMB/AdamW are client optimizers
+        # Defaults a user JSON may change (DeepSpeed-only diagnostics with no counterpart here).
+        "steps_per_print": _DS_STEPS_PER_PRINT,
+        "wall_clock_breakdown": False,
+    }
+    if precision == "fp16":
+        ds["fp16"]["loss_scale"] = 0  # 0 = dynamic loss scaling
+    return ds
+
+
 def build_deepspeed_config(cfg: Config, world_size: int) -> dict:
     """The DeepSpeed config dict derived from our config, with the user's DeepSpeed JSON
     (cfg.train.deepspeed_config) merged in. The user JSON may add DeepSpeed-only options;
     a key we own with a different value, or an `optimizer`/`scheduler` block, is a ConfigError."""
     t = cfg.train
     accum = cfg.grad_accum_steps(world_size)
-    ds: dict[str, Any] = {
-        "train_batch_size": t.global_batch_size,
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": accum,
-        "gradient_clipping": cfg.optimizer.grad_clip,
-        "zero_optimization": {"stage": cfg.parallel.zero_stage},
-        "bf16": {"enabled": t.precision == "bf16"},
-        "fp16": {"enabled": t.precision == "fp16"},
-        "zero_allow_untested_optimizer": True,  # our LAMB/AdamW are client optimizers
-        # Defaults a user JSON may change (DeepSpeed-only diagnostics with no counterpart here).
-        "steps_per_print": _DS_STEPS_PER_PRINT,
-        "wall_clock_breakdown": False,
-    }
-    if t.precision == "fp16":
-        ds["fp16"]["loss_scale"] = 0  # 0 = dynamic loss scaling
+    ds = deepspeed_settings(t.global_batch_size, t.micro_batch_size, accum, cfg.optimizer.grad_clip,
+                            cfg.parallel.zero_stage, t.precision)
 
     if t.deepspeed_config is None:
         return ds

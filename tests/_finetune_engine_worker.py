@@ -6,7 +6,7 @@ import json
 import sys
 
 from finetune.config import load_finetune_config
-from finetune.runner import Finetuner
+from finetune.trainer import Finetuner
 from pretrain.parallel import init_parallel, shutdown_parallel
 
 

@@ -7,7 +7,9 @@ import sys
 import pytest
 
 from distributed import REPO
-from finetune.glue import TASKS, GlueDataError, read_examples, write_submission
+from finetune.tasks import TASKS
+from finetune.tasks.base import TaskDataError
+from finetune.tasks.glue import read_examples, submission_text
 from finetune.glue_metrics import accuracy_and_f1, matthews, pearson_and_spearman
 from finetune.squad_metrics import evaluate_v1, evaluate_v2, f1_v1, f1_v2, normalize_answer
 
@@ -86,7 +88,7 @@ def test_named_columns_and_integer_labels(tmp_path):
 def test_bad_glue_files_are_named(tmp_path, task, lines, split, message):
     suffix = ".csv" if lines and "," in lines[0] else ".tsv"
     path = write(tmp_path / f"{task}{suffix}", lines)
-    with pytest.raises(GlueDataError) as error:
+    with pytest.raises(TaskDataError) as error:
         read_examples(TASKS[task], path, split)
     assert message in str(error.value)
 
@@ -95,10 +97,8 @@ def test_submission_format(tmp_path):
     examples, _ = read_examples(TASKS["mnli"], write(tmp_path / "t.tsv", [
         "index\tpromptID\tpairID\tgenre\ts1b\ts2b\ts1p\ts2p\tsentence1\tsentence2",
         "0\t1\t1\tx\t()\t()\t()\t()\tA\tB", "1\t1\t1\tx\t()\t()\t()\t()\tC\tD"]), "test")
-    write_submission(TASKS["mnli"], str(tmp_path / "MNLI-m.tsv"), examples, [2, 0])
-    assert (tmp_path / "MNLI-m.tsv").read_text() == "index\tprediction\n0\tcontradiction\n1\tentailment\n"
-    write_submission(TASKS["stsb"], str(tmp_path / "STS-B.tsv"), examples, [4.12345, 0.5])
-    assert (tmp_path / "STS-B.tsv").read_text() == "index\tprediction\n0\t4.123\n1\t0.500\n"
+    assert submission_text(TASKS["mnli"], examples, [2, 0]) == "index\tprediction\n0\tcontradiction\n1\tentailment\n"
+    assert submission_text(TASKS["stsb"], examples, [4.12345, 0.5]) == "index\tprediction\n0\t4.123\n1\t0.500\n"
 
 
 # ----------------------------------------------------------------------------- GLUE metrics

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from finetune.glue import GlueDataError
-from finetune.squad import _windows, build_features, postprocess, read_squad
+from finetune.tasks.base import TaskDataError
+from finetune.tasks.squad import _windows, build_features, postprocess, read_squad
 from pretrain.data.tokenizer import bert_wordpiece_tokenizer
 from test_finetune_tasks import SPECIALS, WORDS, finetune, tiny  # noqa: F401  (tiny: a fixture)
 
@@ -88,7 +88,7 @@ def test_bad_squad_files_are_named(tmp_path, edit, message):
         {"id": "q", "question": "x1", "answers": [{"text": "w2", "answer_start": 3}]}]}]}]}
     edit(document)
     (tmp_path / "dev.json").write_text(json.dumps(document))
-    with pytest.raises(GlueDataError) as error:
+    with pytest.raises(TaskDataError) as error:
         read_squad(str(tmp_path / "dev.json"), "1.1", training=False)
     assert message in str(error.value)
 

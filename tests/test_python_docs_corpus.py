@@ -7,7 +7,8 @@ from distributed import REPO
 sys.path.insert(0, str(REPO / "tools"))
 import python_docs_corpus  # noqa: E402
 
-from finetune.glue import TASKS, read_examples  # noqa: E402
+from finetune.tasks import TASKS  # noqa: E402
+from finetune.tasks.glue import read_examples  # noqa: E402
 
 
 def test_prose_keeps_sentences_and_drops_code():

@@ -1,5 +1,6 @@
-"""GLUE tasks: the standard TSV layout of every task, CSV/JSON files with named columns, and
-the GLUE submission format.
+"""GLUE tasks (sentence and sentence-pair classification; STS-B regression): the standard TSV
+layout of every task, CSV/JSON files with named columns, the head, metrics and GLUE submission
+format.
 
 Standard layout (the files of the GLUE download): tab-separated, no quoting, per task
   CoLA   train/dev: no header; label column 1, sentence column 3; test: index, sentence
@@ -21,13 +22,25 @@ import csv
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..inputs import TextFeatures
+from .base import Dataset, Evaluation, Log, Read, ReadReport, Task, TaskDataError, TestFile
+
+if TYPE_CHECKING:  # annotations only (the config imports the task registry)
+    from tokenizers import Tokenizer
+    from torch import nn
+
+    from pretrain.config import ModelConfig
+
+    from ..config import ModelSection, TaskSection
 
 csv.field_size_limit(sys.maxsize)  # some GLUE sentences are long; the default limit is 128 KiB
-
-
-class GlueDataError(ValueError):
-    """A GLUE file that cannot be used, with the file and row named."""
 
 
 @dataclass(frozen=True)
@@ -41,8 +54,16 @@ class Columns:
     header: bool = True
 
 
+# The metric that picks the best epoch, per key of glue_metrics.METRICS.
+_MAIN_METRIC = {"matthews": "matthews_corr", "accuracy": "accuracy", "accuracy_f1": "accuracy",
+                "pearson_spearman": "pearson"}
+
+
 @dataclass(frozen=True)
-class GlueTask:
+class GlueTask(Task):
+    """Sentence(-pair) classification, or regression (STS-B): a linear head on the pooled [CLS]."""
+
+    architecture: ClassVar[str] = "BertForSequenceClassification"
     name: str
     submission: str  # file name stem in a GLUE submission
     labels: tuple[str, ...] | None  # None: regression
@@ -55,15 +76,75 @@ class GlueTask:
     named: tuple[str, str | None] = ("sentence1", "sentence2")  # default CSV/JSON column names
     skip_malformed: bool = False
     label_last: bool = False  # MNLI: the label is the last column, whatever the number of columns
+    predicts_diagnostic: bool = False  # MNLI: its model also predicts the diagnostic set AX
 
     @property
     def is_regression(self) -> bool:
         return self.labels is None
 
+    @property
+    def main_metric(self) -> str:
+        return _MAIN_METRIC[self.metric]
+
+    def test_inputs(self, section: TaskSection) -> list[TestFile]:
+        inputs = super().test_inputs(section)
+        if self.predicts_diagnostic and section.data_dir:
+            inputs += [TestFile(os.path.join(section.data_dir, file), "AX", optional=True) for file in AX_FILES]
+        return inputs
+
+    def read(self, path: str, split: str, section: TaskSection) -> Read:
+        named = {k: v for k, v in (("text_a", section.text_a_column), ("text_b", section.text_b_column),
+                                   ("label", section.label_column)) if v}
+        examples, report = read_examples(self, path, split, **({} if path.endswith(".tsv") else named))
+        return Read(examples, report)
+
+    def encode(self, tokenizer: Tokenizer, examples: list[Example], section: TaskSection, training: bool,
+               log: Log) -> TextFeatures:
+        texts = [(e.text_a, e.text_b) if e.text_b is not None else e.text_a for e in examples]
+        return TextFeatures(tokenizer, texts, self.label_tensor(examples), section.max_seq_length)
+
+    def label_tensor(self, examples: list[Example]) -> torch.Tensor | None:
+        if examples[0].label is None:
+            return None
+        if self.is_regression:
+            return torch.tensor([float(e.label) for e in examples], dtype=torch.float32)
+        return torch.tensor([self.labels.index(e.label) for e in examples], dtype=torch.long)
+
+    def build_model(self, encoder: nn.Module, model_cfg: ModelConfig, section: ModelSection, seed: int) -> nn.Module:
+        from ..model import ClassifierHead, SequenceClassifier  # megatron-core: imported once a model is built
+
+        head = ClassifierHead(model_cfg.hidden_size, 1 if self.is_regression else len(self.labels),
+                              section.classifier_dropout, model_cfg.init_std, seed)
+        return SequenceClassifier(encoder, head)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.is_regression:
+            return F.mse_loss(logits.squeeze(-1).float(), labels.float())
+        return F.cross_entropy(logits.float(), labels)
+
+    def predictions(self, logits: np.ndarray) -> np.ndarray:
+        return logits[:, 0] if self.is_regression else logits.argmax(-1)
+
+    def evaluate(self, dev: Dataset, logits: np.ndarray, section: TaskSection) -> Evaluation:
+        from ..glue_metrics import METRICS  # scikit-learn and scipy: imported at the first evaluation
+
+        predicted = self.predictions(logits)
+        return Evaluation(METRICS[self.metric](dev.features.labels.numpy(), predicted),
+                          {f"{dev.name}.tsv": prediction_table(predicted, self.labels)})
+
+    def submission_files(self, test: Dataset, logits: np.ndarray, section: TaskSection) -> dict[str, str]:
+        return {f"{test.name}.tsv": submission_text(self, test.examples, self.predictions(logits))}
+
+    def export_config(self) -> dict:
+        labels = self.labels or ("score",)
+        return {"num_labels": len(labels), "finetuning_task": self.name, "id2label": dict(enumerate(labels)),
+                "label2id": {label: i for i, label in enumerate(labels)},
+                "problem_type": "regression" if self.is_regression else "single_label_classification"}
+
 
 _BINARY = ("0", "1")
 _NLI2 = ("entailment", "not_entailment")
-TASKS: dict[str, GlueTask] = {t.name: t for t in (
+GLUE_TASKS: dict[str, GlueTask] = {t.name: t for t in (
     GlueTask("cola", "CoLA", _BINARY, "matthews", Columns(3, None, 1, header=False), Columns(1, None, index=0),
              named=("sentence", None)),
     GlueTask("sst2", "SST-2", _BINARY, "accuracy", Columns(0, None, 1), Columns(1, None, index=0),
@@ -75,7 +156,7 @@ TASKS: dict[str, GlueTask] = {t.name: t for t in (
     GlueTask("mnli", "MNLI", ("entailment", "neutral", "contradiction"), "accuracy", Columns(8, 9, -1),
              Columns(8, 9, index=0), dev_files=("dev_matched.tsv", "dev_mismatched.tsv"),
              test_files=(("test_matched.tsv", "-m"), ("test_mismatched.tsv", "-mm")),
-             named=("premise", "hypothesis"), label_last=True),
+             named=("premise", "hypothesis"), label_last=True, predicts_diagnostic=True),
     GlueTask("qnli", "QNLI", _NLI2, "accuracy", Columns(1, 2, 3), Columns(1, 2, index=0),
              named=("question", "sentence")),
     GlueTask("rte", "RTE", _NLI2, "accuracy", Columns(1, 2, 3), Columns(1, 2, index=0)),
@@ -93,42 +174,22 @@ class Example:
     label: str | float | None  # a task label, a score (STS-B), None (test)
 
 
-@dataclass
-class ReadReport:
-    path: str
-    examples: int = 0
-    skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
-    first_skips: list[str] = field(default_factory=list)
-
-    def skip(self, reason: str, where: str) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
-        if len(self.first_skips) < 3:
-            self.first_skips.append(f"{where}: {reason}")
-
-    def summary(self) -> str:
-        text = f"{self.path}: {self.examples:,} examples"
-        if self.skipped:
-            text += "; skipped " + ", ".join(f"{n:,} ({reason})" for reason, n in self.skipped.items())
-            text += " — e.g. " + "; ".join(self.first_skips)
-        return text
-
-
 def _label(task: GlueTask, raw, where: str):
     if task.is_regression:
         try:
             return float(raw)
         except (TypeError, ValueError):
-            raise GlueDataError(f"{where}: score {raw!r} is not a number") from None
+            raise TaskDataError(f"{where}: score {raw!r} is not a number") from None
     if isinstance(raw, bool) or not isinstance(raw, (int, str)):
-        raise GlueDataError(f"{where}: label {raw!r} is not one of {', '.join(task.labels)}")
+        raise TaskDataError(f"{where}: label {raw!r} is not one of {', '.join(task.labels)}")
     if isinstance(raw, int) or (isinstance(raw, str) and raw.strip().isdigit() and raw.strip() not in task.labels):
         index = int(raw)
         if not 0 <= index < len(task.labels):
-            raise GlueDataError(f"{where}: label {raw!r} out of range for {task.name} "
+            raise TaskDataError(f"{where}: label {raw!r} out of range for {task.name} "
                                 f"(0..{len(task.labels) - 1}: {', '.join(task.labels)})")
         return task.labels[index]
     if raw.strip() not in task.labels:
-        raise GlueDataError(f"{where}: unknown label {raw!r} for {task.name} (expected one of {', '.join(task.labels)})")
+        raise TaskDataError(f"{where}: unknown label {raw!r} for {task.name} (expected one of {', '.join(task.labels)})")
     return raw.strip()
 
 
@@ -139,13 +200,13 @@ def read_tsv(task: GlueTask, path: str, columns: Columns, with_labels: bool) -> 
     try:
         f = open(path, encoding="utf-8", newline="")
     except OSError as e:
-        raise GlueDataError(f"{path}: {e.strerror}") from None
+        raise TaskDataError(f"{path}: {e.strerror}") from None
     with f:
         rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
         if columns.header:
             header = next(rows, None)
             if header is None:
-                raise GlueDataError(f"{path}: empty file")
+                raise TaskDataError(f"{path}: empty file")
         wanted = [c for c in (columns.text_a, columns.text_b, columns.index) if c is not None]
         label_column = columns.label if with_labels else None
         for line, row in enumerate(rows, start=2 if columns.header else 1):
@@ -157,14 +218,14 @@ def read_tsv(task: GlueTask, path: str, columns: Columns, with_labels: bool) -> 
                 if task.skip_malformed:
                     report.skip("missing fields", where)
                     continue
-                raise GlueDataError(f"{where}: {len(row)} column(s), the {task.name} layout needs at least "
+                raise TaskDataError(f"{where}: {len(row)} column(s), the {task.name} layout needs at least "
                                     f"{needed + 1} (is this the task's standard TSV?)")
             label = _label(task, row[label_column], where) if label_column is not None else None
             guid = row[columns.index] if columns.index is not None else where
             examples.append(Example(guid, row[columns.text_a], row[columns.text_b] if columns.text_b is not None
                                     else None, label))
     if not examples:
-        raise GlueDataError(f"{path}: no examples" + (f" ({report.summary()})" if report.skipped else ""))
+        raise TaskDataError(f"{path}: no examples" + (f" ({report.summary()})" if report.skipped else ""))
     report.examples = len(examples)
     return examples, report
 
@@ -191,28 +252,28 @@ def read_named(task: GlueTask, path: str, text_a: str | None = None, text_b: str
             if isinstance(data, dict) and isinstance(data.get("data"), list):
                 data = data["data"]
             if not isinstance(data, list):
-                raise GlueDataError(f"{path}: expected a JSON list of objects (or {{\"data\": [...]}})")
+                raise TaskDataError(f"{path}: expected a JSON list of objects (or {{\"data\": [...]}})")
             rows = [(f"{path}[{n}]", r) for n, r in enumerate(data)]
             fields = sorted({k for _, r in rows if isinstance(r, dict) for k in r})
         else:
-            raise GlueDataError(f"{path}: unknown file type; use .tsv (standard GLUE layout), .csv, .json or .jsonl")
+            raise TaskDataError(f"{path}: unknown file type; use .tsv (standard GLUE layout), .csv, .json or .jsonl")
     except OSError as e:
-        raise GlueDataError(f"{path}: {e.strerror}") from None
+        raise TaskDataError(f"{path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
-        raise GlueDataError(f"{path}: not valid JSON ({e})") from None
+        raise TaskDataError(f"{path}: not valid JSON ({e})") from None
     if not rows:
-        raise GlueDataError(f"{path}: empty file")
+        raise TaskDataError(f"{path}: empty file")
     needed = [c for c in (text_a, text_b, label if with_labels else None) if c is not None]
     absent = [c for c in needed if c not in fields]
     if absent:
-        raise GlueDataError(f"{path}: missing column(s) {', '.join(absent)} (has: {', '.join(map(str, fields))})")
+        raise TaskDataError(f"{path}: missing column(s) {', '.join(absent)} (has: {', '.join(map(str, fields))})")
     examples = []
     for where, row in rows:
         if not isinstance(row, dict) or any(row.get(c) is None for c in needed):
             if task.skip_malformed:
                 report.skip("missing fields", where)
                 continue
-            raise GlueDataError(f"{where}: missing value for {', '.join(c for c in needed if not isinstance(row, dict) or row.get(c) is None)}")
+            raise TaskDataError(f"{where}: missing value for {', '.join(c for c in needed if not isinstance(row, dict) or row.get(c) is None)}")
         guid = str(row[index]) if index in row else where
         examples.append(Example(guid, str(row[text_a]), str(row[text_b]) if text_b else None,
                                 _label(task, row[label], where) if with_labels else None))
@@ -231,14 +292,20 @@ def read_examples(task: GlueTask, path: str, split: str, **named) -> tuple[list[
     return read_named(task, path, with_labels=with_labels, **named)
 
 
-def write_submission(task: GlueTask, path: str, examples: list[Example], predictions) -> None:
+def prediction_table(predicted, labels: tuple[str, ...] | None) -> str:
+    """The dev predictions file: `index<TAB>prediction`, a label, or (labels None) a score to 4 decimals."""
+    lines = ["index\tprediction\n"]
+    for i, value in enumerate(predicted):
+        lines.append(f"{i}\t{value:.4f}\n" if labels is None else f"{i}\t{labels[int(value)]}\n")
+    return "".join(lines)
+
+
+def submission_text(task: GlueTask, examples: list[Example], predictions) -> str:
     """GLUE submission file: a header `index<TAB>prediction`, then one row per test example."""
     if len(examples) != len(predictions):
         raise ValueError(f"{len(examples)} examples but {len(predictions)} predictions")
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("index\tprediction\n")
-        for example, prediction in zip(examples, predictions):
-            value = f"{float(prediction):.3f}" if task.is_regression else task.labels[int(prediction)]
-            f.write(f"{example.guid}\t{value}\n")
-    os.replace(tmp, path)
+    lines = ["index\tprediction\n"]
+    for example, prediction in zip(examples, predictions):
+        value = f"{float(prediction):.3f}" if task.is_regression else task.labels[int(prediction)]
+        lines.append(f"{example.guid}\t{value}\n")
+    return "".join(lines)

@@ -13,6 +13,8 @@ semantics, with the tokenizer's character offsets so answers are cut from the or
   logit; 2.0's null score is the minimum over the question's windows of start[0] + end[0], its
   null odds = null score - best non-null score, and the answer is "" when the odds exceed
   null_score_diff_threshold.
+* Training: the mean of the start and end cross entropies; evaluation: the official scripts
+  (finetune/squad_metrics.py) on the raw articles, with run_squad.py's prediction files.
 """
 from __future__ import annotations
 
@@ -20,27 +22,89 @@ import collections
 import json
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from .glue import GlueDataError, ReadReport
-from .inputs import Batches
+from ..inputs import Batches
+from ..squad_metrics import evaluate_v1, evaluate_v2
+from .base import Dataset, Evaluation, Log, Read, ReadReport, Task, TaskDataError
+
+if TYPE_CHECKING:  # annotations only (the config imports the task registry)
+    from tokenizers import Tokenizer
+    from torch import nn
+
+    from pretrain.config import ModelConfig
+
+    from ..config import ModelSection, TaskSection
 
 
 @dataclass(frozen=True)
-class SquadTask:
-    """Quacks like glue.GlueTask where the runner needs it."""
+class SquadTask(Task):
+    """Span extraction: start and end logits on every token of every window."""
 
+    architecture: ClassVar[str] = "BertForQuestionAnswering"
     name: str
-    version: str
+    version: str  # "1.1" or "2.0" (unanswerable questions)
     train_file: str
     dev_files: tuple[str, ...]
     submission: str = "SQuAD"
-    labels: tuple[str, ...] = ()
-    metric: str = "squad"
-    is_regression: bool = False
-    test_files: tuple = ()
+    main_metric: str = "f1"
+    test_files: tuple[tuple[str, str], ...] = ()  # the official test sets are hidden
+
+    def config_problems(self, section: TaskSection) -> list[str]:
+        if section.max_seq_length - section.max_query_length - 3 < 1:
+            return [f"task.max_seq_length ({section.max_seq_length}) leaves no room for the context after "
+                    f"max_query_length ({section.max_query_length}) + 3 special tokens"]
+        return []
+
+    def read(self, path: str, split: str, section: TaskSection) -> Read:
+        examples, data, report = read_squad(path, self.version, training=split == "train")
+        return Read(examples, report, data)
+
+    def encode(self, tokenizer: Tokenizer, examples: list[SquadExample], section: TaskSection, training: bool,
+               log: Log) -> SquadFeatures:
+        features = build_features(tokenizer, examples, section.max_seq_length, section.doc_stride,
+                                   section.max_query_length, training)
+        longer = sum(n > 1 for n in features.windows_per_example)
+        log(f"  {len(examples):,} questions -> {len(features):,} windows ({longer:,} contexts need more than "
+            f"one); {features.truncated_questions:,} questions truncated to {section.max_query_length} tokens")
+        return features
+
+    def build_model(self, encoder: nn.Module, model_cfg: ModelConfig, section: ModelSection, seed: int) -> nn.Module:
+        from ..model import SpanHead, SpanModel  # megatron-core: imported once a model is built
+
+        return SpanModel(encoder, SpanHead(model_cfg.hidden_size, model_cfg.init_std, seed))
+
+    def loss(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Mean of the start and end cross entropies (run_squad.py's loss)."""
+        logits = logits.float()
+        return (F.cross_entropy(logits[..., 0], positions[:, 0]) + F.cross_entropy(logits[..., 1], positions[:, 1])) / 2
+
+    def answers(self, data: Dataset, logits: np.ndarray, section: TaskSection) -> tuple[dict, dict, dict]:
+        """(predictions, n-best lists, null odds) by question id."""
+        return postprocess(data.examples, data.features, logits, self.version, section.n_best_size,
+                           section.max_answer_length, section.null_score_diff_threshold)
+
+    def evaluate(self, dev: Dataset, logits: np.ndarray, section: TaskSection) -> Evaluation:
+        """The official evaluation, and the prediction files of google-research/bert's run_squad.py."""
+        predictions, nbest, null_odds = self.answers(dev, logits, section)
+        if self.version == "1.1":
+            values = evaluate_v1(dev.reference, predictions)
+        else:
+            values = evaluate_v2(dev.reference, predictions, null_odds)
+        outputs = {"predictions.json": predictions, "nbest_predictions.json": nbest}
+        if self.version == "2.0":
+            outputs["null_odds.json"] = null_odds
+        return Evaluation({k: float(v) for k, v in values.items() if not k.endswith("total")},
+                          {f"{dev.name}/{file}": json.dumps(content, indent=1) for file, content in outputs.items()})
+
+    def submission_files(self, test: Dataset, logits: np.ndarray, section: TaskSection) -> dict[str, str]:
+        """The answers in the format the official evaluation reads: {question id: text}."""
+        predictions, _, _ = self.answers(test, logits, section)
+        return {f"{test.name}.json": json.dumps(predictions, indent=1)}
 
 
 SQUAD_TASKS = {
@@ -67,26 +131,26 @@ def read_squad(path: str, version: str, training: bool) -> tuple[list[SquadExamp
         with open(path, encoding="utf-8") as f:
             document = json.load(f)
     except OSError as e:
-        raise GlueDataError(f"{path}: {e.strerror}") from None
+        raise TaskDataError(f"{path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
-        raise GlueDataError(f"{path}: not valid JSON ({e})") from None
+        raise TaskDataError(f"{path}: not valid JSON ({e})") from None
     data = document.get("data") if isinstance(document, dict) else None
     if not isinstance(data, list):
-        raise GlueDataError(f"{path}: expected {{\"version\": ..., \"data\": [articles]}}")
+        raise TaskDataError(f"{path}: expected {{\"version\": ..., \"data\": [articles]}}")
     examples = []
     for a, article in enumerate(data):
         for p, paragraph in enumerate(article.get("paragraphs", [])):
             context = paragraph.get("context")
             if not isinstance(context, str):
-                raise GlueDataError(f"{path}: data[{a}].paragraphs[{p}] has no context")
+                raise TaskDataError(f"{path}: data[{a}].paragraphs[{p}] has no context")
             for q, qa in enumerate(paragraph.get("qas", [])):
                 where = f"{path}: data[{a}].paragraphs[{p}].qas[{q}]"
                 if "id" not in qa or "question" not in qa:
-                    raise GlueDataError(f"{where}: needs 'id' and 'question'")
+                    raise TaskDataError(f"{where}: needs 'id' and 'question'")
                 answers = qa.get("answers", [])
                 impossible = bool(qa.get("is_impossible", False)) or (version == "2.0" and not answers)
                 if version == "1.1" and not answers:
-                    raise GlueDataError(f"{where} ({qa['id']}): no answers in a SQuAD 1.1 file")
+                    raise TaskDataError(f"{where} ({qa['id']}): no answers in a SQuAD 1.1 file")
                 label = None
                 if training and not impossible:
                     first = answers[0]
@@ -97,7 +161,7 @@ def read_squad(path: str, version: str, training: bool) -> tuple[list[SquadExamp
                     label = (start, start + len(text))
                 examples.append(SquadExample(str(qa["id"]), qa["question"], context, answers, impossible, label))
     if not examples:
-        raise GlueDataError(f"{path}: no questions" + (f" ({report.summary()})" if report.skipped else ""))
+        raise TaskDataError(f"{path}: no questions" + (f" ({report.summary()})" if report.skipped else ""))
     report.examples = len(examples)
     return examples, data, report
 

@@ -1,0 +1,140 @@
+"""What the trainer needs from a fine-tuning task, and the pieces every task shares.
+
+A task kind (GLUE classification/regression, SWAG multiple choice, SQuAD span extraction) is one
+module with one `Task` subclass: it reads its data files, turns examples into model inputs, builds
+the task model (the shared encoder plus its head), computes the loss, the metrics and the
+prediction and submission files, and names the transformers architecture of the exported weights.
+The trainer (finetune/trainer.py) only calls these methods; it knows no task by name.
+"""
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..inputs import Batches
+
+if TYPE_CHECKING:  # annotations only (the config imports the task registry)
+    from tokenizers import Tokenizer
+
+    from pretrain.config import ModelConfig
+
+    from ..config import ModelSection, TaskSection
+
+Log = Callable[..., None]
+
+
+class TaskDataError(ValueError):
+    """A data file that cannot be used, with the file and row named."""
+
+
+@dataclass
+class ReadReport:
+    """What reading a file found: examples, and rows skipped by reason (counted, never silent)."""
+
+    path: str
+    examples: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
+    first_skips: list[str] = field(default_factory=list)
+
+    def skip(self, reason: str, where: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        if len(self.first_skips) < 3:
+            self.first_skips.append(f"{where}: {reason}")
+
+    def summary(self) -> str:
+        text = f"{self.path}: {self.examples:,} examples"
+        if self.skipped:
+            text += "; skipped " + ", ".join(f"{n:,} ({reason})" for reason, n in self.skipped.items())
+            text += " — e.g. " + "; ".join(self.first_skips)
+        return text
+
+
+class Read(NamedTuple):
+    """One data file as a task read it."""
+
+    examples: list
+    report: ReadReport
+    reference: Any = None  # what the official evaluation reads besides the examples (SQuAD: the articles)
+
+
+@dataclass
+class Dataset:
+    """A dev or test file, read and encoded."""
+
+    name: str  # dev: the metrics' prefix and the prediction files' name; test: the submission file's stem
+    examples: list
+    features: Batches
+    reference: Any = None
+
+
+@dataclass(frozen=True)
+class TestFile:
+    path: str
+    submission: str  # file stem in <output_dir>/submission
+    optional: bool = False  # absent without a log line (MNLI's diagnostic set goes by two names)
+
+
+@dataclass
+class Evaluation:
+    metrics: dict[str, float]
+    files: dict[str, str]  # path under <output_dir>/predictions -> content, written for the best epoch only
+
+
+class Task(ABC):
+    """One fine-tuning task. Subclasses are frozen dataclasses holding the task's constants."""
+
+    architecture: ClassVar[str]  # transformers class of the exported best weights
+    name: str
+    submission: str  # stem of the submission file (GLUE's official names: CoLA, MNLI, ...)
+    main_metric: str  # the metric (averaged over dev sets) that picks the best epoch
+    train_file: str  # default file names inside task.data_dir
+    dev_files: tuple[str, ...]
+    test_files: tuple[tuple[str, str], ...]  # (file, submission suffix)
+
+    def config_problems(self, section: TaskSection) -> list[str]:
+        """Problems with the task section that only this task has (checked with the config)."""
+        return []
+
+    def test_inputs(self, section: TaskSection) -> list[TestFile]:
+        """The files to predict: the user's task.test_files, else the task's own in data_dir."""
+        if section.test_files:
+            return [TestFile(path, self.submission) for path in section.test_files]
+        if not section.data_dir:
+            return []
+        return [TestFile(os.path.join(section.data_dir, file), self.submission + suffix)
+                for file, suffix in self.test_files]
+
+    @abstractmethod
+    def read(self, path: str, split: str, section: TaskSection) -> Read:
+        """The examples of a "train", "dev" or "test" file; raises TaskDataError."""
+
+    @abstractmethod
+    def encode(self, tokenizer: Tokenizer, examples: list, section: TaskSection, training: bool, log: Log) -> Batches:
+        """Model inputs (and labels, where the examples have them) padded to task.max_seq_length."""
+
+    @abstractmethod
+    def build_model(self, encoder: nn.Module, model_cfg: ModelConfig, section: ModelSection, seed: int) -> nn.Module:
+        """The encoder with this task's head; the result has `.bert` and `.head` and maps
+        (input_ids, token_type_ids, attention_mask) to logits."""
+
+    @abstractmethod
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The training loss of a micro-batch, in fp32."""
+
+    @abstractmethod
+    def evaluate(self, dev: Dataset, logits: np.ndarray, section: TaskSection) -> Evaluation:
+        """Metrics of one dev set (keys without a prefix) and its prediction files."""
+
+    @abstractmethod
+    def submission_files(self, test: Dataset, logits: np.ndarray, section: TaskSection) -> dict[str, str]:
+        """Path under <output_dir>/submission -> content."""
+
+    def export_config(self) -> dict:
+        """Entries of the exported config.json beyond the encoder's."""
+        return {"finetuning_task": self.name}

@@ -1,0 +1,340 @@
+"""The fine-tuning loop, the same for every task: data and tensor parallelism through the
+pretraining stack, AdamW with warmup and linear decay, evaluation each epoch, best-epoch weights,
+prediction and submission files, TensorBoard and progress bars. What differs between tasks (data
+files, inputs, head, loss, metrics, output files, exported architecture) is the task object's
+(finetune/tasks).
+
+Every rank runs the same code. A global batch is cut into micro-batches exactly as in
+pretraining (DP rank r takes the r-th slice of each accumulation step); TP ranks of a replica see
+the same data. Evaluation shards the examples over DP ranks and gathers the outputs.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from pretrain.checkpoint.format import CheckpointError
+from pretrain.checkpoint.load import read_any
+from pretrain.checkpoint.sharding import unpad_vocab
+from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer, save_vocab
+from pretrain.config import deepspeed_settings
+from pretrain.data.atomic import atomic_outputs
+from pretrain.data.samples import micro_batch_indices
+from pretrain.device import all_gather, all_gather_object, all_reduce, configure_math, describe, to_host
+from pretrain.internals import no_optimizer_steps
+from pretrain.model.names import logical_parameters
+from pretrain.model.rng import RngTracker, seed_streams
+from pretrain.optim import make_lr_scheduler
+from pretrain.optim.groups import group_by_kind
+
+from .config import FinetuneConfig
+from .inputs import Batches
+from .model import build_encoder, load_encoder, load_head
+from .tasks import TASKS
+from .tasks.base import Dataset, Read, TaskDataError
+
+
+class FinetuneError(RuntimeError):
+    """Bad input found after start-up (a data file, the checkpoint, the tokenizer)."""
+
+
+def _write_files(directory: str, files: dict[str, str]) -> None:
+    """Each file under `directory` (subdirectories made), under a temporary name until complete."""
+    for relative, content in files.items():
+        path = os.path.join(directory, relative)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with atomic_outputs([path]) as temporary:
+            with open(temporary[path], "w", encoding="utf-8", newline="") as f:  # the task's line ends as given
+                f.write(content)
+
+
+class Finetuner:
+    def __init__(self, cfg: FinetuneConfig, parallel, log=print):
+        self.cfg, self.parallel = cfg, parallel
+        self._pending_files: dict[str, str] = {}  # prediction files of the last evaluation, written if it is the best
+        self.log = log if parallel.rank == parallel.logging_rank else (lambda *a, **k: None)
+        self.task = TASKS[cfg.task.name]
+        t = cfg.train
+        try:
+            self.ckpt = read_any(cfg.model.init_from, with_optimizer=False)
+        except CheckpointError as e:
+            raise FinetuneError(str(e)) from None
+        for note in self.ckpt.notes:
+            self.log(note)
+        m = self.ckpt.config.model
+        self.model_cfg = replace(m, hidden_dropout=m.hidden_dropout if cfg.model.hidden_dropout is None
+                                 else cfg.model.hidden_dropout,
+                                 attention_dropout=m.attention_dropout if cfg.model.attention_dropout is None
+                                 else cfg.model.attention_dropout)
+        try:
+            self.tokenizer = checkpoint_tokenizer(self.ckpt.vocab_dir, self.model_cfg.vocab_size, self.ckpt.source,
+                                                  cfg.model.vocab_file, how_to_name_one="set model.vocab_file")
+        except CheckpointError as e:
+            raise FinetuneError(str(e)) from None
+        self._read_data()
+
+        configure_math(parallel.device, t.tf32)
+        self.log(f"{describe(parallel)}, ZeRO-{cfg.parallel.zero_stage}, {t.precision}")
+        self.tracker = RngTracker(parallel.device)
+        seed_streams(self.tracker, t.seed, parallel.tp_rank, 0, parallel.dp_rank)
+        bert = build_encoder(self.model_cfg, parallel.tp_group, self.tracker)
+        load_encoder(bert, self.ckpt.weights, self.model_cfg, parallel.tp_rank, parallel.tp_size)
+        self.model = self.task.build_model(bert, self.model_cfg, cfg.model, t.seed)
+        try:
+            if load_head(self.model.head, self.ckpt.extra, self.ckpt.source):
+                names = ", ".join(n for n, _ in self.model.head.named_parameters())
+                self.log(f"task head ({names}) taken from {self.ckpt.source}")
+        except ValueError as e:
+            raise FinetuneError(str(e)) from None
+        self.micro_per_step = t.global_batch_size // (t.micro_batch_size * parallel.dp_size)
+        self.steps_per_epoch = max(1, math.ceil(len(self.train_features) / t.global_batch_size)) \
+            if self.train_features is not None else 0
+        self.total_steps = max(1, math.ceil(t.epochs * self.steps_per_epoch))
+        self.engine = self._build_engine()
+        self.writer = None
+        if parallel.rank == parallel.logging_rank:
+            os.makedirs(t.output_dir, exist_ok=True)
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(t.tensorboard_dir or os.path.join(t.output_dir, "tensorboard"))
+
+    # ----------------------------------------------------------------------------- data
+    def _read(self, path: str, split: str) -> Read:
+        try:
+            read = self.task.read(path, split, self.cfg.task)
+        except TaskDataError as e:
+            raise FinetuneError(str(e)) from None
+        self.log(read.report.summary())
+        return read
+
+    def _encode(self, examples: list, training: bool = False) -> Batches:
+        return self.task.encode(self.tokenizer.tokenizer, examples, self.cfg.task, training, self.log)
+
+    def _dataset(self, name: str, path: str, split: str) -> Dataset:
+        read = self._read(path, split)
+        return Dataset(name, read.examples, self._encode(read.examples), read.reference)
+
+    def _read_data(self) -> None:
+        c, task = self.cfg.task, self.task
+
+        def default(name):
+            return os.path.join(c.data_dir, name) if c.data_dir else None
+
+        train_path = c.train_file or default(task.train_file)
+        self.train_features = None
+        if not self.cfg.train.eval_only:
+            if not train_path or not os.path.exists(train_path):
+                raise FinetuneError(f"no training file: {train_path} (set task.train_file, or train.eval_only)")
+            self.train_features = self._encode(self._read(train_path, "train").examples, training=True)
+        dev_paths = c.dev_files or [default(f) for f in task.dev_files]
+        self.dev_sets: list[Dataset] = []
+        for path in dev_paths:
+            if path and os.path.exists(path):
+                self.dev_sets.append(self._dataset(os.path.splitext(os.path.basename(path))[0], path, "dev"))
+            elif path:
+                self.log(f"{path}: not found; this dev set is left out")
+        if not self.dev_sets:
+            raise FinetuneError(f"no dev file for {task.name} (looked for {', '.join(map(str, dev_paths))})")
+        self.test_sets: list[Dataset] = []
+        for test in task.test_inputs(c):
+            if os.path.exists(test.path):
+                self.test_sets.append(self._dataset(test.submission, test.path, "test"))
+            elif not test.optional:
+                self.log(f"{test.path}: not found; no predictions for it")
+
+    # ----------------------------------------------------------------------------- engine
+    def _build_engine(self):
+        import deepspeed
+
+        t, p = self.cfg.train, self.parallel
+        kinds = {id(lp.param): lp.kind for lp in logical_parameters(self.model.bert)}
+        trainable = [(param, "bias" if name.endswith("bias") else kinds.get(id(param), "weight"))
+                     for name, param in self.model.named_parameters() if param.requires_grad]
+        groups = [{"params": params, "weight_decay": t.weight_decay if decay else 0.0}
+                  for decay, _, params in group_by_kind(trainable, ("bias", "layernorm"), ())]
+        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(0.9, 0.999), eps=1e-6)
+        warmup = int(t.warmup_ratio * self.total_steps)
+        ds_config = deepspeed_settings(t.global_batch_size, t.micro_batch_size, self.micro_per_step, t.grad_clip,
+                                       self.cfg.parallel.zero_stage, t.precision)
+        with no_optimizer_steps(optimizer):  # the bf16 wrapper at ZeRO-0 steps once at construction
+            engine, _, _, _ = deepspeed.initialize(
+                model=self.model, optimizer=optimizer, config=ds_config, mpu=p.mpu,
+                lr_scheduler=lambda opt: make_lr_scheduler(opt, t.lr, warmup, max(self.total_steps, warmup + 1),
+                                                           "linear"))
+        return engine
+
+    # ----------------------------------------------------------------------------- training
+    def _epoch_order(self, epoch: int) -> list[int]:
+        """A seeded permutation, wrapped around to whole global batches."""
+        n, batch = len(self.train_features), self.cfg.train.global_batch_size
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.train.seed + epoch)).tolist()
+        return (order * math.ceil(self.steps_per_epoch * batch / n + 1))[: self.steps_per_epoch * batch]
+
+    def _micro_batches(self, order: list[int], step: int):
+        """This rank's example indices for each micro-step of `step`, by pretraining's rule."""
+        t, p = self.cfg.train, self.parallel
+        for a in range(self.micro_per_step):
+            consumed = step * t.global_batch_size + a * t.micro_batch_size * p.dp_size
+            yield [order[i] for i in micro_batch_indices(consumed, t.micro_batch_size, p.dp_rank, p.dp_size)]
+
+    def train(self) -> dict:
+        t = self.cfg.train
+        history, best, self.train_losses = [], None, []
+        if t.eval_only:
+            result = self.evaluate_all(epoch=0)
+            self.write_predictions()
+            self.predict_tests()
+            return self._finish(history=[result], best=result)
+        step, progress = 0, self._progress(self.total_steps)
+        epochs = math.ceil(t.epochs)
+        for epoch in range(epochs):
+            order = self._epoch_order(epoch)
+            self.engine.train()
+            steps_this_epoch = min(self.steps_per_epoch, self.total_steps - step)
+            for s in range(steps_this_epoch):
+                lr = self.engine.get_lr()[0]
+                losses = []
+                for indices in self._micro_batches(order, s):
+                    inputs, labels = self.train_features.batch(indices, self.parallel.device)
+                    loss = self.task.loss(self.engine(*inputs), labels)
+                    self.engine.backward(loss)
+                    self.engine.step()
+                    losses.append(loss.detach())
+                step += 1
+                loss_value = self._mean_over_dp(torch.stack(losses).mean())
+                self.train_losses.append(loss_value)
+                progress.update(1)
+                progress.set_postfix(loss=f"{loss_value:.4f}", epoch=epoch + 1)
+                if step % t.log_interval == 0 or step == self.total_steps:
+                    self._scalar("train/loss", loss_value, step)
+                    self._scalar("train/learning_rate", lr, step)
+            result = self.evaluate_all(epoch + 1, step)
+            history.append(result)
+            if best is None or result["score"] > best["score"]:
+                best = result
+                if t.keep_best:
+                    self.save_best(result)
+                self.write_predictions()
+                self.predict_tests()
+        progress.close()
+        return self._finish(history, best)
+
+    def _finish(self, history, best) -> dict:
+        summary = {"task": self.task.name, "history": history, "best": best, "train_losses": self.train_losses}
+        if self.parallel.rank == self.parallel.logging_rank:
+            path = os.path.join(self.cfg.train.output_dir, "metrics.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(summary, f, indent=2)
+            os.replace(path + ".tmp", path)
+            self.writer.flush()
+            self.log(f"best: epoch {best['epoch']} " + " ".join(f"{k} {v:.4f}" for k, v in best["metrics"].items()))
+        return summary
+
+    def _progress(self, total: int):
+        from tqdm import tqdm
+
+        enabled = self.cfg.train.progress and self.parallel.rank == self.parallel.logging_rank
+        return tqdm(total=total, desc=f"fine-tuning {self.task.name}", disable=not enabled, dynamic_ncols=True)
+
+    def _scalar(self, name, value, step) -> None:
+        if self.writer is not None:
+            self.writer.add_scalar(name, value, step)
+
+    def _mean_over_dp(self, value: torch.Tensor) -> float:
+        value = value.float().clone().to(self.parallel.device)
+        if self.parallel.dp_size > 1:
+            all_reduce(value, self.parallel.dp_group)
+            value /= self.parallel.dp_size
+        return value.item()
+
+    # ----------------------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def outputs(self, features: Batches) -> np.ndarray:
+        """Logits of every example (each DP rank computes a shard; all ranks get all)."""
+        p, size = self.parallel, self.cfg.train.eval_batch_size
+        self.engine.eval()
+        mine = list(range(p.dp_rank, len(features), p.dp_size))
+        local = [self.engine(*features.batch(mine[i:i + size], p.device)[0]).float().cpu()
+                 for i in range(0, len(mine), size)]
+        local = torch.cat(local).numpy() if local else None
+        gathered = all_gather_object((mine, local), p.dp_group)
+        shape = next(logits.shape[1:] for _, logits in gathered if logits is not None)
+        result = np.zeros((len(features), *shape), dtype=np.float32)
+        for indices, logits in gathered:
+            if logits is not None:
+                result[indices] = logits
+        self.engine.train()
+        return result
+
+    def evaluate_all(self, epoch: int, step: int = 0) -> dict:
+        """Metrics of every dev set. Their prediction files wait in `_pending_files` until the
+        caller knows whether this epoch is the best (`write_predictions`)."""
+        metrics, self._pending_files = {}, {}
+        for dev in self.dev_sets:
+            evaluation = self.task.evaluate(dev, self.outputs(dev.features), self.cfg.task)
+            self._pending_files.update(evaluation.files)
+            prefix = f"{dev.name}/" if len(self.dev_sets) > 1 else ""
+            metrics.update({f"{prefix}{k}": v for k, v in evaluation.metrics.items()})
+        main = self.task.main_metric
+        score = float(np.mean([v for k, v in metrics.items() if k.split("/")[-1] == main]))
+        for k, v in metrics.items():
+            self._scalar(f"eval/{k}", v, step)
+        self.log(f"epoch {epoch} | " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
+        return {"epoch": epoch, "step": step, "metrics": metrics, "score": score}
+
+    def write_predictions(self) -> None:
+        """The prediction files of the last evaluation (called for the best epoch only)."""
+        if self.parallel.rank == self.parallel.logging_rank:
+            _write_files(os.path.join(self.cfg.train.output_dir, "predictions"), self._pending_files)
+        self._pending_files = {}
+
+    def predict_tests(self) -> None:
+        for test in self.test_sets:
+            files = self.task.submission_files(test, self.outputs(test.features), self.cfg.task)
+            if self.parallel.rank == self.parallel.logging_rank:
+                _write_files(os.path.join(self.cfg.train.output_dir, "submission"), files)
+
+    # ----------------------------------------------------------------------------- best weights
+    @torch.no_grad()
+    def save_best(self, result: dict) -> None:
+        """The best epoch's weights as a Hugging Face directory of the task's architecture."""
+        from pretrain.checkpoint.hf import write_hf
+
+        p = self.parallel
+        weights = {}
+        for lp in logical_parameters(self.model.bert):
+            local = lp.param.detach().float()  # on the model's device: the TP gather runs there
+            if lp.tp_partition_dim is not None and p.tp_size > 1:
+                local = torch.cat(all_gather(local, p.tp_group), dim=lp.tp_partition_dim)
+            weights[lp.hf_name] = unpad_vocab(lp.hf_name, to_host(local), self.model_cfg.vocab_size)
+        if p.rank != p.logging_rank:
+            return
+        head = {name: param.detach().float().cpu() for name, param in self.model.head.named_parameters()}
+        ckpt = replace(self.ckpt, weights=weights, extra=head)
+        target = os.path.join(self.cfg.train.output_dir, "best")
+        fresh = target + ".new"
+        shutil.rmtree(fresh, ignore_errors=True)
+        with tempfile.TemporaryDirectory() as vocab_dir:
+            save_vocab(self.tokenizer.source, vocab_dir)  # the tokenizer this model was fine-tuned with
+            write_hf(replace(ckpt, vocab_dir=vocab_dir), fresh, architecture=self.task.architecture,
+                     config_extra=self.task.export_config())
+        with open(os.path.join(fresh, "finetune_result.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(fresh, target)
+        self.log(f"saved the epoch-{result['epoch']} weights to {target}")
+
+
+def run(cfg: FinetuneConfig, parallel, log=print) -> dict:
+    started = time.perf_counter()
+    summary = Finetuner(cfg, parallel, log).train()
+    summary["seconds"] = time.perf_counter() - started
+    return summary
