@@ -1,6 +1,6 @@
 """`python -m finetune TASK [--config configs/finetune/TASK.yaml] [section.key=value ...]`."""
 import sys
 
-from .run import main
+from .main import main
 
 sys.exit(main())

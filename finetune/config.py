@@ -31,6 +31,21 @@ class TaskSection:
     max_answer_length: int = 30  # tokens
     null_score_diff_threshold: float = 0.0  # 2.0: answer "" when null score - best score exceeds it
 
+    def problems(self) -> list[str]:
+        p = []
+        if self.name not in TASK_NAMES:
+            p.append(f"task.name {self.name!r} must be one of {', '.join(TASK_NAMES)}")
+        if not (self.data_dir or self.train_file or self.dev_files):
+            p.append("give task.data_dir (the task's standard layout) or task.train_file / task.dev_files")
+        p += _missing_paths([self.data_dir, self.train_file, *self.dev_files, *self.test_files])
+        if self.max_seq_length < 8:
+            p.append(f"task.max_seq_length ({self.max_seq_length}) must be at least 8")
+        if self.name in TASKS:
+            p += TASKS[self.name].config_problems(self)
+        if self.doc_stride < 1 or self.n_best_size < 1 or self.max_answer_length < 1:
+            p.append("task.doc_stride, task.n_best_size and task.max_answer_length must be >= 1")
+        return p
+
 
 @dataclass
 class ModelSection:
@@ -40,11 +55,24 @@ class ModelSection:
     hidden_dropout: float | None = None  # None: the checkpoint's
     attention_dropout: float | None = None
 
+    def problems(self) -> list[str]:
+        p = _missing_paths([self.vocab_file])
+        if not self.init_from:
+            p.append("model.init_from is required: a native checkpoint or a Hugging Face BERT directory")
+        elif not os.path.exists(self.init_from):
+            p.append(f"model.init_from {self.init_from} does not exist")
+        return p
+
 
 @dataclass
 class ParallelSection:
     tensor_parallel: int = 1
     zero_stage: int = 0  # 0, 1 or 2
+
+    def problems(self) -> list[str]:
+        if self.zero_stage not in (0, 1, 2):
+            return [f"parallel.zero_stage ({self.zero_stage}) must be 0, 1 or 2 for fine-tuning"]
+        return []
 
 
 @dataclass
@@ -67,6 +95,14 @@ class TrainSection:
     progress: bool = True  # tqdm bars on the logging rank
     tf32: bool = True  # TF32 tensor cores for fp32 matrix products on GPUs (Ampere and later); no effect on CPU
 
+    def problems(self) -> list[str]:
+        p = []
+        if self.precision not in ("fp32", "bf16"):
+            p.append(f"train.precision {self.precision!r} must be fp32 or bf16")
+        if self.epochs <= 0 or self.lr <= 0 or not 0 <= self.warmup_ratio < 1:
+            p.append("train.epochs and train.lr must be > 0 and 0 <= train.warmup_ratio < 1")
+        return p
+
 
 SECTIONS: dict[str, type] = {"task": TaskSection, "model": ModelSection, "parallel": ParallelSection,
                              "train": TrainSection}
@@ -83,27 +119,9 @@ class FinetuneConfig:
         return asdict(self)
 
     def validate(self, world_size: int) -> None:
-        t, m, p, tr = self.task, self.model, self.parallel, self.train
-        problems = []
-        if t.name not in TASK_NAMES:
-            problems.append(f"task.name {t.name!r} must be one of {', '.join(TASK_NAMES)}")
-        if not (t.data_dir or t.train_file or t.dev_files):
-            problems.append("give task.data_dir (the task's standard layout) or task.train_file / task.dev_files")
-        for path in [t.data_dir, t.train_file, *t.dev_files, *t.test_files, m.vocab_file]:
-            if path and not os.path.exists(path):
-                problems.append(f"{path} does not exist")
-        if not m.init_from:
-            problems.append("model.init_from is required: a native checkpoint or a Hugging Face BERT directory")
-        elif not os.path.exists(m.init_from):
-            problems.append(f"model.init_from {m.init_from} does not exist")
-        if t.max_seq_length < 8:
-            problems.append(f"task.max_seq_length ({t.max_seq_length}) must be at least 8")
-        if t.name in TASKS:
-            problems += TASKS[t.name].config_problems(t)
-        if t.doc_stride < 1 or t.n_best_size < 1 or t.max_answer_length < 1:
-            problems.append("task.doc_stride, task.n_best_size and task.max_answer_length must be >= 1")
-        if p.zero_stage not in (0, 1, 2):
-            problems.append(f"parallel.zero_stage ({p.zero_stage}) must be 0, 1 or 2 for fine-tuning")
+        """Every section's rules, then the batch arithmetic over the world size; one ConfigError."""
+        p, tr = self.parallel, self.train
+        problems = self.task.problems() + self.model.problems() + p.problems()
         if p.tensor_parallel < 1 or world_size % p.tensor_parallel:
             problems.append(f"parallel.tensor_parallel ({p.tensor_parallel}) must divide the world size ({world_size})")
         else:
@@ -111,12 +129,13 @@ class FinetuneConfig:
             if tr.global_batch_size % (tr.micro_batch_size * dp):
                 problems.append(f"train.global_batch_size ({tr.global_batch_size}) must be a multiple of "
                                 f"micro_batch_size x data-parallel size ({tr.micro_batch_size} x {dp})")
-        if tr.precision not in ("fp32", "bf16"):
-            problems.append(f"train.precision {tr.precision!r} must be fp32 or bf16")
-        if tr.epochs <= 0 or tr.lr <= 0 or not 0 <= tr.warmup_ratio < 1:
-            problems.append("train.epochs and train.lr must be > 0 and 0 <= train.warmup_ratio < 1")
+        problems += tr.problems()
         if problems:
             raise ConfigError(problems)
+
+
+def _missing_paths(paths: list[str | None]) -> list[str]:
+    return [f"{path} does not exist" for path in paths if path and not os.path.exists(path)]
 
 
 def load_finetune_config(path: str | None, overrides: Sequence[str] = ()) -> FinetuneConfig:

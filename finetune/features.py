@@ -17,13 +17,14 @@ import torch
 from pretrain.checkpoint.format import CheckpointError
 from pretrain.checkpoint.load import read_any
 from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer
+from pretrain.errors import UserError
 from pretrain.model.rng import RngTracker, seed_streams
 
 from .inputs import fixed_length_tokenizer
 from .model import build_encoder, encoder_inputs, load_encoder
 
 
-class FeatureError(ValueError):
+class FeatureError(UserError, ValueError):
     pass
 
 

@@ -26,9 +26,10 @@ from pretrain.checkpoint.load import read_any
 from pretrain.checkpoint.sharding import unpad_vocab
 from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer, save_vocab
 from pretrain.config import deepspeed_settings
-from pretrain.data.atomic import atomic_outputs
-from pretrain.data.samples import micro_batch_indices
+from pretrain.preprocess.atomic import atomic_outputs
+from pretrain.samples.batches import micro_batch_indices
 from pretrain.device import all_gather, all_gather_object, all_reduce, configure_math, describe, to_host
+from pretrain.errors import UserError
 from pretrain.internals import no_optimizer_steps
 from pretrain.model.names import logical_parameters
 from pretrain.model.rng import RngTracker, seed_streams
@@ -42,7 +43,7 @@ from .tasks import TASKS
 from .tasks.base import Dataset, Read, TaskDataError
 
 
-class FinetuneError(RuntimeError):
+class FinetuneError(UserError, RuntimeError):
     """Bad input found after start-up (a data file, the checkpoint, the tokenizer)."""
 
 

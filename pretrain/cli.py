@@ -1,10 +1,91 @@
-"""Pieces every command-line entry point shares (kept free of heavy imports: --help stays fast)."""
+"""The skeleton every command-line program shares (kept free of heavy imports: --help stays fast).
+
+    def main(argv=None) -> int:
+        return run_command(parse_args, body, argv, name="fill_mask")
+
+`run_command` hides the libraries' known noise, parses, runs `body(args)` and turns the outcome
+into the exit status: 0 done (or the status `body` returns), 1 bad input (a UserError: its
+message on stderr, no traceback), 2 bad usage (argparse's own SystemExit(2), or a UsageError),
+130 interrupted where the program says what an interruption leaves behind. Anything else is a
+bug: its traceback stays. A program with process groups calls `run_distributed` from its body.
+"""
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from .errors import UserError
+from .quiet import hide_library_warnings
+
+if TYPE_CHECKING:  # the real imports start torch: only run_distributed pays for them
+    from .parallel import LaunchEnv, Parallel
+
+INTERRUPTED = 130  # the shell's status for a process stopped by SIGINT
 
 
 def accept_launcher_args(parser: argparse.ArgumentParser) -> None:
     """The deepspeed launcher appends --local_rank=N to every program's arguments; the rank is
     read from the environment (LOCAL_RANK), so the flag is accepted and ignored."""
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def run_command(parse: Callable[[Sequence[str] | None], argparse.Namespace],
+                body: Callable[[argparse.Namespace], int | None],
+                argv: Sequence[str] | None = None, *,
+                name: str | None = None,
+                input_errors: tuple[type[Exception], ...] = (),
+                interrupted: str | None = None) -> int:
+    """Run one program; returns its exit status.
+
+    name: prefixes error lines ("NAME: error: ..."); None gives "error: ..." (the training commands).
+    input_errors: further exception types this program reports like a UserError (exit 1), e.g.
+        OSError for tools whose every OSError is an unreadable or unwritable file the user named.
+    interrupted: what Ctrl-C leaves behind ("interrupted; no output written"), printed as
+        "NAME: ..." with exit 130; None lets KeyboardInterrupt through as Python reports it.
+    Usage errors: argparse prints the usage and raises SystemExit(2) itself; it passes through
+    unchanged, so `main` behaves as argparse always did.
+    """
+    hide_library_warnings()
+    args = parse(argv)
+    prefix = f"{name}: error: " if name else "error: "
+    try:
+        return body(args) or 0
+    except UserError as error:
+        print(f"{prefix}{error}", file=sys.stderr)
+        return error.exit_status
+    except input_errors as error:
+        print(f"{prefix}{error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if interrupted is None:
+            raise
+        print(f"{name}: {interrupted}", file=sys.stderr)
+        return INTERRUPTED
+
+
+def run_distributed(work: Callable[["Parallel"], int | None], tensor_parallel: int, pipeline_parallel: int = 1,
+                    timeout_minutes: float = 10.0, launch: "LaunchEnv | None" = None) -> int:
+    """Start the process groups, run `work(parallel)`, shut the groups down (also on error);
+    returns work's exit status (None: 0).
+
+    launch: where this rank sits (default: discovered from the launcher's variables). It is
+    exported to os.environ first, because DeepSpeed (its engine, deepspeed.comm, PipelineModule)
+    reads RANK, LOCAL_RANK and the master address from there, not from us.
+    Every rank meets the same bad input: only the logging rank raises the UserError (for
+    run_command to print), the others return its status quietly, so it is printed once.
+    """
+    from .parallel import discover_launch_env, init_parallel, shutdown_parallel
+
+    launch = discover_launch_env() if launch is None else launch
+    launch.export_to(os.environ)
+    parallel = init_parallel(launch, tensor_parallel, pipeline_parallel, timeout_minutes)
+    try:
+        return work(parallel) or 0
+    except UserError as error:
+        if parallel.rank != parallel.logging_rank:
+            return error.exit_status
+        raise
+    finally:
+        shutdown_parallel()

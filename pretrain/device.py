@@ -21,13 +21,20 @@ import os
 import torch
 import torch.distributed as dist
 
+from .errors import UserError
+
 FAKE_GPU_ENV = "BERT_FAKE_GPU"
 # Backends that have no CPU implementation: a CPU tensor in their collectives is a device bug.
 DEVICE_ONLY_BACKENDS = ("nccl", "fakeccl")
 
 
-class DeviceError(RuntimeError):
-    """A tensor on the wrong device, or a rank without a usable device."""
+class DeviceError(UserError, RuntimeError):
+    """A rank without a usable device (more ranks on a node than it has GPUs): a launch to fix."""
+
+
+class DevicePlacementError(RuntimeError):
+    """A tensor on the wrong device for its collective: a bug in our code, not in the user's
+    input, so it is no UserError and keeps its traceback."""
 
 
 # ----------------------------------------------------------------------------- placement
@@ -98,7 +105,7 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- collectives
 def _check(tensor: torch.Tensor, group, call: str) -> None:
     if tensor.device.type == "cpu" and dist.get_backend(group) in DEVICE_ONLY_BACKENDS:
-        raise DeviceError(f"{call}: a CPU tensor on a {dist.get_backend(group)} process group, which has no "
+        raise DevicePlacementError(f"{call}: a CPU tensor on a {dist.get_backend(group)} process group, which has no "
                           "CPU backend; create the tensor on the model's device")
 
 

@@ -12,6 +12,7 @@ import os
 import re
 import socket
 from dataclasses import dataclass
+from typing import MutableMapping
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,13 @@ class LaunchEnv:
     master_addr: str
     master_port: int
     source: str  # "torchrun/deepspeed", "mpi", "slurm" or "single"
+
+    def export_to(self, environ: MutableMapping[str, str]) -> None:
+        """Write the torchrun-style variables. DeepSpeed's engine, deepspeed.comm and
+        PipelineModule read LOCAL_RANK, RANK and the master address from the environment, whichever
+        launcher started us, so the programs export them before the process groups start."""
+        environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
+                       MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port))
 
 
 def _mpi_launch_env(environ) -> LaunchEnv:
@@ -88,6 +96,11 @@ def discover_launch_env(environ=None) -> LaunchEnv:
     # default would collide with a job running on this machine.
     port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else _free_port()
     return LaunchEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), port, "single")
+
+
+def _url_host(address: str) -> str:
+    """An IPv6 address needs brackets inside a URL."""
+    return f"[{address}]" if ":" in address else address
 
 
 def _free_port() -> int:
@@ -176,21 +189,18 @@ def _ranks(group) -> list[int]:
     return sorted(dist.get_process_group_ranks(group))
 
 
-def init_parallel(tensor_parallel: int, pipeline_parallel: int, timeout_minutes: float = 10.0) -> Parallel:
-    """Start torch.distributed (gloo on CPU, NCCL on GPU) and build the TP/PP/DP groups."""
+def init_parallel(launch: LaunchEnv, tensor_parallel: int, pipeline_parallel: int,
+                  timeout_minutes: float = 10.0) -> Parallel:
+    """Start torch.distributed (gloo on CPU, NCCL on GPU) and build the TP/PP/DP groups.
+
+    The rendezvous is `launch`'s; os.environ is left alone. Export `launch` first
+    (LaunchEnv.export_to, as cli.run_distributed does): DeepSpeed reads LOCAL_RANK from the
+    environment here on a GPU and later in its engine.
+    """
     import deepspeed
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
     from megatron.core import parallel_state
 
-    launch = discover_launch_env()
-    for key, value in (
-        ("RANK", launch.rank),
-        ("WORLD_SIZE", launch.world_size),
-        ("LOCAL_RANK", launch.local_rank),
-        ("MASTER_ADDR", launch.master_addr),
-        ("MASTER_PORT", launch.master_port),
-    ):
-        os.environ[key] = str(value)
     device = select_device(launch.local_rank)
     backend = backend_for(device)
     timeout = datetime.timedelta(minutes=timeout_minutes)
@@ -199,7 +209,7 @@ def init_parallel(tensor_parallel: int, pipeline_parallel: int, timeout_minutes:
             dist_backend=backend,
             auto_mpi_discovery=False,
             timeout=timeout,
-            init_method="env://",
+            init_method=f"tcp://{_url_host(launch.master_addr)}:{launch.master_port}",
             rank=launch.rank,
             world_size=launch.world_size,
         )

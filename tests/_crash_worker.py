@@ -26,8 +26,8 @@ import torch  # noqa: E402
 from _train_worker import TINY  # noqa: E402
 from pretrain.checkpoint.format import tag_for  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
-from pretrain.parallel import init_parallel, shutdown_parallel  # noqa: E402
-from pretrain.training import Trainer  # noqa: E402
+from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
+from pretrain.trainer import Trainer  # noqa: E402
 
 
 def crash_inside_save(step: int, index: int) -> None:
@@ -55,7 +55,9 @@ def crash_inside_save(step: int, index: int) -> None:
 def main():
     out_path, overrides = sys.argv[1], sys.argv[2:]
     cfg = load_config(None, TINY + overrides)
-    parallel = init_parallel(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel,
+    launch = discover_launch_env()
+    launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
+    parallel = init_parallel(launch, cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel,
                              timeout_minutes=cfg.train.dist_timeout_minutes)
     cfg.validate(world_size=parallel.world_size)
     crash = os.environ.get("CRASH_IN_SAVE")

@@ -18,12 +18,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from pretrain.config import ModelConfig  # noqa: E402
-from pretrain.data.samples import collate, split_inputs_labels  # noqa: E402
-from pretrain.data.synthetic import SyntheticDataset  # noqa: E402
+from pretrain.samples.batches import collate, split_inputs_labels  # noqa: E402
+from pretrain.samples.synthetic import SyntheticDataset  # noqa: E402
 from pretrain.model.bert import PretrainingLoss, build_model, init_weights  # noqa: E402
 from pretrain.model.layers import EmbeddingTail, TransformerLayer  # noqa: E402
 from pretrain.model.rng import RngTracker, seed_streams  # noqa: E402
-from pretrain.parallel import init_parallel, shutdown_parallel  # noqa: E402
+from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
 
 
 def max_spread_over_tp(tensor, group, size):
@@ -34,7 +34,9 @@ def max_spread_over_tp(tensor, group, size):
 
 def main():
     out_path = sys.argv[1]
-    par = init_parallel(int(os.environ["WORLD_SIZE"]), 1)
+    launch = discover_launch_env()
+    launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
+    par = init_parallel(launch, int(os.environ["WORLD_SIZE"]), 1)
     cfg = ModelConfig(vocab_size=250, hidden_size=64, num_layers=2, num_attention_heads=4, ffn_hidden_size=256,
                       max_position_embeddings=64, hidden_dropout=0.3, attention_dropout=0.3)
     padded = cfg.padded_vocab_size(par.tp_size)

@@ -7,6 +7,7 @@ optimizer steps (fp32 masters) and the model's own weights. Also the fp16 loss s
 DeepSpeed's FP16_UnfusedOptimizer, the wrapper fp16 gets at ZeRO-0.
 """
 import json
+import os
 import sys
 from types import SimpleNamespace
 
@@ -16,8 +17,8 @@ from _train_worker import TINY
 from pretrain import internals
 from pretrain.config import load_config
 from pretrain.optim.layout import layout_for_deepspeed
-from pretrain.parallel import init_parallel, shutdown_parallel
-from pretrain.training import Trainer
+from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
+from pretrain.trainer import Trainer
 
 
 def model_values(param, segment):
@@ -52,7 +53,9 @@ def fp16_loss_scale() -> dict:
 
 def main():
     out_path, precisions = sys.argv[1], sys.argv[2:] or ["fp32", "bf16"]
-    parallel = init_parallel(1, 1, timeout_minutes=3)
+    launch = discover_launch_env()
+    launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
+    parallel = init_parallel(launch, 1, 1, timeout_minutes=3)
     results = {"device": str(parallel.device)}
     for precision in precisions:
         for stage in (0, 1, 2, 3):

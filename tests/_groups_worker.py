@@ -5,6 +5,7 @@ Builds the trainer for configs/bert-base.yaml (no step is taken) and writes, fro
 rank, every rank's {Hugging Face name: [weight decay, layer adaptation]} and layout sizes.
 """
 import json
+import os
 import sys
 
 from pretrain.quiet import hide_library_warnings
@@ -14,13 +15,15 @@ hide_library_warnings()
 from _train_worker import layout_report  # noqa: E402
 from pretrain import device  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
-from pretrain.parallel import init_parallel, shutdown_parallel  # noqa: E402
-from pretrain.training import Trainer  # noqa: E402
+from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
+from pretrain.trainer import Trainer  # noqa: E402
 
 
 def main():
     out_path, tp, stage = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    parallel = init_parallel(tp, 1, timeout_minutes=3)
+    launch = discover_launch_env()
+    launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
+    parallel = init_parallel(launch, tp, 1, timeout_minutes=3)
     cfg = load_config("configs/bert-base.yaml", [
         f"parallel.tensor_parallel={tp}", f"parallel.zero_stage={stage}", "data.kind=synthetic",
         "data.seq_length=32", "data.max_predictions_per_seq=5", "train.global_batch_size=4",

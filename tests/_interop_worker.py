@@ -9,6 +9,7 @@ logits of a fixed batch, and with "encode" (pipeline_parallel 1 only) BertModel'
 rank of the last stage writes {name: {history, inputs, mlm, nsp[, hidden, pooled]}} to OUT.pt.
 """
 import json
+import os
 import sys
 
 from pretrain.quiet import hide_library_warnings
@@ -20,10 +21,10 @@ import torch.distributed as dist  # noqa: E402
 
 from _train_worker import TINY  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
-from pretrain.data.samples import collate, split_inputs_labels  # noqa: E402
-from pretrain.data.synthetic import SyntheticDataset  # noqa: E402
-from pretrain.parallel import init_parallel, shutdown_parallel  # noqa: E402
-from pretrain.training import Trainer  # noqa: E402
+from pretrain.samples.batches import collate, split_inputs_labels  # noqa: E402
+from pretrain.samples.synthetic import SyntheticDataset  # noqa: E402
+from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
+from pretrain.trainer import Trainer  # noqa: E402
 
 
 def fixed_batch(cfg, device):
@@ -54,7 +55,9 @@ def outputs(trainer, inputs, labels, encode: bool) -> dict:
 
 def main():
     out_path, tp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    parallel = init_parallel(tp, pp, timeout_minutes=3)
+    launch = discover_launch_env()
+    launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
+    parallel = init_parallel(launch, tp, pp, timeout_minutes=3)
     results = {}
     for run in map(json.loads, sys.argv[4:]):
         cfg = load_config(None, TINY + [f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}"]

@@ -5,6 +5,7 @@ Both models get the same weights (HF's random init, converted through HF_NAME_TA
 same inputs; rank 0 writes the largest absolute differences of MLM logits, NSP logits and loss.
 """
 import json
+import os
 import sys
 
 from pretrain.quiet import hide_library_warnings
@@ -16,20 +17,22 @@ import torch.distributed as dist  # noqa: E402
 from transformers import BertConfig, BertForPreTraining  # noqa: E402
 
 from pretrain.config import ModelConfig  # noqa: E402
-from pretrain.data.samples import collate, split_inputs_labels  # noqa: E402
-from pretrain.data.synthetic import SyntheticDataset  # noqa: E402
+from pretrain.samples.batches import collate, split_inputs_labels  # noqa: E402
+from pretrain.samples.synthetic import SyntheticDataset  # noqa: E402
 from pretrain.model.bert import PretrainingLoss, build_model  # noqa: E402
 from pretrain.checkpoint.sharding import load_hf_state_dict  # noqa: E402
 from pretrain.model.rng import RngTracker, seed_streams  # noqa: E402
-from pretrain.parallel import init_parallel, shutdown_parallel  # noqa: E402
+from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS, HEADS, SEQ, PREDICTIONS = 250, 64, 2, 4, 32, 6
 
 
 def main():
     out_path = sys.argv[1]
-    world = int(__import__("os").environ["WORLD_SIZE"])
-    parallel = init_parallel(world, 1)
+    world = int(os.environ["WORLD_SIZE"])
+    launch = discover_launch_env()
+    launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
+    parallel = init_parallel(launch, world, 1)
     model_cfg = ModelConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_attention_heads=HEADS,
                             ffn_hidden_size=4 * HIDDEN, max_position_embeddings=64, hidden_dropout=0.0,
                             attention_dropout=0.0)

@@ -7,6 +7,7 @@ sync), with where they come from.
 """
 import collections
 import json
+import os
 import sys
 import traceback
 
@@ -14,8 +15,8 @@ import torch
 
 from _train_worker import TINY
 from pretrain.config import load_config
-from pretrain.parallel import init_parallel, shutdown_parallel
-from pretrain.training import Trainer
+from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
+from pretrain.trainer import Trainer
 
 READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
 
@@ -38,7 +39,9 @@ def count_reads(device, counter: collections.Counter):
 
 def main():
     out_path, steps, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-    parallel = init_parallel(1, 1, timeout_minutes=3)
+    launch = discover_launch_env()
+    launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
+    parallel = init_parallel(launch, 1, 1, timeout_minutes=3)
     cfg = load_config(None, TINY + [f"train.train_steps={steps}", "train.log_interval=10"] + overrides)
     cfg.validate(world_size=parallel.world_size)
     trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)

@@ -8,6 +8,7 @@ The logging rank writes, per run: the per-step metrics, the params norm, where i
 every rank reports of its layout and optimizer groups (what proves the layout took effect).
 """
 import json
+import os
 import sys
 
 from pretrain.quiet import hide_library_warnings
@@ -16,8 +17,8 @@ hide_library_warnings()  # the known noise only: anything new shows up in the te
 
 from pretrain import device, internals  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
-from pretrain.parallel import init_parallel, shutdown_parallel  # noqa: E402
-from pretrain.training import Trainer  # noqa: E402
+from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
+from pretrain.trainer import Trainer  # noqa: E402
 
 TINY = [
     "model.vocab_size=200", "model.hidden_size=64", "model.num_layers=2", "model.num_attention_heads=4",
@@ -47,7 +48,7 @@ def layout_report(trainer, parallel) -> dict:
     from megatron.core import parallel_state as ps
 
     from pretrain.model.names import logical_parameters
-    from pretrain.training import counted_once
+    from pretrain.trainer import counted_once
 
     engine = trainer.engine
     params = list(trainer.model.parameters())
@@ -104,7 +105,9 @@ def use_per_shard_trust_ratios(trainer) -> None:
 def main():
     out_path, tp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     runs = [json.loads(arg) for arg in sys.argv[4:]]
-    parallel = init_parallel(tp, pp, timeout_minutes=3)
+    launch = discover_launch_env()
+    launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
+    parallel = init_parallel(launch, tp, pp, timeout_minutes=3)
     results = {}
     for run in runs:
         cfg = load_config(None, TINY + [f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}"] + run["overrides"])

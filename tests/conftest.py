@@ -3,8 +3,10 @@ import sys
 
 import pytest
 
-# tests import their helpers (distributed.py) by module name
+# tests import their helpers (distributed.py) by module name, and the programs of tools/ (not an
+# installed package: its names would collide with other projects') as `tools.<program>`
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Subprocesses (launcher.sh, mpiexec, deepspeed) find this interpreter's environment first, so
 # `.venv/bin/python -m pytest` works without activating the venv.

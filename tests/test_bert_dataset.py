@@ -9,15 +9,15 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-from pretrain.data.bert_dataset import (CorpusSpec, SampleSettings, TokenStore, build_split_dataset,
+from pretrain.samples.bert_dataset import (CorpusSpec, SampleSettings, TokenStore, build_split_dataset,
                                         split_document_ranges)
-from pretrain.data.indexed import DataError
-from pretrain.data.masking import MaskingConfig, mask_tokens
-from pretrain.data.samples import MicroBatchIterator
-from pretrain.data.segments import SegmentSettings, build_segments
-from pretrain.data.shuffle import FeistelPermutation
-from pretrain.data.tokenizer import bert_wordpiece_tokenizer
-from pretrain.data.wordpiece import VocabError, WordPieceVocab
+from pretrain.preprocess.indexed import DataError
+from pretrain.samples.masking import MaskingConfig, mask_tokens
+from pretrain.samples.batches import MicroBatchIterator
+from pretrain.samples.segments import SegmentSettings, build_segments
+from pretrain.samples.shuffle import FeistelPermutation
+from pretrain.preprocess.tokenizer import bert_wordpiece_tokenizer
+from pretrain.samples.token_ids import VocabError, WordPieceVocab
 
 SPECIALS = ["[PAD]", "[unused0]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = [f"w{i}" for i in range(150)]

@@ -31,8 +31,8 @@ def test_cpu_device_and_backend():
     ("tools.fill_mask", ["--checkpoint", "ckpt", "a [MASK] b"]),
     ("tools.extract_features", ["--checkpoint", "c", "--input-file", "i", "--output-file", "o"]),
     ("tools.convert_checkpoint", ["native-to-hf", "--input", "i", "--output", "o"]),
-    ("pretrain.train", ["--config", "c.yaml"]),
-    ("finetune.run", ["mrpc"]),
+    ("pretrain.main", ["--config", "c.yaml"]),
+    ("finetune.main", ["mrpc"]),
 ])
 def test_programs_accept_the_deepspeed_launchers_local_rank(module, argv):
     """`deepspeed` appends --local_rank=N to every program it starts."""

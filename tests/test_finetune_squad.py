@@ -10,7 +10,7 @@ import torch
 
 from finetune.tasks.base import TaskDataError
 from finetune.tasks.squad import _windows, build_features, postprocess, read_squad
-from pretrain.data.tokenizer import bert_wordpiece_tokenizer
+from pretrain.preprocess.tokenizer import bert_wordpiece_tokenizer
 from test_finetune_tasks import SPECIALS, WORDS, finetune, tiny  # noqa: F401  (tiny: a fixture)
 
 VOCAB = SPECIALS + WORDS + [f"x{i}" for i in range(15)]

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from distributed import REPO, free_port
-from pretrain.parallel import _first_slurm_host, discover_launch_env
+from pretrain.parallel import LaunchEnv, _first_slurm_host, discover_launch_env, init_parallel, shutdown_parallel
+
+LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def test_torchrun_variables():
@@ -70,6 +72,29 @@ def test_single_process_port_is_free_while_a_job_holds_29500():
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", port))
     assert discover_launch_env({"MASTER_PORT": "1234"}).master_port == 1234
+
+
+def test_export_to_writes_exactly_the_launch_variables():
+    environ = {"PATH": "/bin", "RANK": "0"}
+    LaunchEnv(5, 8, 1, "gpu07", 4000, "slurm").export_to(environ)
+    assert environ == {"PATH": "/bin", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "gpu07",
+                       "MASTER_PORT": "4000"}
+
+
+def test_init_parallel_leaves_the_environment_alone(monkeypatch):
+    """The rendezvous comes from the LaunchEnv argument; exporting it is the caller's visible step."""
+    for key in LAUNCH_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    before = dict(os.environ)
+    parallel = init_parallel(LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "single"), 1, 1, timeout_minutes=1)
+    try:
+        assert (parallel.rank, parallel.world_size, parallel.tp_size, parallel.dp_size) == (0, 1, 1, 1)
+        assert [key for key in LAUNCH_KEYS if key in os.environ] == []
+        # nothing else of ours either (torch and DeepSpeed add their own on first import)
+        assert {key: os.environ.get(key) for key in before} == before
+    finally:
+        shutdown_parallel()
 
 
 JOB = ["pretrain", "--config", "configs/bert-tiny.yaml", "model.vocab_size=1000", "parallel.tensor_parallel=2",

@@ -21,18 +21,18 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, Indexe
 from tokenizers.implementations import BertWordPieceTokenizer
 
 from _preprocess_helpers import DyingAtStartEncoder, DyingEncoder, RaisingEncoder, documents, hard_wrap, write_jsonl
-from pretrain.data.corpus import CorpusError
-from pretrain.data.encode import SentenceSplitter
-from pretrain.data.indexed import (
+from pretrain.preprocess.corpus import CorpusError
+from pretrain.preprocess.encode import SentenceSplitter
+from pretrain.preprocess.indexed import (
     DataError,
     StreamingIndexedDatasetBuilder,
     dataset_statistics,
     open_indexed_dataset,
 )
-from pretrain.data.merge import merge_datasets
-from pretrain.data.preprocess import PreprocessError, PreprocessOptions, format_report, preprocess
-from pretrain.data.tokenizer import SPECIAL_TOKENS, TokenizerError
-from pretrain.data.vocab import VocabOptions, build_vocab
+from pretrain.preprocess.merge import merge_datasets
+from pretrain.preprocess.pipeline import PreprocessError, PreprocessOptions, format_report, preprocess
+from pretrain.preprocess.tokenizer import SPECIAL_TOKENS, TokenizerError
+from pretrain.preprocess.vocab_builder import VocabOptions, build_vocab
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = dict(progress=False)

@@ -4,7 +4,7 @@ import sys
 
 from distributed import REPO
 
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "demo"))
 import python_docs_corpus  # noqa: E402
 
 from finetune.tasks import TASKS  # noqa: E402

@@ -14,15 +14,15 @@ import pytest
 import zstandard
 
 from _preprocess_helpers import documents, write_jsonl
-from pretrain.data.corpus import CorpusError, expand_inputs, iter_documents
-from pretrain.data.tokenizer import (
+from pretrain.preprocess.corpus import CorpusError, expand_inputs, iter_documents
+from pretrain.preprocess.tokenizer import (
     SPECIAL_TOKENS,
     TokenizerError,
     bert_wordpiece_tokenizer,
     load_tokenizer,
     read_vocab,
 )
-from pretrain.data.vocab import VocabOptions, build_vocab
+from pretrain.preprocess.vocab_builder import VocabOptions, build_vocab
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = [

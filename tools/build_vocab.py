@@ -17,6 +17,8 @@ import os
 import sys
 import time
 
+from pretrain.cli import run_command
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python tools/build_vocab.py", description=__doc__,
@@ -41,25 +43,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    from pretrain.data.corpus import CorpusError
-    from pretrain.data.tokenizer import TokenizerError
-    from pretrain.data.vocab import VocabOptions, build_vocab
+    # ValueError: the options the vocabulary builder refuses (build_vocab lists them in one message)
+    return run_command(parse_args, build, argv, name="build_vocab", input_errors=(ValueError, OSError),
+                       interrupted="interrupted; no output written")
+
+
+def build(args: argparse.Namespace) -> None:
+    from pretrain.preprocess.vocab_builder import VocabOptions, build_vocab
 
     options = VocabOptions(vocab_size=args.vocab_size, min_frequency=args.min_frequency,
                            limit_alphabet=args.limit_alphabet, lowercase=args.lowercase)
     started = time.perf_counter()
-    try:
-        os.makedirs(args.output_dir, exist_ok=True)
-        report = build_vocab(args.input, args.input_format, args.json_keys, options,
-                             vocab_path=os.path.join(args.output_dir, "vocab.txt"),
-                             tokenizer_json_path=os.path.join(args.output_dir, "tokenizer.json"), strict=args.strict)
-    except KeyboardInterrupt:
-        print("build_vocab: interrupted; no output written", file=sys.stderr)
-        return 130
-    except (CorpusError, TokenizerError, ValueError, OSError) as e:
-        print(f"build_vocab: error: {e}", file=sys.stderr)
-        return 1
+    os.makedirs(args.output_dir, exist_ok=True)
+    report = build_vocab(args.input, args.input_format, args.json_keys, options,
+                         vocab_path=os.path.join(args.output_dir, "vocab.txt"),
+                         tokenizer_json_path=os.path.join(args.output_dir, "tokenizer.json"), strict=args.strict)
     malformed = sum(report.problem_counts.values())
     print(f"read {report.files} file{'s' if report.files != 1 else ''}: {report.documents:,} documents, "
           f"{report.text_chars / 1e6:,.1f} M characters")
@@ -70,7 +68,6 @@ def main(argv=None) -> int:
     note = "" if report.vocab_size == args.vocab_size else " (the corpus supports no more)"
     print(f"vocabulary: {report.vocab_size:,} entries{note}, {'lowercased' if args.lowercase else 'cased'}")
     print(f"wrote {', '.join(report.outputs)} in {time.perf_counter() - started:,.1f} s")
-    return 0
 
 
 if __name__ == "__main__":

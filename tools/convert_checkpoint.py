@@ -34,8 +34,7 @@ import os
 import sys
 import time
 
-from pretrain.cli import accept_launcher_args
-from pretrain.quiet import hide_library_warnings
+from pretrain.cli import accept_launcher_args, run_command
 
 # pretrain.checkpoint.hf's tuple (a test checks): importing it here would make --help wait for torch
 PRETRAINING_ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel")
@@ -103,26 +102,19 @@ def run(args) -> list[str]:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    return run_command(parse_args, convert, argv, name="convert_checkpoint", input_errors=(OSError,),
+                       interrupted="interrupted; no output written")
+
+
+def convert(args: argparse.Namespace) -> None:
     # Conversion runs on the CPU whatever the machine has; keep the libraries' import chatter out.
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    hide_library_warnings()
-    from pretrain.checkpoint.format import CheckpointError
     import pretrain.checkpoint.hf  # noqa: F401  (imports first: "done in" times the conversion alone)
 
     started = time.perf_counter()
-    try:
-        lines = run(args)
-    except KeyboardInterrupt:
-        print("convert_checkpoint: interrupted; no output written", file=sys.stderr)
-        return 130
-    except (CheckpointError, OSError) as e:
-        print(f"convert_checkpoint: error: {e}", file=sys.stderr)
-        return 1
-    for line in lines:
+    for line in run(args):
         print(line)
     print(f"done in {time.perf_counter() - started:.1f} s")
-    return 0
 
 
 if __name__ == "__main__":

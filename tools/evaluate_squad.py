@@ -20,6 +20,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from finetune.squad_metrics import evaluate_v1, evaluate_v2  # noqa: E402
+from pretrain.cli import run_command  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,18 +66,18 @@ def evaluate(args) -> dict:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        result = evaluate(args)
-    except (ValueError, KeyError, TypeError) as e:
-        print(f"evaluate_squad: error: {e}", file=sys.stderr)
-        return 1
+    # bad files: evaluate's own checks raise ValueError, the official scoring code meets a wrong
+    # structure as KeyError or TypeError
+    return run_command(parse_args, score, argv, name="evaluate_squad", input_errors=(ValueError, KeyError, TypeError))
+
+
+def score(args: argparse.Namespace) -> None:
+    result = evaluate(args)
     if args.out_file:
         with open(args.out_file, "w") as f:
             json.dump(result, f)
     else:
         print(json.dumps(result, indent=2) if args.version != "1.1" and "exact" in result else json.dumps(result))
-    return 0
 
 
 if __name__ == "__main__":

@@ -15,8 +15,7 @@ import argparse
 import sys
 import time
 
-from pretrain.cli import accept_launcher_args
-from pretrain.quiet import hide_library_warnings
+from pretrain.cli import accept_launcher_args, run_command, run_distributed
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,27 +39,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    hide_library_warnings()
-    from finetune.features import FeatureError, extract_features
-    from pretrain.checkpoint.format import CheckpointError
-    from pretrain.parallel import init_parallel, shutdown_parallel
+    return run_command(parse_args, start, argv, name="extract_features")
 
-    parallel = init_parallel(args.tp, 1)
+
+def start(args: argparse.Namespace) -> int:
+    return run_distributed(lambda parallel: extract(args, parallel), args.tp)
+
+
+def extract(args: argparse.Namespace, parallel) -> None:
+    from finetune.features import extract_features
+
     started = time.perf_counter()
-    try:
-        lines = extract_features(args.checkpoint, args.input_file, args.output_file, args.layers,
-                                 args.max_seq_length, parallel, args.vocab_file, args.batch_size)
-    except (FeatureError, CheckpointError) as e:
-        if parallel.rank == 0:
-            print(f"extract_features: error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        shutdown_parallel()
+    lines = extract_features(args.checkpoint, args.input_file, args.output_file, args.layers,
+                             args.max_seq_length, parallel, args.vocab_file, args.batch_size)
     if parallel.rank == 0:
         print(f"wrote features of {lines} line(s), layers {args.layers}, to {args.output_file} "
               f"in {time.perf_counter() - started:.1f} s")
-    return 0
 
 
 if __name__ == "__main__":

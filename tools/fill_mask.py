@@ -28,13 +28,13 @@ import json
 import os
 import sys
 
-from pretrain.cli import accept_launcher_args
-from pretrain.quiet import hide_library_warnings
+from pretrain.cli import accept_launcher_args, run_command, run_distributed
+from pretrain.errors import UsageError, UserError
 
 MASK = "[MASK]"
 
 
-class FillMaskError(ValueError):
+class FillMaskError(UserError, ValueError):
     pass
 
 
@@ -217,36 +217,33 @@ def run(args, parallel) -> list[str]:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    hide_library_warnings()
+    return run_command(parse_args, start, argv, name="fill_mask")
+
+
+def start(args: argparse.Namespace) -> int:
     import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no "setting accelerator to CPU" warning
-    # stdout carries the predictions (--json: nothing else): the libraries' start-up chatter goes to stderr
+    predictions = sys.stdout
+    # stdout carries the predictions (--json: nothing else): the libraries' chatter goes to stderr
+    # (DeepSpeed's logger keeps the stream it found at import)
     with contextlib.redirect_stdout(sys.stderr):
-        from pretrain.checkpoint.format import CheckpointError
-        from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
+        from pretrain.parallel import discover_launch_env
 
         launch = discover_launch_env()
         if launch.world_size % args.tp:
-            if launch.rank == 0:
-                print(f"fill_mask: error: --tp {args.tp} needs a multiple of {args.tp} processes, "
-                      f"{launch.world_size} launched (launcher.sh --nproc-per-node {args.tp} tool "
-                      "tools/fill_mask.py ...)")
-            return 2
-        parallel = init_parallel(args.tp, 1)
-    try:
-        lines = run(args, parallel)
-    except (FillMaskError, CheckpointError) as e:
-        if parallel.rank == 0:
-            print(f"fill_mask: error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        shutdown_parallel()
-    if parallel.rank == 0:
-        print("\n".join(lines), flush=True)
-    return 0
+            if launch.rank != 0:
+                return UsageError.exit_status  # rank 0 says why
+            raise UsageError(f"--tp {args.tp} needs a multiple of {args.tp} processes, {launch.world_size} "
+                             f"launched (launcher.sh --nproc-per-node {args.tp} tool tools/fill_mask.py ...)")
+
+        def answer(parallel) -> None:
+            lines = run(args, parallel)
+            if parallel.rank == 0:
+                print("\n".join(lines), file=predictions, flush=True)
+
+        return run_distributed(answer, args.tp, launch=launch)
 
 
 if __name__ == "__main__":

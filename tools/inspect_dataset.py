@@ -14,6 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pretrain.cli import run_command
+from pretrain.errors import UsageError
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python tools/inspect_dataset.py", description=__doc__,
@@ -28,55 +31,52 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    from pretrain.data.indexed import DataError, dataset_statistics, open_indexed_dataset
-    from pretrain.data.tokenizer import TokenizerError, bert_wordpiece_tokenizer, read_vocab
+    return run_command(parse_args, inspect, argv, name="inspect_dataset", input_errors=(OSError,))
+
+
+def inspect(args: argparse.Namespace) -> None:
+    from pretrain.preprocess.indexed import DataError, dataset_statistics, open_indexed_dataset
+    from pretrain.preprocess.tokenizer import TokenizerError, bert_wordpiece_tokenizer, read_vocab
 
     if args.decode and not (args.vocab_file or args.tokenizer_json):
-        print("inspect_dataset: error: --decode needs --vocab-file or --tokenizer-json", file=sys.stderr)
-        return 2
-    try:
-        stats = dataset_statistics(args.prefix)
-        print(f"dataset     {stats.prefix}.{{bin,idx}} ({stats.bin_bytes / 1e6:,.2f} MB + {stats.idx_bytes / 1e6:,.2f} MB)")
-        print(f"dtype       {stats.dtype}")
-        print(f"documents   {stats.documents:,} ({stats.empty_documents:,} empty)")
-        print(f"sentences   {stats.sentences:,}")
-        print(f"tokens      {stats.tokens:,}")
-        lo, mean, hi = stats.sentences_per_document
-        print(f"sentences/document  min {lo:,}  mean {mean:,.2f}  max {hi:,}")
-        lo, mean, hi = stats.tokens_per_sentence
-        print(f"tokens/sentence     min {lo:,}  mean {mean:,.2f}  max {hi:,}")
-        if not args.decode:
-            return 0
-        if args.vocab_file:
-            tokenizer = bert_wordpiece_tokenizer(read_vocab(args.vocab_file), lowercase=True)  # case: encode only
-        else:
-            from tokenizers import Tokenizer
+        raise UsageError("--decode needs --vocab-file or --tokenizer-json")
+    stats = dataset_statistics(args.prefix)
+    print(f"dataset     {stats.prefix}.{{bin,idx}} ({stats.bin_bytes / 1e6:,.2f} MB + {stats.idx_bytes / 1e6:,.2f} MB)")
+    print(f"dtype       {stats.dtype}")
+    print(f"documents   {stats.documents:,} ({stats.empty_documents:,} empty)")
+    print(f"sentences   {stats.sentences:,}")
+    print(f"tokens      {stats.tokens:,}")
+    lo, mean, hi = stats.sentences_per_document
+    print(f"sentences/document  min {lo:,}  mean {mean:,.2f}  max {hi:,}")
+    lo, mean, hi = stats.tokens_per_sentence
+    print(f"tokens/sentence     min {lo:,}  mean {mean:,.2f}  max {hi:,}")
+    if not args.decode:
+        return
+    if args.vocab_file:
+        tokenizer = bert_wordpiece_tokenizer(read_vocab(args.vocab_file), lowercase=True)  # case: encode only
+    else:
+        from tokenizers import Tokenizer
 
-            try:
-                tokenizer = Tokenizer.from_file(args.tokenizer_json)
-            except Exception as e:  # tokenizers raises a bare Exception for a bad file
-                raise TokenizerError(f"{args.tokenizer_json}: cannot load tokenizer ({e})") from None
-        vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        dataset = open_indexed_dataset(args.prefix)
-        for n in args.decode:
-            if not 0 <= n < stats.documents:
-                raise DataError(f"{args.prefix}: no document {n} (it has {stats.documents:,}, numbered from 0)")
-            begin, end = int(dataset.document_indices[n]), int(dataset.document_indices[n + 1])
-            print(f"\n--- document {n}: sentences {begin:,}-{end - 1:,} ({end - begin} sentences)")
-            for s in range(begin, end):
-                ids = dataset[s].tolist()
-                outside = [i for i in ids if i >= vocab_size]
-                if outside:
-                    raise DataError(f"{args.prefix}: sentence {s} has token id {outside[0]}, outside the "
-                                    f"{vocab_size:,}-entry vocabulary: not the vocabulary this dataset was made with")
-                print(tokenizer.decode(ids, skip_special_tokens=False))
-                if args.ids:
-                    print(f"    ids: {ids}")
-    except (DataError, TokenizerError, OSError) as e:
-        print(f"inspect_dataset: error: {e}", file=sys.stderr)
-        return 1
-    return 0
+        try:
+            tokenizer = Tokenizer.from_file(args.tokenizer_json)
+        except Exception as e:  # tokenizers raises a bare Exception for a bad file
+            raise TokenizerError(f"{args.tokenizer_json}: cannot load tokenizer ({e})") from None
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    dataset = open_indexed_dataset(args.prefix)
+    for n in args.decode:
+        if not 0 <= n < stats.documents:
+            raise DataError(f"{args.prefix}: no document {n} (it has {stats.documents:,}, numbered from 0)")
+        begin, end = int(dataset.document_indices[n]), int(dataset.document_indices[n + 1])
+        print(f"\n--- document {n}: sentences {begin:,}-{end - 1:,} ({end - begin} sentences)")
+        for s in range(begin, end):
+            ids = dataset[s].tolist()
+            outside = [i for i in ids if i >= vocab_size]
+            if outside:
+                raise DataError(f"{args.prefix}: sentence {s} has token id {outside[0]}, outside the "
+                                f"{vocab_size:,}-entry vocabulary: not the vocabulary this dataset was made with")
+            print(tokenizer.decode(ids, skip_special_tokens=False))
+            if args.ids:
+                print(f"    ids: {ids}")
 
 
 if __name__ == "__main__":

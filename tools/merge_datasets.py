@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pretrain.cli import run_command
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python tools/merge_datasets.py", description=__doc__,
@@ -23,23 +25,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    from pretrain.data.indexed import DataError
-    from pretrain.data.merge import merge_datasets
+    return run_command(parse_args, merge, argv, name="merge_datasets", input_errors=(OSError,),
+                       interrupted="interrupted; no output written")
 
-    try:
-        result = merge_datasets(args.input, args.output_prefix)
-    except KeyboardInterrupt:
-        print("merge_datasets: interrupted; no output written", file=sys.stderr)
-        return 130
-    except (DataError, OSError) as e:
-        print(f"merge_datasets: error: {e}", file=sys.stderr)
-        return 1
+
+def merge(args: argparse.Namespace) -> None:
+    from pretrain.preprocess.merge import merge_datasets
+
+    result = merge_datasets(args.input, args.output_prefix)
     for prefix in result.inputs:
         print(f"  {prefix}")
     print(f"merged {len(result.inputs)} datasets: {result.documents:,} documents, {result.sentences:,} sentences, "
           f"{result.tokens:,} tokens ({result.dtype}) -> {args.output_prefix}.{{bin,idx}}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -18,8 +18,11 @@ import argparse
 import os
 import sys
 
+from pretrain.cli import run_command
+from pretrain.errors import UserError
 
-class PlotError(ValueError):
+
+class PlotError(UserError, ValueError):
     pass
 
 
@@ -149,19 +152,17 @@ def plot(series, output: str, title: str | None) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        runs = find_runs(args.logdir)
-        scalars_by_run = [read_scalars(run_dir) for _, run_dir in runs]
-        series, missing = select_series(runs, scalars_by_run, args.tags)
-        subplots = plot(series, args.output, args.title)
-    except PlotError as e:
-        print(f"plot_curves: error: {e}", file=sys.stderr)
-        return 1
+    return run_command(parse_args, plot_runs, argv, name="plot_curves")
+
+
+def plot_runs(args: argparse.Namespace) -> None:
+    runs = find_runs(args.logdir)
+    scalars_by_run = [read_scalars(run_dir) for _, run_dir in runs]
+    series, missing = select_series(runs, scalars_by_run, args.tags)
+    subplots = plot(series, args.output, args.title)
     if missing:
         print(f"plot_curves: note: not in any run: {', '.join(missing)}", file=sys.stderr)
     print(f"wrote {len(series)} series from {len(runs)} run(s) in {subplots} subplot(s) to {args.output}")
-    return 0
 
 
 if __name__ == "__main__":

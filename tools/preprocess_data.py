@@ -17,7 +17,10 @@ import argparse
 import os
 import sys
 
-# Library imports happen inside main(): worker processes start by re-importing this file, and
+from pretrain.cli import INTERRUPTED, run_command
+from pretrain.errors import UserError
+
+# Library imports happen inside run(): worker processes start by re-importing this file, and
 # must not pay for megatron-core (torch) on the way.
 
 
@@ -73,11 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    from pretrain.data.corpus import CorpusError
-    from pretrain.data.indexed import DataError
-    from pretrain.data.preprocess import Interrupted, PreprocessError, PreprocessOptions, format_report, preprocess
-    from pretrain.data.tokenizer import TokenizerError
+    return run_command(parse_args, run, argv, name="preprocess_data", interrupted="interrupted; no output written")
+
+
+def run(args: argparse.Namespace) -> int | None:
+    from pretrain.preprocess.pipeline import Interrupted, PreprocessOptions, format_report, preprocess
 
     options = PreprocessOptions(
         inputs=tuple(args.input), output_prefix=args.output_prefix, vocab_file=args.vocab_file,
@@ -90,13 +93,11 @@ def main(argv=None) -> int:
     )
     try:
         report = preprocess(options, log=lambda line: print(line, file=sys.stderr))
-    except Interrupted as e:
+    except Interrupted as e:  # SIGINT or SIGTERM: the pipeline turns them into this, and cleans up
         print(f"preprocess_data: {e}; no output written", file=sys.stderr)
-        return 130
-    except KeyboardInterrupt:
-        print("preprocess_data: interrupted; no output written", file=sys.stderr)
-        return 130
-    except (CorpusError, TokenizerError, DataError, PreprocessError, ValueError, OSError) as e:
+        return INTERRUPTED
+    except (UserError, ValueError, OSError) as e:
+        # a worker's failure carries the worker's traceback (multiprocessing's RemoteTraceback)
         cause = getattr(e.__cause__, "__cause__", None)
         if cause is not None and getattr(cause, "tb", None):
             print(f"worker traceback:{cause.tb}", file=sys.stderr)
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
         print("preprocess_data: no output written", file=sys.stderr)
         return 1
     print(format_report(report))
-    return 0
+    return None
 
 
 if __name__ == "__main__":

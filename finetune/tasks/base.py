@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from pretrain.errors import UserError
+
 from ..inputs import Batches
 
 if TYPE_CHECKING:  # annotations only (the config imports the task registry)
@@ -29,7 +31,7 @@ if TYPE_CHECKING:  # annotations only (the config imports the task registry)
 Log = Callable[..., None]
 
 
-class TaskDataError(ValueError):
+class TaskDataError(UserError, ValueError):
     """A data file that cannot be used, with the file and row named."""
 
 

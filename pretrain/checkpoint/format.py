@@ -21,6 +21,7 @@ import re
 from typing import NamedTuple
 
 from ..config import Config, ConfigError
+from ..errors import UserError
 from ..model.layers import TransformerLayer, WordEmbedding
 from ..model.names import HF_NAME_TABLE, TIED_EMBEDDING_KEY, spec_modules
 
@@ -41,7 +42,7 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads"
                 "max_position_embeddings", "type_vocab_size", "make_vocab_size_divisible_by")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be read, written or used as asked (the message names the file)."""
 
 

@@ -18,7 +18,7 @@ import shutil
 import torch
 
 from ..config import Config, ConfigError
-from ..data.tokenizer import SPECIAL_TOKENS, TokenizerError, load_tokenizer, read_vocab
+from ..preprocess.tokenizer import SPECIAL_TOKENS, TokenizerError, load_tokenizer, read_vocab
 from ..model.bert import full_initial_value
 from ..model.names import MLM_BIAS, WORD_EMBEDDINGS
 from .format import CONFIG_JSON, LATEST, META, TOKENIZER_FILES, TOKENIZER_JSON, VOCAB_FILE, CheckpointError, hf_parameter_info

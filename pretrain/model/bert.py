@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from megatron.core import tensor_parallel
 from torch import nn
 
 from ..device import all_reduce
@@ -27,6 +26,7 @@ from .layers import (
     WordEmbedding,
     decode_tokens,
     megatron_config,
+    vocab_parallel_cross_entropy,
 )
 from .names import TIED_EMBEDDING_KEY, WORD_EMBEDDINGS, logical_parameters, spec_modules
 from .rng import RngTracker
@@ -215,7 +215,7 @@ class PretrainingLoss:
         # megatron's cross entropy overwrites fp32 logits in place: work on a copy, so that the
         # logits stay what the model output (the pipeline engine returns them from eval_batch)
         fp32_logits = mlm_logits.float() if mlm_logits.dtype != torch.float32 else mlm_logits.clone()
-        per_token = tensor_parallel.vocab_parallel_cross_entropy(fp32_logits, masked_labels)
+        per_token = vocab_parallel_cross_entropy(fp32_logits, masked_labels, self.tp_group)
         count = weights.sum()
         lm_sum = (per_token * weights).sum()
         lm_loss = lm_sum * self._lm_scale if self._lm_scale is not None else lm_sum / count.clamp(min=1.0)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ..config.choices import OPTIMIZERS
 from .lamb import Lamb
 from .layout import NormLayout, Segment, layout_for_deepspeed, layout_for_params
 from .schedule import WarmupDecayLR, lr_at, make_lr_scheduler
-
-OPTIMIZERS = ("lamb", "adamw")
 
 
 def build_optimizer(name: str, param_groups, **hyper) -> torch.optim.Optimizer:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-DECAYS = ("linear", "poly", "constant")
+from ..config.choices import DECAYS
 
 
 def _validate(base_lr, warmup_steps, total_steps, decay, power, min_lr) -> None:

@@ -1,6 +1,6 @@
 """Training-step benchmark: our engine against Hugging Face BertForPreTraining, single process.
 
-usage: python tools/bench_train.py [--configs base,mini] [--precisions fp32,bf16] [--batch B]
+usage: python tools/benchmarks/train.py [--configs base,mini] [--precisions fp32,bf16] [--batch B]
                                    [--seq 128] [--steps N] [--warmup W] [--optimizer adamw|lamb]
                                    [--threads 2] [--json out.json] [--retries 2]
 
@@ -18,7 +18,7 @@ into the other and the two sides never compete for the cores. Per invocation:
    fp32 were seen on one machine within an hour).
 2. For each config (base: configs/bert-base.yaml, B8; mini: configs/bert-mini.yaml, B16) and
    precision, ours then Hugging Face's:
-   - ours: a one-rank gloo world (127.0.0.1, a free port), ``init_parallel(1, 1)``, the config
+   - ours: a one-rank gloo world (127.0.0.1, a free port), ``init_parallel(launch, 1, 1)``, the config
      from ``load_config`` with batch/precision/optimizer overrides (global = micro batch, no
      gradient accumulation, ZeRO-0, constant LR), ``Trainer(cfg, parallel)``, timing
      ``trainer.train_step(batches)``: forward, loss, DeepSpeed backward and step (gradient
@@ -39,7 +39,7 @@ into the other and the two sides never compete for the cores. Per invocation:
 
 FLOPs and MFU
 -------------
-FLOPs per sample are ``pretrain.training.model_flops_per_sample``: matrix-product FLOPs the
+FLOPs per sample are ``pretrain.trainer.model_flops_per_sample``: matrix-product FLOPs the
 model needs (2 per multiply-add), training = 3 x forward (backward = 2 x forward), the MLM
 transform and vocabulary projection counted only at the masked positions (max_predictions_per_seq),
 attention scores/context included, element-wise work and activation recomputation not counted.
@@ -62,10 +62,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = {"base": (REPO / "configs" / "bert-base.yaml", 8), "mini": (REPO / "configs" / "bert-mini.yaml", 16)}
 PRECISIONS = ("fp32", "bf16")
-FLOPS_NOTE = ("FLOPs: pretrain.training.model_flops_per_sample (matmul FLOPs the model needs, fwd+bwd = 3 x fwd, "
+FLOPS_NOTE = ("FLOPs: pretrain.trainer.model_flops_per_sample (matmul FLOPs the model needs, fwd+bwd = 3 x fwd, "
               "MLM decoder only at masked positions); the same count for both sides. MFU against the GEMM peak "
               "of the run's precision (best 2048^3 torch.mm, same threads, same process, before and after the steps).")
 
@@ -110,8 +110,8 @@ def bench_config(name: str, batch: int, seq: int, precision: str, optimizer: str
 
 def make_batches(cfg, count: int, device):
     """`count` micro-batches (inputs, labels) of our synthetic data on `device`, drawn before any timing."""
-    from pretrain.data.samples import MicroBatchIterator
-    from pretrain.data.synthetic import SyntheticDataset
+    from pretrain.samples.batches import MicroBatchIterator
+    from pretrain.samples.synthetic import SyntheticDataset
 
     d = cfg.data
     dataset = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions_per_seq, d.num_samples,
@@ -196,12 +196,14 @@ def child_ours(args) -> dict:
     from deepspeed.utils import logger as ds_logger
 
     from pretrain.device import configure_math
-    from pretrain.parallel import init_parallel, shutdown_parallel
-    from pretrain.training import Trainer, model_flops_per_sample
+    from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
+    from pretrain.trainer import Trainer, model_flops_per_sample
 
     ds_logger.setLevel(logging.WARNING)
     cfg = bench_config(args.config, args.batch, args.seq, args.precision, args.optimizer, args.warmup + args.steps)
-    parallel = init_parallel(1, 1)
+    launch = discover_launch_env()
+    launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
+    parallel = init_parallel(launch, 1, 1)
     device = parallel.device
     configure_math(device, cfg.train.tf32)  # as the Trainer below does, before the peak is measured
     peak = gemm_peak(args.precision, device)
@@ -270,7 +272,7 @@ def child_hf(args) -> dict:
     import torch
 
     from pretrain.device import configure_math
-    from pretrain.training import model_flops_per_sample
+    from pretrain.trainer import model_flops_per_sample
 
     device = bench_device()
     cfg = bench_config(args.config, args.batch, args.seq, args.precision, args.optimizer, args.warmup + args.steps)

@@ -6,9 +6,9 @@ from typing import Callable
 
 from ..config import Config
 from .bert_dataset import CorpusSpec, SampleSettings, build_split_dataset
-from .indexed import DataError
+from ..preprocess.indexed import DataError
 from .synthetic import SyntheticDataset
-from .wordpiece import VocabError, WordPieceVocab
+from .token_ids import VocabError, WordPieceVocab
 
 
 def data_file_problems(cfg: Config) -> list[str]:

@@ -12,9 +12,8 @@ import json
 import os
 import sys
 
+from pretrain.cli import accept_launcher_args, run_command, run_distributed
 from pretrain.config import ConfigError
-from pretrain.cli import accept_launcher_args
-from pretrain.quiet import hide_library_warnings
 
 from .config import TASK_NAMES, load_finetune_config
 
@@ -24,45 +23,40 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m finetune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    accept_launcher_args(parser)
     parser.add_argument("task", choices=TASK_NAMES)
     parser.add_argument("--config", help="YAML config (default: configs/finetune/TASK.yaml)")
-    accept_launcher_args(parser)
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.init_from=ckpt/ train.epochs=2")
     # intermixed: overrides may follow --config, as in `python -m finetune mrpc --config F a.b=1`
     return parser.parse_intermixed_args(argv)
 
 
 def main(argv=None) -> int:
-    hide_library_warnings()
-    args = parse_args(argv)
+    return run_command(parse_args, start, argv)
+
+
+def start(args: argparse.Namespace) -> int:
     from pretrain.parallel import discover_launch_env
 
-    world_size = discover_launch_env().world_size
+    launch = discover_launch_env()
     config = args.config or os.path.join(REPO, "configs", "finetune", f"{args.task}.yaml")
     try:
         cfg = load_finetune_config(config if os.path.exists(config) or args.config else None,
                                    [f"task.name={args.task}", *args.overrides])
-        cfg.validate(world_size)
+        cfg.validate(launch.world_size)
     except ConfigError as error:
+        # every problem on its own line under one heading, before any rank started
         print(f"invalid configuration ({config}):\n{error}", file=sys.stderr)
         return 2
 
-    from pretrain.parallel import init_parallel, shutdown_parallel
+    from .trainer import run
 
-    from .trainer import FinetuneError, run
-
-    parallel = init_parallel(cfg.parallel.tensor_parallel, 1)
-    try:
+    def fine_tune(parallel) -> None:
         summary = run(cfg, parallel)
-    except FinetuneError as error:
         if parallel.rank == parallel.logging_rank:
-            print(f"error: {error}", file=sys.stderr)
-        return 1
-    finally:
-        shutdown_parallel()
-    if parallel.rank == parallel.logging_rank:
-        print(json.dumps({"task": summary["task"], "best": summary["best"]}, indent=2))
-    return 0
+            print(json.dumps({"task": summary["task"], "best": summary["best"]}, indent=2))
+
+    return run_distributed(fine_tune, cfg.parallel.tensor_parallel, launch=launch)
 
 
 if __name__ == "__main__":

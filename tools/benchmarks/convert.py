@@ -1,6 +1,6 @@
 """Time checkpoint conversion against a plain Hugging Face load + save of the same model.
 
-usage: python tools/bench_convert.py [--size base|large] [--tp 2] [--pp 2] [--workdir DIR]
+usage: python tools/benchmarks/convert.py [--size base|large] [--tp 2] [--pp 2] [--workdir DIR]
 
 Each step runs in its own process (what a user runs), measured for wall time, the time the
 program reports for the work itself (without interpreter start-up and imports) and peak RSS:
@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIZES = {"base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
          "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)}
 

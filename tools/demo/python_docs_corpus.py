@@ -1,6 +1,6 @@
 """A real English corpus that every Python installation carries: its own documentation.
 
-usage: python tools/python_docs_corpus.py --output-dir DIR [--packages numpy,scipy,...] [--dev-fraction 0.1]
+usage: python tools/demo/python_docs_corpus.py --output-dir DIR [--packages numpy,scipy,...] [--dev-fraction 0.1]
          [--seed 1234] [--train-pairs 10000] [--dev-pairs 2000]
 
 Sources, all on the machine once this project is installed (no download):
@@ -151,7 +151,7 @@ def _tsv(text: str) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python tools/python_docs_corpus.py", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python tools/demo/python_docs_corpus.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--dev-fraction", type=float, default=0.1, help="share of documents held out (default 0.1)")

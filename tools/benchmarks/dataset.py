@@ -1,6 +1,6 @@
 """Benchmark of the BERT pretraining dataset: sample throughput, and whether the trainer waits.
 
-usage: python tools/bench_dataset.py [--prefix PREFIX --vocab-file vocab.txt | --corpus-dir DIR]
+usage: python tools/benchmarks/dataset.py [--prefix PREFIX --vocab-file vocab.txt | --corpus-dir DIR]
                                      [--samples 4000] [--train-steps 20] [--config configs/bert-mini.yaml]
 
 Data: an existing preprocessed prefix, or (default) the text files of --corpus-dir (default
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "austen"
 
@@ -55,8 +55,8 @@ def prepare(corpus_dir: Path, workdir: Path) -> tuple[str, str]:
 
 
 def sample_rates(prefix: str, vocab_file: str, samples: int, cache_dir: str) -> list[tuple[str, float, float]]:
-    from pretrain.data.bert_dataset import CorpusSpec, SampleSettings, build_split_dataset
-    from pretrain.data.wordpiece import WordPieceVocab
+    from pretrain.samples.bert_dataset import CorpusSpec, SampleSettings, build_split_dataset
+    from pretrain.samples.token_ids import WordPieceVocab
 
     vocab = WordPieceVocab.from_file(vocab_file)
     rows = []
@@ -82,9 +82,9 @@ def trainer_wait(prefix: str, vocab_file: str, config: str, steps: int, workers:
     import torch.distributed as dist
 
     from pretrain.config import load_config
-    from pretrain.data.wordpiece import WordPieceVocab
-    from pretrain.parallel import init_parallel, shutdown_parallel
-    from pretrain.training import Trainer
+    from pretrain.samples.token_ids import WordPieceVocab
+    from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
+    from pretrain.trainer import Trainer
 
     vocab = WordPieceVocab.from_file(vocab_file)
     cfg = load_config(config, [
@@ -93,7 +93,9 @@ def trainer_wait(prefix: str, vocab_file: str, config: str, steps: int, workers:
         "train.micro_batch_size=32", f"train.train_steps={steps + 2}", "scheduler.warmup_steps=1",
         "train.eval_interval=0", "train.save_interval=0"])
     cfg.validate(1)
-    parallel = init_parallel(1, 1)
+    launch = discover_launch_env()
+    launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
+    parallel = init_parallel(launch, 1, 1)
     try:
         trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
         data = trainer.data_iterator(trainer.train_data, 0)

@@ -3,7 +3,7 @@
 Layers, each a pure function of what it is given:
 - TokenStore: one `<prefix>.{bin,idx}` mapped read-only (sentences = items, documents).
 - a segment table per (corpus, split): sentence ranges of A and B and the pair label
-  (pretrain/data/segments.py), built once and cached on disk (index_cache.py);
+  (pretrain/samples/segments.py), built once and cached on disk (index_cache.py);
 - corpus order per epoch: a keyed permutation (shuffle.py), epoch e of corpus c keyed by
   (seed, c, e), so no permutation is ever materialised;
 - blending: megatron-core's compiled build_blending_indices (the greedy rule that keeps every
@@ -23,12 +23,12 @@ from typing import Callable
 import numpy as np
 
 from .index_cache import cached_index, file_fingerprint
-from .indexed import DataError, open_indexed_dataset
+from ..preprocess.indexed import DataError, open_indexed_dataset
 from .masking import MaskingConfig, mask_tokens
-from .samples import SAMPLE_FIELDS
+from .batches import SAMPLE_FIELDS
 from .segments import SegmentSettings, build_segments
 from .shuffle import FeistelPermutation
-from .wordpiece import WordPieceVocab
+from .token_ids import WordPieceVocab
 
 SPLIT_NAMES = ("train", "valid", "test")
 

@@ -1,6 +1,6 @@
 """Preprocessing benchmark: tools/preprocess_data.py against the Hugging Face tokenizer alone.
 
-usage: python tools/bench_preprocess.py [--corpus-dir DIR] [--target-mb 50] [--scale 10]
+usage: python tools/benchmarks/preprocess.py [--corpus-dir DIR] [--target-mb 50] [--scale 10]
                                         [--vocab-file vocab.txt] [--workdir DIR] [--json out.json]
 
 Method
@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "austen"
 
 
@@ -171,16 +171,16 @@ def child_main(args) -> None:
         for doc in docs:
             blingfire.text_to_sentences(doc)
     elif args.child == "tokenizer":
-        from pretrain.data.tokenizer import load_tokenizer
+        from pretrain.preprocess.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(vocab_file=args.vocab_file).tokenizer
         started = time.perf_counter()
         for i in range(0, len(docs), 1000):
             tokenizer.encode_batch(docs[i:i + 1000], add_special_tokens=False)
     elif args.child == "pipeline":
-        from pretrain.data.corpus import iter_chunks
-        from pretrain.data.encode import ChunkEncoder, EncodeOptions
-        from pretrain.data.tokenizer import load_tokenizer
+        from pretrain.preprocess.corpus import iter_chunks
+        from pretrain.preprocess.encode import ChunkEncoder, EncodeOptions
+        from pretrain.preprocess.tokenizer import load_tokenizer
 
         path = Path(args.child_out).with_suffix(".tokenizer.json")
         load_tokenizer(vocab_file=args.vocab_file).tokenizer.save(str(path))
@@ -198,7 +198,7 @@ def child_main(args) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python tools/bench_preprocess.py", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python tools/benchmarks/preprocess.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus-dir", type=Path, default=DEFAULT_CORPUS if DEFAULT_CORPUS.is_dir() else None,
                         help=f"directory of .txt files (default {DEFAULT_CORPUS} when it exists)")

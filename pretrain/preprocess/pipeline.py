@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from ..errors import UserError
 from .atomic import atomic_outputs, remove_quietly, temp_path
 from .corpus import (
     DEFAULT_CHUNK_BYTES,
@@ -63,12 +64,14 @@ __all__ = [
 ]
 
 
-class PreprocessError(RuntimeError):
+class PreprocessError(UserError, RuntimeError):
     """The run failed (a worker failed or died, it was interrupted, nothing to write)."""
 
 
 class Interrupted(PreprocessError):
     """Ctrl-C or SIGTERM."""
+
+    exit_status = 130  # the shell's status for a process stopped by SIGINT
 
 
 @dataclass(frozen=True)

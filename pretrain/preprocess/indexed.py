@@ -26,6 +26,8 @@ from typing import BinaryIO, Iterator
 
 import numpy as np
 
+from ..errors import UserError
+
 with warnings.catch_warnings():
     # megatron-core warns on import that optional GPU kernels are missing
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
@@ -59,7 +61,7 @@ _BLOCK = 1 << 22  # index entries handled at a time: bounds memory for any datas
 _COPY_BYTES = 16 << 20
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset file that cannot be used, naming the file and the problem."""
 
 

@@ -25,6 +25,8 @@ from tokenizers.normalizers import BertNormalizer
 from tokenizers.pre_tokenizers import BertPreTokenizer
 from tokenizers.processors import TemplateProcessing
 
+from ..errors import UserError
+
 __all__ = [
     "SPECIAL_TOKENS",
     "TOKENIZER_TYPES",
@@ -50,7 +52,7 @@ TOKENIZER_TYPES = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False}
 _CASED_SHARE = 0.01
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
     """A vocabulary or tokenizer that cannot be used, naming the file and the problem."""
 
 

@@ -12,8 +12,8 @@ import torch
 
 from . import device, internals
 from .config import Config, build_deepspeed_config
-from .data.provider import pretraining_datasets
-from .data.samples import MicroBatchIterator
+from .samples.provider import pretraining_datasets
+from .samples.batches import MicroBatchIterator
 from .checkpoint import exact as checkpoint_saving, load as checkpoint_loading
 from .checkpoint.format import CheckpointError
 from .model.bert import PretrainingLoss, build_model, init_weights

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole flow on CPU, offline, in about 9 minutes on 2 cores (outputs in ./outputs/demo):
 #   1. install (tools/install.sh: ./.venv)
-#   2. corpus: the English prose that ships with Python itself (tools/python_docs_corpus.py)
+#   2. corpus: the English prose that ships with Python itself (tools/demo/python_docs_corpus.py)
 #   3. WordPiece vocabulary (tools/build_vocab.py) and .bin/.idx data (tools/preprocess_data.py)
 #   4. pretrain BERT-tiny with TP2 x DP2 on 4 processes, ZeRO-1, LAMB, TensorBoard logs; it stops
 #      half way and a second launch resumes from the checkpoint
@@ -11,7 +11,7 @@
 #   7. a PNG of the loss curves (tools/plot_curves.py) and [MASK] predictions (tools/fill_mask.py)
 # Set DEMO_STEPS for a longer pretraining run (default 800).
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 started=$SECONDS
 bash tools/install.sh
 . .venv/bin/activate
@@ -22,7 +22,7 @@ rm -rf "$out"
 say() { printf '\n== [%dm%02ds] %s\n' $(((SECONDS - started) / 60)) $(((SECONDS - started) % 60)) "$*"; }
 
 say "corpus: Python's own documentation"
-python tools/python_docs_corpus.py --output-dir "$out/data"
+python tools/demo/python_docs_corpus.py --output-dir "$out/data"
 
 say "vocabulary and preprocessing"
 python tools/build_vocab.py --input "$out/data/corpus.jsonl" --output-dir "$out/vocab" --vocab-size 8000

@@ -31,6 +31,8 @@ import re
 from dataclasses import dataclass, field
 from typing import BinaryIO, Iterator, Sequence
 
+from ..errors import UserError
+
 __all__ = [
     "INPUT_FORMATS",
     "PROBLEM_KINDS",
@@ -58,7 +60,7 @@ _BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
 _MAX_PROBLEM_SAMPLES = 10  # per chunk; the report shows the first few overall anyway
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError, ValueError):
     """A problem with the input files (missing file, bad record under --strict, ...)."""
 
 

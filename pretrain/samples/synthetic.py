@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .samples import SAMPLE_FIELDS
+from .batches import SAMPLE_FIELDS
 
 
 class SyntheticDataset:

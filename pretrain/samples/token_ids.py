@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .tokenizer import TokenizerError, load_tokenizer, read_vocab, tokenizer_vocab
+from ..preprocess.tokenizer import TokenizerError, load_tokenizer, read_vocab, tokenizer_vocab
 
 VocabError = TokenizerError  # a vocabulary file that cannot be used; the message names the file
 

@@ -1,0 +1,26 @@
+"""Typed configuration, one module per job:
+
+- schema.py: the pretraining sections (dataclasses), each with the rules about its own fields,
+  and `Config` with the rules that tie sections together; `load_config`;
+- typed_yaml.py: the YAML loader for any set of dataclass sections (`base:` files, dotted
+  overrides, key and type checks; fine-tuning's sections load through it too) and ConfigError;
+- choices.py: the valid names of the choice fields (optimizers, decays, precisions, ...);
+- deepspeed.py: the DeepSpeed JSON derived from a Config, with a user JSON merged in.
+
+Usage (the trainer):
+
+    cfg = load_config(args.config, args.overrides)   # key and type checks
+    cfg.validate(world_size)                          # every rule, all problems in one error
+    ds_config = build_deepspeed_config(cfg, world_size)
+
+The names below are the package's API; the modules are where they live.
+"""
+from .choices import PARAMETER_KINDS
+from .deepspeed import build_deepspeed_config, deepspeed_settings
+from .schema import (Config, DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, SchedulerConfig, TrainConfig,
+                     load_config)
+from .typed_yaml import ConfigError, load_sections
+
+__all__ = ["PARAMETER_KINDS", "ConfigError", "ModelConfig", "ParallelConfig", "OptimizerConfig", "SchedulerConfig",
+           "DataConfig", "TrainConfig", "Config", "load_config", "load_sections", "build_deepspeed_config",
+           "deepspeed_settings"]

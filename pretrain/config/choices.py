@@ -1,0 +1,14 @@
+"""The valid names of the config's choice fields, in one place: the config checks against them,
+and the code that acts on a choice (optimizers, LR schedule, segment pairs) refuses anything else
+with the same list."""
+from __future__ import annotations
+
+# The kinds the model labels its parameters with; optimizer.no_weight_decay and
+# optimizer.no_layer_adaptation entries must be among them.
+PARAMETER_KINDS = ("weight", "bias", "layernorm", "embedding")
+OPTIMIZERS = ("lamb", "adamw")
+DECAYS = ("linear", "poly", "constant")
+PRECISIONS = ("fp32", "bf16", "fp16")
+DATA_KINDS = ("synthetic", "indexed")
+SEGMENT_PAIRS = ("nsp", "sop", "none")
+MASKING_MODES = ("static", "dynamic")

@@ -1,0 +1,109 @@
+"""The DeepSpeed JSON derived from our config. Our config is the single source of truth for batch
+sizes, precision, ZeRO stage and gradient clipping; a user DeepSpeed JSON (train.deepspeed_config)
+may add DeepSpeed-only options, and a value in it that contradicts ours is an error, never an
+override."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .schema import Config
+from .typed_yaml import ConfigError, deep_merge
+
+
+_MISSING = object()
+_DS_STEPS_PER_PRINT = 2**31 - 1  # effectively never: the trainer does its own logging
+
+
+def deepspeed_settings(global_batch_size: int, micro_batch_size: int, grad_accum_steps: int, grad_clip: float,
+                       zero_stage: int, precision: str) -> dict[str, Any]:
+    """The DeepSpeed config of the settings our configs own (batch sizes, clipping, ZeRO stage,
+    precision), as pretraining and fine-tuning both hand it to DeepSpeed."""
+    ds: dict[str, Any] = {
+        "train_batch_size": global_batch_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum_steps,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": zero_stage},
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16"},
+        "zero_allow_untested_optimizer": True,  # our LAMB/AdamW are client optimizers
+        # Defaults a user JSON may change (DeepSpeed-only diagnostics with no counterpart here).
+        "steps_per_print": _DS_STEPS_PER_PRINT,
+        "wall_clock_breakdown": False,
+    }
+    if precision == "fp16":
+        ds["fp16"]["loss_scale"] = 0  # 0 = dynamic loss scaling
+    return ds
+
+
+def build_deepspeed_config(cfg: Config, world_size: int) -> dict:
+    """The DeepSpeed config dict derived from our config, with the user's DeepSpeed JSON
+    (cfg.train.deepspeed_config) merged in. The user JSON may add DeepSpeed-only options;
+    a key we own with a different value, or an `optimizer`/`scheduler` block, is a ConfigError."""
+    t = cfg.train
+    accum = cfg.grad_accum_steps(world_size)
+    ds = deepspeed_settings(t.global_batch_size, t.micro_batch_size, accum, cfg.optimizer.grad_clip,
+                            cfg.parallel.zero_stage, t.precision)
+
+    if t.deepspeed_config is None:
+        return ds
+    src = t.deepspeed_config
+    try:
+        with open(src, encoding="utf-8") as f:
+            user = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"train.deepspeed_config: file not found: {src}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{src}: invalid JSON: {e}") from None
+    if not isinstance(user, dict):
+        raise ConfigError(f"{src}: top level must be a JSON object, got {type(user).__name__}")
+    if "bfloat16" in user:  # DeepSpeed's old spelling; it reads "bf16" first, so ours would win silently
+        raise ConfigError(f"{src}: use 'bf16' instead of the deprecated 'bfloat16' key")
+
+    # Keys we own: (path in DeepSpeed JSON, our value as shown to the user, what to set instead).
+    precision = f"train.precision={t.precision}"
+    owned = [
+        (("train_batch_size",), f"train.global_batch_size={t.global_batch_size}", "train.global_batch_size"),
+        (("train_micro_batch_size_per_gpu",), f"train.micro_batch_size={t.micro_batch_size}",
+         "train.micro_batch_size"),
+        (("gradient_accumulation_steps",),
+         f"{accum} (train.global_batch_size / (train.micro_batch_size x data parallel size))",
+         "train.global_batch_size / train.micro_batch_size"),
+        (("gradient_clipping",), f"optimizer.grad_clip={cfg.optimizer.grad_clip}", "optimizer.grad_clip"),
+        (("zero_optimization", "stage"), f"parallel.zero_stage={cfg.parallel.zero_stage}", "parallel.zero_stage"),
+        (("bf16", "enabled"), precision, "train.precision"),
+        (("fp16", "enabled"), precision, "train.precision"),
+        (("zero_allow_untested_optimizer",), "the trainer's required true (LAMB/AdamW are client optimizers)",
+         None),
+    ]
+    problems: list[str] = []
+    for block, ours in (("optimizer", "optimizer.*"), ("scheduler", "scheduler.*")):
+        if block in user:
+            problems.append(f"{src}: '{block}' block not allowed: LAMB/AdamW and the LR schedule are "
+                            f"configured in our config, not in DeepSpeed JSON; set {ours} instead")
+    for path, ours, instead in owned:
+        node: Any = user
+        for part in path:
+            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+        ours_value = _get_path(ds, path)
+        if node is not _MISSING and not _same_value(node, ours_value):
+            fix = f"set {instead} instead" if instead else "remove it from the file"
+            problems.append(f"{src}: {'.'.join(path)}={json.dumps(node)} contradicts {ours}; {fix}")
+    for key, value in user.items():
+        if isinstance(ds.get(key), dict) and not isinstance(value, dict):
+            problems.append(f"{src}: '{key}' must be a JSON object, got {json.dumps(value)}")
+    if problems:
+        raise ConfigError(problems)
+    return deep_merge(ds, user)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    # 1 == 1.0 is fine (gradient_clipping), but JSON true is not the number 1
+    return a == b and isinstance(a, bool) == isinstance(b, bool)
+
+
+def _get_path(d: dict, path: tuple[str, ...]) -> Any:
+    for part in path:
+        d = d[part]
+    return d

@@ -1,0 +1,386 @@
+"""The pretraining config: one dataclass per section, each with the rules about its own fields
+(`problems()`), and `Config`, which adds the rules that tie sections together (`validate`).
+
+    cfg = load_config(args.config, args.overrides)   # key and type checks (typed_yaml.py)
+    cfg.validate(world_size)                          # every rule, all problems in one error
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .choices import DATA_KINDS, DECAYS, MASKING_MODES, OPTIMIZERS, PARAMETER_KINDS, PRECISIONS, SEGMENT_PAIRS
+from .typed_yaml import ConfigError, check_tree, load_sections
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 30522  # tokenizer vocabulary (before padding)
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_attention_heads: int = 12
+    ffn_hidden_size: int | None = None  # None -> 4 * hidden_size (see ffn_size)
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2  # token-type (segment) embeddings
+    layernorm_epsilon: float = 1e-12
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_std: float = 0.02  # std of the normal weight initialisation
+    make_vocab_size_divisible_by: int = 128  # vocab padded to a multiple of this * tensor_parallel
+    activation_checkpointing: bool = False  # recompute layer activations in backward
+
+    @property
+    def ffn_size(self) -> int:
+        """The resolved feed-forward width."""
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+    def padded_vocab_size(self, tensor_parallel: int) -> int:
+        """vocab_size rounded up so every tensor-parallel shard is a multiple of
+        make_vocab_size_divisible_by (efficient GEMMs, equal shards)."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel
+        return -(-self.vocab_size // multiple) * multiple
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                     "max_position_embeddings", "type_vocab_size", "make_vocab_size_divisible_by",
+                     "layernorm_epsilon", "init_std"):
+            _positive(p, f"model.{name}", getattr(self, name))
+        if self.ffn_hidden_size is not None:
+            _positive(p, "model.ffn_hidden_size", self.ffn_hidden_size)
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                p.append(f"model.{name} ({value}) must be in [0, 1)")
+        if self.hidden_size > 0 and self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads:
+            p.append(f"model.hidden_size ({self.hidden_size}) must be divisible by "
+                     f"model.num_attention_heads ({self.num_attention_heads})")
+        return p
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    zero_stage: int = 0  # DeepSpeed ZeRO stage, 0..3
+    # data parallel size is derived: world_size // (tensor_parallel * pipeline_parallel)
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        if self.tensor_parallel < 1:
+            p.append(f"parallel.tensor_parallel ({self.tensor_parallel}) must be >= 1")
+        if self.pipeline_parallel < 1:
+            p.append(f"parallel.pipeline_parallel ({self.pipeline_parallel}) must be >= 1")
+        if self.zero_stage not in (0, 1, 2, 3):
+            p.append(f"parallel.zero_stage ({self.zero_stage}) must be one of 0, 1, 2, 3")
+        # DeepSpeed's pipeline engine does not support gradient/parameter partitioning.
+        if self.zero_stage in (2, 3) and self.pipeline_parallel > 1:
+            p.append(f"parallel.zero_stage {self.zero_stage} cannot be combined with pipeline "
+                     f"parallelism (pipeline_parallel={self.pipeline_parallel}); use zero_stage 0 or 1")
+        return p
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "lamb"  # "lamb" | "adamw"
+    lr: float = 1e-3  # peak learning rate (reached at the end of warmup)
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-6
+    weight_decay: float = 0.01
+    # parameter kinds (PARAMETER_KINDS) excluded from weight decay
+    no_weight_decay: list[str] = field(default_factory=lambda: ["bias", "layernorm"])
+    # parameter kinds whose LAMB trust ratio is fixed to 1
+    no_layer_adaptation: list[str] = field(default_factory=lambda: ["bias", "layernorm"])
+    max_trust_ratio: float | None = None  # optional clamp of the LAMB trust ratio
+    grad_clip: float = 1.0  # global gradient-norm clipping; 0 disables
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _one_of(p, "optimizer.name", self.name, OPTIMIZERS)
+        _positive(p, "optimizer.lr", self.lr)
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                p.append(f"optimizer.{name} ({value}) must be in [0, 1)")
+        _positive(p, "optimizer.eps", self.eps)
+        _non_negative(p, "optimizer.weight_decay", self.weight_decay)
+        _non_negative(p, "optimizer.grad_clip", self.grad_clip)
+        if self.max_trust_ratio is not None:
+            _positive(p, "optimizer.max_trust_ratio", self.max_trust_ratio)
+        for name in ("no_weight_decay", "no_layer_adaptation"):
+            for kind in getattr(self, name):
+                if kind not in PARAMETER_KINDS:
+                    p.append(f"optimizer.{name} entry {kind!r} is not a parameter kind; "
+                             f"valid kinds: {', '.join(PARAMETER_KINDS)}")
+        return p
+
+
+@dataclass
+class SchedulerConfig:
+    warmup_steps: int = 0  # linear warmup from 0
+    decay: str = "linear"  # "linear" | "poly" | "constant"; from warmup end to train.train_steps
+    power: float = 0.5  # exponent of "poly" decay
+    min_lr: float = 0.0  # floor of the decayed learning rate
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _one_of(p, "scheduler.decay", self.decay, DECAYS)
+        _non_negative(p, "scheduler.warmup_steps", self.warmup_steps)
+        _positive(p, "scheduler.power", self.power)
+        _non_negative(p, "scheduler.min_lr", self.min_lr)
+        return p
+
+
+@dataclass
+class DataConfig:
+    kind: str = "synthetic"  # "synthetic" (no files; tests, demos) | "indexed" (preprocessed .bin/.idx)
+    seq_length: int = 128
+    max_predictions_per_seq: int = 20  # masked positions per sequence (padded to this)
+    masked_lm_prob: float = 0.15
+    num_samples: int = 100000  # synthetic dataset size
+    seed: int = 1234  # data generation / shuffling / masking seed
+    # indexed data (kind: indexed)
+    paths: list[str] = field(default_factory=list)  # dataset prefixes: <prefix>.bin/.idx from tools/preprocess_data.py
+    weights: list[float] = field(default_factory=list)  # blending weights, one per path; empty = equal
+    vocab_file: str | None = None  # vocab.txt or tokenizer.json the data was preprocessed with
+    split: str = "949,50,1"  # train,valid,test shares of each corpus's documents (Megatron's rule)
+    segment_pairs: str = "nsp"  # "nsp" (BERT) | "sop" (ALBERT/Megatron sentence order) | "none" (one segment)
+    short_seq_prob: float = 0.1  # share of samples cut to a random shorter target length
+    whole_word_masking: bool = True  # mask a word's '##' pieces together
+    max_ngram: int = 1  # 1 = BERT; n > 1 masks spans of up to n words, length drawn with p ~ 1/length
+    masking: str = "static"  # "static" (a sample's masks fixed) | "dynamic" (redrawn every epoch)
+    index_cache_dir: str | None = None  # where sample indices are cached; default <data dir>/index-cache
+    num_workers: int = 2  # loader processes per rank preparing batches ahead of the trainer (0 = inline)
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _one_of(p, "data.kind", self.kind, DATA_KINDS)
+        _positive(p, "data.seq_length", self.seq_length)
+        _positive(p, "data.max_predictions_per_seq", self.max_predictions_per_seq)
+        if self.max_predictions_per_seq > self.seq_length:
+            p.append(f"data.max_predictions_per_seq ({self.max_predictions_per_seq}) must be <= "
+                     f"data.seq_length ({self.seq_length})")
+        if not 0.0 < self.masked_lm_prob <= 1.0:
+            p.append(f"data.masked_lm_prob ({self.masked_lm_prob}) must be in (0, 1]")
+        _positive(p, "data.num_samples", self.num_samples)
+        _non_negative(p, "data.seed", self.seed)  # numpy seeds must be >= 0
+        _one_of(p, "data.segment_pairs", self.segment_pairs, SEGMENT_PAIRS)
+        _one_of(p, "data.masking", self.masking, MASKING_MODES)
+        if not 0.0 <= self.short_seq_prob <= 1.0:
+            p.append(f"data.short_seq_prob ({self.short_seq_prob}) must be in [0, 1]")
+        _positive(p, "data.max_ngram", self.max_ngram)
+        _non_negative(p, "data.num_workers", self.num_workers)
+        if self.kind == "indexed":
+            p += self._indexed_problems()
+        return p
+
+    def _indexed_problems(self) -> list[str]:
+        p: list[str] = []
+        if not self.paths:
+            p.append("data.paths must list at least one dataset prefix when data.kind is indexed")
+        if not self.vocab_file:
+            p.append("data.vocab_file is required when data.kind is indexed")
+        if self.weights and len(self.weights) != len(self.paths):
+            p.append(f"data.weights has {len(self.weights)} entries for {len(self.paths)} data.paths")
+        if any(not w > 0 for w in self.weights):
+            p.append(f"data.weights ({self.weights}) must all be > 0")
+        try:
+            shares = [float(x) for x in self.split.split(",")]
+        except ValueError:
+            shares = []
+        if not 1 <= len(shares) <= 3 or min(shares) < 0 or sum(shares) <= 0:
+            p.append(f"data.split ({self.split!r}) must be up to three comma-separated non-negative shares "
+                     "with a positive sum, e.g. '949,50,1'")
+        if self.segment_pairs != "none" and self.seq_length < 4:
+            p.append(f"data.seq_length ({self.seq_length}) must be >= 4 for segment pairs")
+        return p
+
+
+@dataclass
+class TrainConfig:
+    global_batch_size: int = 256  # samples per optimizer step, over all data-parallel ranks
+    micro_batch_size: int = 8  # samples per forward/backward on one rank
+    train_steps: int = 1000  # optimizer steps
+    seed: int = 42  # model init / dropout seed
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp16"
+    log_interval: int = 10  # steps between log lines
+    eval_interval: int = 0  # 0 = never
+    eval_steps: int = 10  # batches per evaluation
+    save_dir: str | None = None
+    save_interval: int = 0  # 0 = only at end / on SIGTERM
+    keep_last: int = 3  # checkpoints kept; 0 = keep all
+    load_dir: str | None = None  # resume from the latest checkpoint here
+    # start from another run's latest checkpoint (e.g. phase 2 from phase 1): its weights (and, with
+    # init_optimizer_states, its optimizer moments), but step 0, new data position and LR schedule;
+    # a checkpoint in load_dir takes precedence, so a restarted phase-2 run resumes itself
+    init_from: str | None = None
+    init_optimizer_states: bool = False
+    tensorboard_dir: str | None = None
+    deepspeed_config: str | None = None  # path to a user DeepSpeed JSON adding DeepSpeed-only options
+    dist_timeout_minutes: float = 10.0  # collective timeout: a dead/hung rank makes the others exit
+    exit_after_steps: int = 0  # stop (saving a checkpoint) after this many steps of this run; 0 = run to train_steps
+    tf32: bool = True  # TF32 tensor cores for fp32 matrix products on GPUs (Ampere and later); no effect on CPU
+    # steps between the ranks' agreement on a SIGTERM (one collective and host sync each time);
+    # keep interval x step time well inside the scheduler's grace period (SLURM: KillWait, 30 s)
+    stop_check_interval: int = 5
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        for name in ("global_batch_size", "micro_batch_size", "train_steps", "log_interval",
+                     "eval_steps", "dist_timeout_minutes", "stop_check_interval"):
+            _positive(p, f"train.{name}", getattr(self, name))
+        for name in ("seed", "eval_interval", "save_interval", "keep_last", "exit_after_steps"):
+            _non_negative(p, f"train.{name}", getattr(self, name))
+        _one_of(p, "train.precision", self.precision, PRECISIONS)
+        return p
+
+
+# Section name -> dataclass, in the order sections are listed and validated.
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    # -- derived sizes ----------------------------------------------------------------------
+
+    def data_parallel_size(self, world_size: int) -> int:
+        problem = _world_size_problem(self, world_size)
+        if problem:
+            raise ConfigError(problem)
+        return world_size // (self.parallel.tensor_parallel * self.parallel.pipeline_parallel)
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        dp = self.data_parallel_size(world_size)
+        problem = _batch_problem(self, dp)
+        if problem:
+            raise ConfigError(problem)
+        return self.train.global_batch_size // (self.train.micro_batch_size * dp)
+
+    # -- (de)serialisation ------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain nested dict (YAML/JSON serialisable), e.g. to store in a checkpoint."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "dict") -> "Config":
+        """Build from a nested dict with the same key and type checks as a YAML file.
+        Missing sections/fields take their defaults. Does not run validate()."""
+        clean, problems = check_tree(d, source, SECTIONS)
+        if problems:
+            raise ConfigError(problems)
+        return _build(clean)
+
+    # -- rules ------------------------------------------------------------------------------
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Check every rule; raise one ConfigError listing all violations, one per line.
+        Pass world_size once it is known to also check the parallel/batch arithmetic."""
+        m, par, o, s, d, t = self.model, self.parallel, self.optimizer, self.scheduler, self.data, self.train
+        p = m.problems() + par.problems() + self._model_split_problems()
+        p += o.problems() + s.problems()
+        if s.warmup_steps > t.train_steps:
+            p.append(f"scheduler.warmup_steps ({s.warmup_steps}) must be <= train.train_steps ({t.train_steps})")
+        if s.min_lr > o.lr:
+            p.append(f"scheduler.min_lr ({s.min_lr}) must be <= optimizer.lr ({o.lr})")
+        p += d.problems()
+        if d.seq_length > m.max_position_embeddings:
+            p.append(f"data.seq_length ({d.seq_length}) must be <= "
+                     f"model.max_position_embeddings ({m.max_position_embeddings})")
+        p += t.problems() + self._batch_problems(world_size)
+        if p:
+            raise ConfigError(p)
+
+    def _model_split_problems(self) -> list[str]:
+        """How the model's shapes divide over tensor and pipeline parallelism."""
+        m, par, p = self.model, self.parallel, []
+        tp, pp = par.tensor_parallel, par.pipeline_parallel
+        if tp >= 1 and m.num_attention_heads > 0 and m.num_attention_heads % tp:
+            p.append(f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by "
+                     f"parallel.tensor_parallel ({tp})")
+        if tp >= 1 and m.ffn_size > 0 and m.ffn_size % tp:
+            p.append(f"model ffn size ({m.ffn_size}, from model.ffn_hidden_size or 4 x hidden_size) "
+                     f"must be divisible by parallel.tensor_parallel ({tp})")
+        if pp >= 1 and m.num_layers > 0 and m.num_layers % pp:
+            p.append(f"model.num_layers ({m.num_layers}) must be divisible by "
+                     f"parallel.pipeline_parallel ({pp})")
+        return p
+
+    def _batch_problems(self, world_size: int | None) -> list[str]:
+        """G = micro x accumulation x data parallel (data parallel known with the world size)."""
+        t, par = self.train, self.parallel
+        if t.global_batch_size <= 0 or t.micro_batch_size <= 0 or par.tensor_parallel < 1 or par.pipeline_parallel < 1:
+            return []  # reported by the sections
+        if world_size is None:
+            if t.global_batch_size % t.micro_batch_size:
+                return [f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                        f"train.micro_batch_size ({t.micro_batch_size})"]
+            return []
+        problem = _world_size_problem(self, world_size)
+        if problem:
+            return [problem]
+        problem = _batch_problem(self, world_size // (par.tensor_parallel * par.pipeline_parallel))
+        return [problem] if problem else []
+
+
+def _positive(problems: list[str], name: str, value: float) -> None:
+    if not value > 0:
+        problems.append(f"{name} ({value}) must be > 0")
+
+
+def _non_negative(problems: list[str], name: str, value: float) -> None:
+    if not value >= 0:
+        problems.append(f"{name} ({value}) must be >= 0")
+
+
+def _one_of(problems: list[str], name: str, value: str, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        problems.append(f"{name} ({value!r}) must be one of: {', '.join(allowed)}")
+
+
+def _world_size_problem(cfg: Config, world_size: int) -> str | None:
+    tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
+    if world_size < 1 or tp < 1 or pp < 1 or world_size % (tp * pp):
+        return (f"world size ({world_size}) must be a positive multiple of parallel.tensor_parallel x "
+                f"parallel.pipeline_parallel ({tp} x {pp} = {tp * pp})")
+    return None
+
+
+def _batch_problem(cfg: Config, data_parallel: int) -> str | None:
+    g, m = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    if m < 1 or g < 1 or g % (m * data_parallel):
+        return (f"train.global_batch_size ({g}) must equal train.micro_batch_size ({m}) x gradient "
+                f"accumulation x data_parallel ({data_parallel}), i.e. be a positive multiple of "
+                f"{m * data_parallel}")
+    return None
+
+
+def _build(clean: dict[str, dict[str, Any]]) -> Config:
+    return Config(**{name: cls(**clean.get(name, {})) for name, cls in SECTIONS.items()})
+
+
+def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
+    """Load a YAML config (with its `base:` files) and apply `section.field=value` overrides.
+
+    Checks keys and types and reports every problem in one ConfigError. Rule checks are
+    separate: call cfg.validate(world_size) once the world size is known.
+    `base:` paths are relative to the file naming them; this file's values win over its bases.
+    Override values are parsed as YAML (`train.save_dir=null`, `optimizer.no_weight_decay=[bias]`).
+    """
+    return _build(load_sections(path, overrides, SECTIONS))

@@ -1,0 +1,199 @@
+"""A typed-YAML loader for configs made of dataclass sections: `base:` inheritance, dotted
+`section.field=value` overrides parsed as YAML, unknown sections and keys and wrong types
+reported all at once (one line each) in a ConfigError. Pretraining (schema.py) and fine-tuning
+(finetune/config.py) load their own sections with it.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import re
+import types
+import typing
+from typing import Any, Sequence
+
+import yaml
+
+from ..errors import UserError
+
+
+class ConfigError(UserError, ValueError):
+    """All configuration problems found, one per line (``.problems`` holds the list)."""
+
+    def __init__(self, problems: str | Sequence[str]):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-3` as a float: PyYAML follows YAML 1.1, where a float
+    needs a dot (`1.0e-3`), so `optimizer.lr=1e-3` would otherwise be the string '1e-3'."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
+def _field_types(sections: dict[str, type]) -> dict[str, dict[str, Any]]:
+    return {name: typing.get_type_hints(cls) for name, cls in sections.items()}
+
+
+class _WrongType(Exception):
+    pass
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """value checked against type annotation tp (int is accepted for float; bool is not int)."""
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _coerce(value, inner)
+    if origin is list:
+        if not isinstance(value, list):
+            raise _WrongType
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item) for v in value]
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp in (str, bool) and isinstance(value, tp):
+        return value
+    raise _WrongType
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    return "null" if tp is type(None) else tp.__name__
+
+
+def _value_desc(value: Any) -> str:
+    return "null" if value is None else f"{type(value).__name__} {value!r}"
+
+
+def check_tree(d: Any, source: str, sections: dict[str, type]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Check a {section: {field: value}} tree: unknown sections/keys and value types.
+    Returns the known, type-converted entries and the problems (one line each)."""
+    field_types = _field_types(sections)
+    if not isinstance(d, dict):
+        return {}, [f"{source}: expected a mapping of sections, got {_value_desc(d)}"]
+    clean: dict[str, dict[str, Any]] = {}
+    problems: list[str] = []
+    for section, entries in d.items():
+        if section not in sections:
+            problems.append(f"{source}: unknown section {section!r}; valid sections: {', '.join(sections)}")
+            continue
+        if entries is None:  # a section with every line commented out
+            entries = {}
+        if not isinstance(entries, dict):
+            problems.append(f"{source}: section {section!r} must be a mapping, got {_value_desc(entries)}")
+            continue
+        fields = field_types[section]
+        clean[section] = {}
+        for key, value in entries.items():
+            if key not in fields:
+                problems.append(f"{source}: unknown key '{section}.{key}'; valid keys in {section!r}: "
+                                f"{', '.join(fields)}")
+                continue
+            try:
+                clean[section][key] = _coerce(value, fields[key])
+            except _WrongType:
+                problems.append(f"{source}: {section}.{key} must be {_type_name(fields[key])}, "
+                                f"got {_value_desc(value)}")
+    return clean, problems
+
+
+def deep_merge(base: dict, top: dict) -> dict:
+    """top merged over base: nested dicts merge, anything else (including lists) replaces."""
+    out = copy.deepcopy(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _read_yaml(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = _yaml_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {_value_desc(data)}")
+    return data
+
+
+def _load_tree(path: str, stack: tuple[str, ...], problems: list[str], sections: dict[str, type]) -> dict:
+    """The file's checked contents merged over its (recursively loaded) bases."""
+    real = os.path.realpath(path)
+    if real in stack:
+        raise ConfigError(f"{path}: 'base' inheritance cycle")
+    data = _read_yaml(path)
+    bases = data.pop("base", None)
+    if bases is None:
+        bases = []
+    elif isinstance(bases, str):
+        bases = [bases]
+    elif not (isinstance(bases, list) and all(isinstance(b, str) for b in bases)):
+        raise ConfigError(f"{path}: 'base' must be a path or a list of paths, got {_value_desc(bases)}")
+    merged: dict = {}
+    for base in bases:  # later bases win over earlier ones
+        base_path = os.path.normpath(os.path.join(os.path.dirname(path), base))
+        merged = deep_merge(merged, _load_tree(base_path, stack + (real,), problems, sections))
+    clean, file_problems = check_tree(data, path, sections)
+    problems.extend(file_problems)
+    return deep_merge(merged, clean)
+
+
+def _parse_overrides(overrides: Sequence[str], problems: list[str], sections: dict[str, type]) -> dict:
+    source = "command line"
+    tree: dict[str, dict[str, Any]] = {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        parts = key.split(".")
+        if not sep or len(parts) != 2 or not all(parts):
+            problems.append(f"{source}: malformed override {item!r}; expected section.field=value")
+            continue
+        try:
+            value = _yaml_load(text)
+        except yaml.YAMLError as e:
+            problems.append(f"{source}: override {item!r}: value is not valid YAML: {e}")
+            continue
+        section, name = parts
+        tree.setdefault(section, {})[name] = value  # later overrides win
+    clean, check_problems = check_tree(tree, source, sections)
+    problems.extend(check_problems)
+    return clean
+
+
+def load_sections(path: str | None, overrides: Sequence[str], sections: dict[str, type]) -> dict[str, dict[str, Any]]:
+    """The checked {section: {field: value}} tree of a YAML file (+ bases) and overrides, for any
+    set of dataclass sections (pretraining's and fine-tuning's)."""
+    if isinstance(overrides, str):
+        raise TypeError("overrides must be a sequence of 'section.field=value' strings, not one string")
+    problems: list[str] = []
+    tree = _load_tree(path, (), problems, sections) if path is not None else {}
+    tree = deep_merge(tree, _parse_overrides(overrides, problems, sections))
+    if problems:
+        raise ConfigError(problems)
+    return tree

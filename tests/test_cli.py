@@ -1,0 +1,198 @@
+"""The command-line spine every program runs on (pretrain/cli.py): exit statuses, one-line
+messages for the user's mistakes, tracebacks for our bugs, process groups shut down on error."""
+import argparse
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+import pretrain.parallel
+from distributed import REPO
+from pretrain.cli import run_command, run_distributed
+from pretrain.errors import UsageError, UserError
+from pretrain.parallel import LaunchEnv
+
+LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog="tool")
+    parser.add_argument("--fail", choices=("user", "usage", "os", "bug", "interrupt"))
+    return parser.parse_args(argv)
+
+
+def body(args):
+    if args.fail == "user":
+        raise UserError("data.txt:3: no text")
+    if args.fail == "usage":
+        raise UsageError("--tp 2 needs an even number of processes")
+    if args.fail == "os":
+        raise FileNotFoundError(2, "No such file or directory", "data.txt")
+    if args.fail == "bug":
+        raise ZeroDivisionError("a bug of ours")
+    if args.fail == "interrupt":
+        raise KeyboardInterrupt
+    print("done")
+
+
+def run(argv, **options):
+    return run_command(parse, body, argv, name="tool", **options)
+
+
+def test_success_is_0(capsys):
+    assert run([]) == 0
+    assert capsys.readouterr() == ("done\n", "")
+
+
+def test_user_error_is_one_line_and_1(capsys):
+    assert run(["--fail", "user"]) == 1
+    assert capsys.readouterr() == ("", "tool: error: data.txt:3: no text\n")
+
+
+def test_usage_error_is_2(capsys):
+    assert run(["--fail", "usage"]) == 2
+    assert capsys.readouterr().err == "tool: error: --tp 2 needs an even number of processes\n"
+    with pytest.raises(SystemExit) as usage:  # argparse's own: usage line and SystemExit(2), untouched
+        run(["--fail", "nonsense"])
+    assert usage.value.code == 2
+    assert "usage: tool" in capsys.readouterr().err
+
+
+def test_input_errors_are_reported_only_where_named(capsys):
+    assert run(["--fail", "os"], input_errors=(OSError,)) == 1
+    assert capsys.readouterr().err == "tool: error: [Errno 2] No such file or directory: 'data.txt'\n"
+    with pytest.raises(FileNotFoundError):
+        run(["--fail", "os"])
+
+
+def test_the_training_commands_say_error_without_a_name(capsys):
+    assert run_command(parse, body, ["--fail", "user"]) == 1
+    assert capsys.readouterr().err == "error: data.txt:3: no text\n"
+
+
+def test_a_bug_keeps_its_exception(capsys):
+    with pytest.raises(ZeroDivisionError):
+        run(["--fail", "bug"], input_errors=(OSError, ValueError))
+    assert capsys.readouterr().err == ""
+
+
+def test_interruption(capsys):
+    assert run(["--fail", "interrupt"], interrupted="interrupted; no output written") == 130
+    assert capsys.readouterr().err == "tool: interrupted; no output written\n"
+    with pytest.raises(KeyboardInterrupt):  # a program that says nothing about it: Python's own
+        run(["--fail", "interrupt"])
+
+
+PROGRAM = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from test_cli import run
+    sys.exit(run(sys.argv[1:]))
+""")
+
+
+@pytest.mark.parametrize("fail,status,lines", [
+    ("user", 1, ["tool: error: data.txt:3: no text"]),
+    ("usage", 2, ["tool: error: --tp 2 needs an even number of processes"]),
+    ("nonsense", 2, None),  # argparse's usage message
+    ("bug", 1, None),  # a traceback
+])
+def test_exit_status_of_a_real_process(fail, status, lines):
+    done = subprocess.run([sys.executable, "-c", PROGRAM.format(tests=str(REPO / "tests")), "--fail", fail],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == status, done.stderr
+    if lines is not None:
+        assert done.stderr.splitlines() == lines
+    elif fail == "bug":
+        assert "Traceback" in done.stderr and "ZeroDivisionError: a bug of ours" in done.stderr
+    else:
+        assert "usage: tool" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.fixture
+def fake_groups(monkeypatch):
+    """init_parallel/shutdown_parallel replaced by recorders; the launch variables restored after."""
+    for key in LAUNCH_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    calls = []
+
+    def init_parallel(launch, tensor_parallel, pipeline_parallel, timeout_minutes):
+        calls.append(("init", {key: os.environ.get(key) for key in LAUNCH_KEYS}, tensor_parallel,
+                      pipeline_parallel, timeout_minutes))
+        return SimpleNamespace(rank=launch.rank, logging_rank=1)
+
+    monkeypatch.setattr(pretrain.parallel, "init_parallel", init_parallel)
+    monkeypatch.setattr(pretrain.parallel, "shutdown_parallel", lambda: calls.append(("shutdown",)))
+    return calls
+
+
+def launch(rank):
+    return LaunchEnv(rank, 2, rank, "127.0.0.1", 29511, "torchrun/deepspeed")
+
+
+def test_run_distributed_exports_the_launch_then_starts_and_stops(fake_groups):
+    assert run_distributed(lambda parallel: 3, 2, 1, 5.0, launch(1)) == 3
+    exported = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
+    assert fake_groups == [("init", exported, 2, 1, 5.0), ("shutdown",)]
+
+
+def test_groups_are_shut_down_after_a_user_error(fake_groups, capsys):
+    def work(parallel):
+        raise UserError("ckpt/meta.json: cannot read")
+
+    # the logging rank (1) raises it for run_command to print; rank 0 returns the status quietly
+    with pytest.raises(UserError):
+        run_distributed(work, 2, launch=launch(1))
+    assert fake_groups[-1] == ("shutdown",)
+    fake_groups.clear()
+    assert run_distributed(work, 2, launch=launch(0)) == 1
+    assert fake_groups[-1] == ("shutdown",) and capsys.readouterr().err == ""
+
+    fake_groups.clear()
+    assert run_command(parse, lambda args: run_distributed(work, 2, launch=launch(1)), [], name="tool") == 1
+    assert capsys.readouterr().err == "tool: error: ckpt/meta.json: cannot read\n"
+    assert [call[0] for call in fake_groups] == ["init", "shutdown"]
+
+
+def test_groups_are_shut_down_after_a_bug(fake_groups):
+    def work(parallel):
+        raise ZeroDivisionError("a bug of ours")
+
+    with pytest.raises(ZeroDivisionError):
+        run_command(parse, lambda args: run_distributed(work, 2, launch=launch(0)), [], name="tool")
+    assert [call[0] for call in fake_groups] == ["init", "shutdown"]
+
+
+def user_facing_errors():
+    """Every error class a program reports as the user's to fix, with its older base."""
+    from finetune.features import FeatureError
+    from finetune.tasks.base import TaskDataError
+    from finetune.trainer import FinetuneError
+    from pretrain.checkpoint.format import CheckpointError
+    from pretrain.config import ConfigError
+    from pretrain.device import DeviceError
+    from pretrain.preprocess.corpus import CorpusError
+    from pretrain.preprocess.indexed import DataError
+    from pretrain.preprocess.pipeline import Interrupted, PreprocessError
+    from pretrain.preprocess.tokenizer import TokenizerError
+    from pretrain.samples.token_ids import VocabError
+    from tools.fill_mask import FillMaskError
+    from tools.plot_curves import PlotError
+
+    return [(ConfigError, ValueError), (CheckpointError, RuntimeError), (TokenizerError, ValueError),
+            (VocabError, ValueError), (DataError, ValueError), (CorpusError, ValueError),
+            (PreprocessError, RuntimeError), (Interrupted, RuntimeError), (DeviceError, RuntimeError),
+            (TaskDataError, ValueError), (FinetuneError, RuntimeError), (FeatureError, ValueError),
+            (FillMaskError, ValueError), (PlotError, ValueError)]
+
+
+def test_one_base_for_the_users_errors():
+    for error, older_base in user_facing_errors():
+        assert issubclass(error, UserError) and issubclass(error, older_base), error
+    from pretrain.device import DevicePlacementError
+
+    # a CPU tensor on an NCCL group is our bug: its traceback must stay
+    assert not issubclass(DevicePlacementError, UserError)
