@@ -18,6 +18,28 @@ REQUIRE_GPU_ENV = "REQUIRE_GPU"
 REQUIRE_NETNS_ENV = "REQUIRE_NETNS"
 
 
+# What a launcher tells a rank. A test that runs a program's main in-process exports them
+# (LaunchEnv.export_to); leaked into pytest's own environment they reach every later subprocess,
+# which then waits for a rank 0 that never comes.
+LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def launch_environment_untouched(request):
+    """Fail (and repair) the test that leaves launch variables in os.environ."""
+    before = {key: os.environ.get(key) for key in LAUNCH_KEYS}
+    yield
+    after = {key: os.environ.get(key) for key in LAUNCH_KEYS}
+    if after != before:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        changed = {key: after[key] for key in LAUNCH_KEYS if after[key] != before[key]}
+        pytest.fail(f"{request.node.nodeid} left launch variables in os.environ: {changed}", pytrace=False)
+
+
 def pytest_configure(config):
     from pretrain.quiet import pytest_filters
 

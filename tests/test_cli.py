@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 
@@ -15,7 +16,7 @@ from pretrain.cli import run_command, run_distributed
 from pretrain.errors import UsageError, UserError
 from pretrain.parallel import LaunchEnv
 
-LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+from conftest import LAUNCH_KEYS
 
 
 def parse(argv):
@@ -114,9 +115,8 @@ def test_exit_status_of_a_real_process(fail, status, lines):
 
 @pytest.fixture
 def fake_groups(monkeypatch):
-    """init_parallel/shutdown_parallel replaced by recorders; the launch variables restored after."""
-    for key in LAUNCH_KEYS:
-        monkeypatch.delenv(key, raising=False)
+    """init_parallel/shutdown_parallel replaced by recorders; os.environ restored after (monkeypatch.delenv
+    of an absent key records nothing to restore, so the exported variables would outlive the test)."""
     calls = []
 
     def init_parallel(launch, tensor_parallel, pipeline_parallel, timeout_minutes):
@@ -126,7 +126,10 @@ def fake_groups(monkeypatch):
 
     monkeypatch.setattr(pretrain.parallel, "init_parallel", init_parallel)
     monkeypatch.setattr(pretrain.parallel, "shutdown_parallel", lambda: calls.append(("shutdown",)))
-    return calls
+    with mock.patch.dict(os.environ):
+        for key in LAUNCH_KEYS:
+            os.environ.pop(key, None)
+        yield calls
 
 
 def launch(rank):

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import LAUNCH_KEYS
 from distributed import REPO, free_port
 from pretrain.parallel import LaunchEnv, _first_slurm_host, discover_launch_env, init_parallel, shutdown_parallel
-
-LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def test_torchrun_variables():
