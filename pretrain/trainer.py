@@ -141,7 +141,8 @@ class Trainer:
         s = cfg.scheduler
 
         def scheduler(opt):
-            return make_lr_scheduler(opt, o.lr, s.warmup_steps, cfg.train.train_steps, s.decay, s.power, s.min_lr)
+            steps = cfg.train.train_steps
+            return make_lr_scheduler(opt, o.lr, s.warmup(steps), s.horizon(steps), s.decay, s.power, s.min_lr)
 
         with internals.no_optimizer_steps(optimizer):  # the fp16/bf16 wrappers step once at construction
             engine, _, _, _ = deepspeed.initialize(

@@ -246,7 +246,6 @@ def cfg_with(*overrides: str) -> Config:
     (["parallel.zero_stage=4"], "parallel.zero_stage (4) must be one of 0, 1, 2, 3"),
     (["parallel.tensor_parallel=0"], "parallel.tensor_parallel (0) must be >= 1"),
     (["optimizer.name=sgd"], "optimizer.name ('sgd') must be one of: lamb, adamw"),
-    (["scheduler.decay=cosine"], "scheduler.decay ('cosine') must be one of: linear, poly, constant"),
     (["train.precision=fp8"], "train.precision ('fp8') must be one of: fp32, bf16, fp16"),
     (["data.kind=files"], "data.kind ('files') must be one of: synthetic, indexed"),
     (["data.segment_pairs=xyz"], "data.segment_pairs ('xyz') must be one of: nsp, sop, none"),
@@ -271,7 +270,24 @@ def cfg_with(*overrides: str) -> Config:
     (["data.masked_lm_prob=0"], "data.masked_lm_prob (0.0) must be in (0, 1]"),
     (["data.masked_lm_prob=1.5"], "data.masked_lm_prob (1.5) must be in (0, 1]"),
     (["scheduler.warmup_steps=2000"], "scheduler.warmup_steps (2000) must be <= train.train_steps (1000)"),
+    (["fp16.loss_scale=-1"], "fp16.loss_scale (-1.0) must be >= 0"),
+    (["fp16.initial_scale_power=65"], "fp16.initial_scale_power (65) must be in [0, 64]"),
+    (["fp16.loss_scale_window=0"], "fp16.loss_scale_window (0) must be > 0"),
+    (["fp16.hysteresis=0"], "fp16.hysteresis (0) must be > 0"),
+    (["fp16.min_loss_scale=0"], "fp16.min_loss_scale (0) must be > 0"),
+    (["fp16.initial_scale_power=2", "fp16.min_loss_scale=8"], "fp16.min_loss_scale (8) must be <= 2 ** "
+                                                              "fp16.initial_scale_power (4)"),
     (["scheduler.min_lr=0.1"], "scheduler.min_lr (0.1) must be <= optimizer.lr (0.001)"),
+    (["scheduler.warmup_fraction=1.5"], "scheduler.warmup_fraction (1.5) must be in [0, 1]"),
+    (["scheduler.warmup_fraction=0.1", "scheduler.warmup_steps=5"],
+     "scheduler.warmup_steps (5) and scheduler.warmup_fraction (0.1) both set: give one"),
+    (["scheduler.decay_steps=0"], "scheduler.decay_steps (0) must be > 0"),
+    (["scheduler.decay_steps=50", "scheduler.warmup_steps=50", "scheduler.decay=cosine"],
+     "scheduler.decay_steps (50) must exceed scheduler.warmup_steps (50) for scheduler.decay cosine"),
+    (["scheduler.warmup_fraction=1.0", "scheduler.decay_steps=2000"],
+     "scheduler.warmup_fraction x scheduler.decay_steps (2000) must be <= train.train_steps (1000)"),
+    (["scheduler.decay=exponential"], "scheduler.decay ('exponential') must be one of: linear, poly, cosine, "
+                                      "inverse_sqrt, constant"),
     (["data.seq_length=1024"], "data.seq_length (1024) must be <= model.max_position_embeddings (512)"),
     (["data.seq_length=16"], "data.max_predictions_per_seq (20) must be <= data.seq_length (16)"),
     (["optimizer.no_weight_decay=[bias, norm]"], "optimizer.no_weight_decay entry 'norm' is not a parameter kind"),
@@ -389,12 +405,50 @@ def test_build_deepspeed_config_values():
     assert "optimizer" not in ds and "scheduler" not in ds
 
     fp16 = build_deepspeed_config(cfg_with("train.precision=fp16"), world_size=1)
-    assert fp16["fp16"] == {"enabled": True, "loss_scale": 0}
+    assert fp16["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                            "hysteresis": 2, "min_loss_scale": 1}
     assert fp16["bf16"] == {"enabled": False}
     assert fp16["gradient_accumulation_steps"] == 32
 
     with pytest.raises(ConfigError, match="global_batch_size"):
         build_deepspeed_config(cfg, world_size=32)
+
+
+FP16_OPTIONS = ["train.precision=fp16", "fp16.initial_scale_power=12", "fp16.loss_scale_window=50",
+                "fp16.hysteresis=3", "fp16.min_loss_scale=4"]
+
+
+def test_fp16_loss_scaling_reaches_deepspeed():
+    """Our fp16 keys, parsed by DeepSpeed's own config class: a misspelt key would leave its default."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    ds = build_deepspeed_config(cfg_with(*FP16_OPTIONS), world_size=1)
+    single = SimpleNamespace(get_data_parallel_world_size=lambda: 1, get_data_parallel_rank=lambda: 0,
+                             get_model_parallel_world_size=lambda: 1, get_model_parallel_rank=lambda: 0)
+    parsed = DeepSpeedConfig(ds, mpu=single).float16_config
+    assert parsed.enabled and parsed.loss_scale == 0
+    assert parsed.initial_dynamic_scale() == 2**12
+    assert (parsed.loss_scale_window, parsed.hysteresis, parsed.min_loss_scale) == (50, 3, 4)
+    static = build_deepspeed_config(cfg_with("train.precision=fp16", "fp16.loss_scale=128"), world_size=1)
+    assert DeepSpeedConfig(static, mpu=single).float16_config.loss_scale == 128
+    # with another precision the fp16 block stays disabled and carries none of them
+    assert build_deepspeed_config(cfg_with("fp16.hysteresis=3"), world_size=1)["fp16"] == {"enabled": False}
+
+
+def test_user_json_may_not_contradict_the_fp16_keys(tmp_path):
+    agrees = write(tmp_path / "same.json", json.dumps({"fp16": {"enabled": True, "hysteresis": 3,
+                                                                "consecutive_hysteresis": True}}))
+    ds = build_deepspeed_config(cfg_with(*FP16_OPTIONS, f"train.deepspeed_config={agrees}"), world_size=1)
+    assert ds["fp16"]["consecutive_hysteresis"] is True and ds["fp16"]["hysteresis"] == 3
+    user = write(tmp_path / "ds.json", json.dumps({"fp16": {"initial_scale_power": 32, "loss_scale_window": 50}}))
+    with pytest.raises(ConfigError) as e:
+        build_deepspeed_config(cfg_with(*FP16_OPTIONS, f"train.deepspeed_config={user}"), world_size=1)
+    assert problems_of(e) == [f"{user}: fp16.initial_scale_power=32 contradicts fp16.initial_scale_power=12; "
+                              "set fp16.initial_scale_power instead"]
+    # fp16 options in a user JSON of a bf16 run are DeepSpeed's business (its fp16 block is off)
+    build_deepspeed_config(cfg_with("train.precision=bf16", f"train.deepspeed_config={user}"), world_size=1)
 
 
 def test_user_json_extra_keys_merged(tmp_path):

@@ -7,7 +7,7 @@ import torch
 
 from pretrain.optim import lr_at, make_lr_scheduler
 
-BASE = dict(base_lr=1e-3, warmup_steps=10, total_steps=110)
+BASE = dict(base_lr=1e-3, warmup_steps=10, decay_steps=110)
 
 
 def test_warmup():
@@ -37,15 +37,50 @@ def test_poly_decay():
 def test_constant_and_no_warmup():
     assert lr_at(3, **BASE, decay="constant") == pytest.approx(4e-4)
     assert lr_at(10_000, **BASE, decay="constant") == pytest.approx(1e-3)
-    assert lr_at(0, base_lr=1e-3, warmup_steps=0, total_steps=100) == pytest.approx(1e-3)
-    assert lr_at(50, base_lr=1e-3, warmup_steps=0, total_steps=100) == pytest.approx(5e-4)
+    assert lr_at(0, base_lr=1e-3, warmup_steps=0, decay_steps=100) == pytest.approx(1e-3)
+    assert lr_at(50, base_lr=1e-3, warmup_steps=0, decay_steps=100) == pytest.approx(5e-4)
 
 
-@pytest.mark.parametrize("bad", [dict(decay="cosine"), dict(total_steps=10), dict(min_lr=2e-3),
+@pytest.mark.parametrize("bad", [dict(decay="exponential"), dict(decay_steps=10), dict(min_lr=2e-3),
                                  dict(warmup_steps=-1), dict(decay="poly", power=0.0)])
 def test_invalid_settings(bad):
     with pytest.raises(ValueError, match="lr schedule"):
         lr_at(0, **{**BASE, **bad})
+
+
+def test_cosine_decay():
+    assert lr_at(10, **BASE, decay="cosine") == pytest.approx(1e-3)
+    assert lr_at(60, **BASE, decay="cosine") == pytest.approx(5e-4)  # cos(pi/2) = 0: halfway
+    assert lr_at(35, **BASE, decay="cosine") == pytest.approx(1e-3 * 0.5 * (1 + math.sqrt(0.5)))  # cos(pi/4)
+    assert lr_at(85, **BASE, decay="cosine", min_lr=1e-4) == pytest.approx(1e-4 + 9e-4 * 0.5 * (1 - math.sqrt(0.5)))
+    assert lr_at(110, **BASE, decay="cosine", min_lr=1e-4) == pytest.approx(1e-4)
+    assert lr_at(109, **BASE, decay="cosine") > 0.0
+
+
+def test_inverse_square_root_decay():
+    # base_lr * sqrt(warmup / step) from the end of warmup: 1e-3 at step 10, halved at step 40
+    assert lr_at(10, **BASE, decay="inverse_sqrt") == pytest.approx(1e-3)
+    assert lr_at(40, **BASE, decay="inverse_sqrt") == pytest.approx(5e-4)
+    assert lr_at(90, **BASE, decay="inverse_sqrt") == pytest.approx(1e-3 / 3)
+    assert lr_at(90, **BASE, decay="inverse_sqrt", min_lr=4e-4) == pytest.approx(4e-4)  # the floor
+    assert lr_at(110, **BASE, decay="inverse_sqrt", min_lr=1e-5) == pytest.approx(1e-5)  # past the horizon
+    # without warmup it starts at base_lr and halves at step 4
+    assert lr_at(0, base_lr=1e-3, warmup_steps=0, decay_steps=100, decay="inverse_sqrt") == pytest.approx(1e-3)
+    assert lr_at(4, base_lr=1e-3, warmup_steps=0, decay_steps=100, decay="inverse_sqrt") == pytest.approx(5e-4)
+
+
+def test_decay_horizon_apart_from_the_run_length():
+    """scheduler.decay_steps and scheduler.warmup_fraction resolve as Megatron's --lr-decay-iters and
+    --lr-warmup-fraction (a share of the horizon), and reach the scheduler the trainer builds."""
+    from pretrain.config import load_config
+
+    cfg = load_config(None, ["train.train_steps=100", "scheduler.decay_steps=400", "scheduler.warmup_fraction=0.05"])
+    cfg.validate()
+    s = cfg.scheduler
+    assert (s.warmup(100), s.horizon(100)) == (20, 400)
+    assert lr_at(99, base_lr=1.0, warmup_steps=20, decay_steps=400) == pytest.approx(1 - 79 / 380)  # not 0 at the end
+    assert load_config(None, ["scheduler.warmup_steps=7"]).scheduler.warmup(1000) == 7
+    assert load_config(None, ["scheduler.warmup_fraction=0.1"]).scheduler.warmup(1000) == 100
 
 
 def _optimizer():

@@ -7,7 +7,7 @@ from __future__ import annotations
 # optimizer.no_layer_adaptation entries must be among them.
 PARAMETER_KINDS = ("weight", "bias", "layernorm", "embedding")
 OPTIMIZERS = ("lamb", "adamw")
-DECAYS = ("linear", "poly", "constant")
+DECAYS = ("linear", "poly", "cosine", "inverse_sqrt", "constant")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DATA_KINDS = ("synthetic", "indexed")
 SEGMENT_PAIRS = ("nsp", "sop", "none")

@@ -16,9 +16,9 @@ _DS_STEPS_PER_PRINT = 2**31 - 1  # effectively never: the trainer does its own l
 
 
 def deepspeed_settings(global_batch_size: int, micro_batch_size: int, grad_accum_steps: int, grad_clip: float,
-                       zero_stage: int, precision: str) -> dict[str, Any]:
+                       zero_stage: int, precision: str, loss_scaling: dict[str, Any] | None = None) -> dict[str, Any]:
     """The DeepSpeed config of the settings our configs own (batch sizes, clipping, ZeRO stage,
-    precision), as pretraining and fine-tuning both hand it to DeepSpeed."""
+    precision, fp16 loss scaling), as pretraining and fine-tuning both hand it to DeepSpeed."""
     ds: dict[str, Any] = {
         "train_batch_size": global_batch_size,
         "train_micro_batch_size_per_gpu": micro_batch_size,
@@ -33,7 +33,7 @@ def deepspeed_settings(global_batch_size: int, micro_batch_size: int, grad_accum
         "wall_clock_breakdown": False,
     }
     if precision == "fp16":
-        ds["fp16"]["loss_scale"] = 0  # 0 = dynamic loss scaling
+        ds["fp16"].update(loss_scaling or {"loss_scale": 0})  # 0 = dynamic loss scaling
     return ds
 
 
@@ -44,7 +44,7 @@ def build_deepspeed_config(cfg: Config, world_size: int) -> dict:
     t = cfg.train
     accum = cfg.grad_accum_steps(world_size)
     ds = deepspeed_settings(t.global_batch_size, t.micro_batch_size, accum, cfg.optimizer.grad_clip,
-                            cfg.parallel.zero_stage, t.precision)
+                            cfg.parallel.zero_stage, t.precision, cfg.fp16.deepspeed_block())
 
     if t.deepspeed_config is None:
         return ds
@@ -74,6 +74,8 @@ def build_deepspeed_config(cfg: Config, world_size: int) -> dict:
         (("zero_optimization", "stage"), f"parallel.zero_stage={cfg.parallel.zero_stage}", "parallel.zero_stage"),
         (("bf16", "enabled"), precision, "train.precision"),
         (("fp16", "enabled"), precision, "train.precision"),
+        *[(("fp16", key), f"fp16.{key}={value}", f"fp16.{key}")
+          for key, value in cfg.fp16.deepspeed_block().items() if t.precision == "fp16"],
         (("zero_allow_untested_optimizer",), "the trainer's required true (LAMB/AdamW are client optimizers)",
          None),
     ]

@@ -119,15 +119,37 @@ class OptimizerConfig:
 
 @dataclass
 class SchedulerConfig:
-    warmup_steps: int = 0  # linear warmup from 0
-    decay: str = "linear"  # "linear" | "poly" | "constant"; from warmup end to train.train_steps
+    warmup_steps: int = 0  # linear warmup from 0 over this many steps ...
+    warmup_fraction: float | None = None  # ... or over this share of the decay horizon (not both)
+    # "linear" | "poly" | "cosine" | "inverse_sqrt" | "constant" (formulas: pretrain/optim/schedule.py)
+    decay: str = "linear"
+    decay_steps: int | None = None  # the step the decay reaches min_lr; None = train.train_steps
     power: float = 0.5  # exponent of "poly" decay
     min_lr: float = 0.0  # floor of the decayed learning rate
+
+    def horizon(self, train_steps: int) -> int:
+        """The resolved decay horizon (Megatron's --lr-decay-iters)."""
+        return self.decay_steps if self.decay_steps is not None else train_steps
+
+    def warmup(self, train_steps: int) -> int:
+        """The resolved warmup length; a fraction is of the decay horizon, as Megatron's
+        --lr-warmup-fraction."""
+        if self.warmup_fraction is not None:
+            return int(self.warmup_fraction * self.horizon(train_steps))
+        return self.warmup_steps
 
     def problems(self) -> list[str]:
         p: list[str] = []
         _one_of(p, "scheduler.decay", self.decay, DECAYS)
         _non_negative(p, "scheduler.warmup_steps", self.warmup_steps)
+        if self.warmup_fraction is not None:
+            if not 0.0 <= self.warmup_fraction <= 1.0:
+                p.append(f"scheduler.warmup_fraction ({self.warmup_fraction}) must be in [0, 1]")
+            if self.warmup_steps:
+                p.append(f"scheduler.warmup_steps ({self.warmup_steps}) and scheduler.warmup_fraction "
+                         f"({self.warmup_fraction}) both set: give one")
+        if self.decay_steps is not None:
+            _positive(p, "scheduler.decay_steps", self.decay_steps)
         _positive(p, "scheduler.power", self.power)
         _non_negative(p, "scheduler.min_lr", self.min_lr)
         return p
@@ -237,6 +259,37 @@ class TrainConfig:
         return p
 
 
+@dataclass
+class Fp16Config:
+    """Loss scaling for train.precision fp16 (ignored otherwise), as Megatron's --loss-scale,
+    --initial-loss-scale, --loss-scale-window, --hysteresis and --min-loss-scale; written into the
+    DeepSpeed JSON's fp16 block (a user JSON may not contradict them)."""
+
+    loss_scale: float = 0.0  # 0 = dynamic scaling; > 0 = this static scale
+    initial_scale_power: int = 16  # dynamic scaling starts at 2 ** this
+    loss_scale_window: int = 1000  # overflow-free steps before the scale doubles
+    hysteresis: int = 2  # overflows tolerated before the scale halves
+    min_loss_scale: int = 1  # the scale never drops below this (an integer for DeepSpeed)
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _non_negative(p, "fp16.loss_scale", self.loss_scale)
+        if not 0 <= self.initial_scale_power <= 64:
+            p.append(f"fp16.initial_scale_power ({self.initial_scale_power}) must be in [0, 64]")
+        for name in ("loss_scale_window", "hysteresis", "min_loss_scale"):
+            _positive(p, f"fp16.{name}", getattr(self, name))
+        if self.min_loss_scale > 0 and self.loss_scale == 0 and 2.0 ** min(self.initial_scale_power, 64) < self.min_loss_scale:
+            p.append(f"fp16.min_loss_scale ({self.min_loss_scale}) must be <= 2 ** fp16.initial_scale_power "
+                     f"({2 ** self.initial_scale_power})")
+        return p
+
+    def deepspeed_block(self) -> dict[str, Any]:
+        """DeepSpeed's names for the same settings (its fp16 block)."""
+        return {"loss_scale": self.loss_scale, "initial_scale_power": self.initial_scale_power,
+                "loss_scale_window": self.loss_scale_window, "hysteresis": self.hysteresis,
+                "min_loss_scale": self.min_loss_scale}
+
+
 # Section name -> dataclass, in the order sections are listed and validated.
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
@@ -245,6 +298,7 @@ SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "data": DataConfig,
     "train": TrainConfig,
+    "fp16": Fp16Config,
 }
 
 
@@ -256,6 +310,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    fp16: Fp16Config = field(default_factory=Fp16Config)
 
     # -- derived sizes ----------------------------------------------------------------------
 
@@ -295,8 +350,16 @@ class Config:
         m, par, o, s, d, t = self.model, self.parallel, self.optimizer, self.scheduler, self.data, self.train
         p = m.problems() + par.problems() + self._model_split_problems()
         p += o.problems() + s.problems()
-        if s.warmup_steps > t.train_steps:
-            p.append(f"scheduler.warmup_steps ({s.warmup_steps}) must be <= train.train_steps ({t.train_steps})")
+        if not s.problems() and t.train_steps > 0:
+            warmup, horizon = s.warmup(t.train_steps), s.horizon(t.train_steps)
+            horizon_name = "scheduler.decay_steps" if s.decay_steps is not None else "train.train_steps"
+            warmup_name = ("scheduler.warmup_steps" if s.warmup_fraction is None
+                           else f"scheduler.warmup_fraction x {horizon_name}")
+            if warmup > t.train_steps:
+                p.append(f"{warmup_name} ({warmup}) must be <= train.train_steps ({t.train_steps})")
+            elif s.decay != "constant" and horizon <= warmup:
+                p.append(f"{horizon_name} ({horizon}) must exceed {warmup_name} ({warmup}) for "
+                         f"scheduler.decay {s.decay}")
         if s.min_lr > o.lr:
             p.append(f"scheduler.min_lr ({s.min_lr}) must be <= optimizer.lr ({o.lr})")
         p += d.problems()
@@ -304,6 +367,7 @@ class Config:
             p.append(f"data.seq_length ({d.seq_length}) must be <= "
                      f"model.max_position_embeddings ({m.max_position_embeddings})")
         p += t.problems() + self._batch_problems(world_size)
+        p += self.fp16.problems()
         if p:
             raise ConfigError(p)
 
