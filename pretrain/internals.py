@@ -20,7 +20,7 @@ import torch
 PINNED: dict[str, tuple[str, ...]] = {
     "deepspeed.runtime.engine": (
         "basic_optimizer", "global_steps", "global_samples", "_global_grad_norm", "enable_backward_allreduce",
-        "clip_fp32_gradients"),
+        "clip_fp32_gradients", "skipped_steps"),
     "deepspeed.runtime.zero.stage_1_and_2": (  # DeepSpeedZeroOptimizer (ZeRO-1/2)
         "bit16_groups", "single_partition_of_fp32_groups", "real_dp_process_group", "zenflow"),
     "deepspeed.runtime.bf16_optimizer": (  # BF16_Optimizer
@@ -198,6 +198,12 @@ def loss_scale(engine) -> float | None:
     Wrappers without loss scaling report 1.0."""
     scale = getattr(engine.optimizer, "loss_scale", None)
     return None if scale is None else float(scale)
+
+
+def overflow_skips(engine) -> int:
+    """Optimizer steps DeepSpeed skipped itself (fp16 loss-scale overflows) since the engine was
+    built: its `_take_model_step` counts them and leaves the LR scheduler alone."""
+    return int(engine.skipped_steps)
 
 
 @contextlib.contextmanager

@@ -19,11 +19,17 @@ from .checkpoint.format import CheckpointError
 from .model.bert import PretrainingLoss, build_model, init_weights
 from .model.names import WORD_EMBEDDINGS, logical_parameters
 from .model.rng import RngTracker, seed_streams
+from .errors import UserError
 from .optim import Lamb, build_optimizer, layout_for_deepspeed, make_lr_scheduler
 from .optim.groups import group_by_kind
+from .optim.guard import NonFiniteGuard, guard_optimizer
 from .parallel import Parallel
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class NonFiniteTraining(UserError, RuntimeError):
+    """Too many steps in a row had a NaN/Inf loss or gradient: the run diverged."""
 
 
 def optimizer_param_groups(model: torch.nn.Module, optimizer_cfg) -> list[dict]:
@@ -86,12 +92,16 @@ def model_flops_per_sample(cfg: Config) -> float:
 
 class Trainer:
     def __init__(self, cfg: Config, parallel: Parallel, log=print):
+        self.started = time.monotonic()  # train.exit_duration_minutes counts from here
         self.cfg = cfg
         self.parallel = parallel
         self.log = log if parallel.rank == parallel.logging_rank else (lambda *a, **k: None)
         self.step = 0
         self.consumed_samples = 0
         self._stop_requested = False
+        self.steps_skipped = 0  # steps whose update was skipped (non-finite, or an fp16 overflow)
+        self._bad_run: list[tuple[int, list[str]]] = []  # the current run of skipped steps, what was non-finite
+        self._last_skipped: list[str] = []
         self.pipelined = parallel.pp_size > 1
         self.grad_accum = cfg.grad_accum_steps(parallel.world_size)
 
@@ -139,12 +149,20 @@ class Trainer:
             hyper["max_trust_ratio"] = o.max_trust_ratio
         optimizer = build_optimizer(o.name, optimizer_param_groups(model, o), **hyper)
         s = cfg.scheduler
+        self.guard = None
+        if cfg.train.skip_nonfinite_steps and cfg.train.precision != "fp16":
+            self.guard = NonFiniteGuard(par.device, self.loss_fn.all_finite)
+            self.guard.watch(model.parameters())
+        guard = self.guard
 
         def scheduler(opt):
             steps = cfg.train.train_steps
-            return make_lr_scheduler(opt, o.lr, s.warmup(steps), s.horizon(steps), s.decay, s.power, s.min_lr)
+            return make_lr_scheduler(opt, o.lr, s.warmup(steps), s.horizon(steps), s.decay, s.power, s.min_lr,
+                                     hold=None if guard is None else lambda: bool(guard.skipped()))
 
         with internals.no_optimizer_steps(optimizer):  # the fp16/bf16 wrappers step once at construction
+            if guard is not None:
+                guard_optimizer(optimizer, guard)  # inside: no_optimizer_steps replaces optimizer.step
             engine, _, _, _ = deepspeed.initialize(
                 model=model,
                 optimizer=optimizer,
@@ -180,6 +198,9 @@ class Trainer:
         as DeepSpeed's wrapper reports it (a device tensor, or a float or None, left as it is: a
         host number copied to a GPU would wait for the GPU)."""
         p = self.parallel
+        if self.guard is not None:
+            self.guard.begin_step()
+        overflows = internals.overflow_skips(self.engine)
         draws = not self.pipelined or p.is_first_stage or p.is_last_stage
         micro_batches = [next(data_iter) for _ in range(self.grad_accum)] if draws else []
         if not self.pipelined or p.is_last_stage:
@@ -195,7 +216,32 @@ class Trainer:
                 loss = self.loss_fn(self.engine(inputs), labels)
                 self.engine.backward(loss)
                 self.engine.step()
+        self._last_skipped = self.guard.skipped() if self.guard is not None else []
+        if internals.overflow_skips(self.engine) > overflows:
+            self._last_skipped = ["fp16 loss-scale overflow"]
         return self.loss_fn.drain(self.parallel.device), self.engine.get_global_grad_norm()
+
+    def _count_skip(self) -> None:
+        """Count the step just taken if it was skipped; too many non-finite steps in a row end
+        the run. fp16 overflows are counted but never end it: a dynamic loss scaler overflows
+        several times in a row by design while it finds its scale (DeepSpeed itself stops a run
+        whose scale reaches fp16.min_loss_scale)."""
+        if not self._last_skipped:
+            self._bad_run = []
+            return
+        self.steps_skipped += 1
+        if self._last_skipped == ["fp16 loss-scale overflow"]:
+            return
+        self._bad_run.append((self.step, self._last_skipped))
+        limit = self.cfg.train.max_consecutive_skips
+        if len(self._bad_run) >= limit:
+            what = sorted({w for _, found in self._bad_run for w in found})
+            first = self._bad_run[0][0]
+            raise NonFiniteTraining(
+                f"step {self.step}: non-finite {' and '.join(what)} in {limit} steps in a row (steps {first}-"
+                f"{self.step}, train.max_consecutive_skips={limit}); every one was skipped, the weights are "
+                f"those after step {first - 1}. Lower optimizer.lr or check the data near sample "
+                f"{(first - 1) * self.cfg.train.global_batch_size}")
 
     def _scale_loss_to_global_batch(self, labels: list) -> None:
         """The step's MLM loss is a mean over every masked token of the global batch (see
@@ -256,11 +302,20 @@ class Trainer:
     def _on_sigterm(self, signum, frame):
         self._stop_requested = True
 
-    def _stop_agreed(self) -> bool:
-        """Whether any rank got SIGTERM; every rank calls it at the same steps (a collective)."""
-        if self.step % self.cfg.train.stop_check_interval:
-            return False
-        return device.reduce_floats([self._stop_requested], self.parallel.device, op="max")[0] > 0
+    def _stop_agreed(self) -> str | None:
+        """Why the ranks stop now, if they do: a SIGTERM on any rank, or train.exit_duration_minutes
+        passed on any rank. Every rank calls it at the same steps (a collective)."""
+        t = self.cfg.train
+        if self.step % t.stop_check_interval:
+            return None
+        minutes = (time.monotonic() - self.started) / 60
+        over_time = bool(t.exit_duration_minutes) and minutes >= t.exit_duration_minutes
+        sigterm, late = device.reduce_floats([self._stop_requested, over_time], self.parallel.device, op="max")
+        if sigterm:
+            return "SIGTERM received"
+        if late:
+            return f"train.exit_duration_minutes ({t.exit_duration_minutes:g}) reached after {minutes:.1f} min"
+        return None
 
     def save(self) -> None:
         if not self.cfg.train.save_dir:
@@ -305,13 +360,14 @@ class Trainer:
                 step_metrics = self._step(data_iter)  # stays on the device until the log line
                 self.step += 1
                 self.consumed_samples += t.global_batch_size
+                self._count_skip()
                 if data_iter.consumed_samples != self.consumed_samples:
                     raise RuntimeError(f"rank {self.parallel.rank}: data position {data_iter.consumed_samples} "
                                        f"samples, trainer {self.consumed_samples} after step {self.step}")
                 # wall time between step starts: with a GPU's asynchrony one entry may hold part of
                 # another's work; their average over the window is exact (the log line syncs)
                 window.append((step_metrics, {"iteration_time": time.perf_counter() - started,
-                                              "learning_rate": learning_rate}))
+                                              "learning_rate": learning_rate, "skipped_steps": self.steps_skipped}))
                 stop = self._stop_agreed()
                 if self.step % t.log_interval == 0 or self.step == last_step or stop:
                     reduced = self._metrics([sums for (sums, _), _ in window], [norm for (_, norm), _ in window])
@@ -326,7 +382,7 @@ class Trainer:
                 if saved:
                     self.save()
                 if stop:
-                    self.log(f"SIGTERM received: saving at step {self.step} and stopping")
+                    self.log(f"{stop}: saving at step {self.step} and stopping; launch again to resume")
                     if not saved:  # the same checkpoint twice would double the time a preemption waits
                         self.save()
                     break
@@ -362,7 +418,7 @@ class Trainer:
         }
         params_norm = self.params_norm()  # a collective: every rank computes it
         train = {k: metrics[k] for k in ("loss", "lm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy",
-                                          "learning_rate", "grad_norm")}
+                                          "learning_rate", "grad_norm", "skipped_steps")}
         train["params_norm"] = params_norm
         if self.cfg.train.precision == "fp16":  # the other wrappers report a constant 1.0
             train["loss_scale"] = internals.loss_scale(self.engine)
@@ -374,7 +430,8 @@ class Trainer:
             f"| nsp {metrics['nsp_loss']:.4f} | mlm acc {metrics['mlm_accuracy']:.3f} | lr {metrics['learning_rate']:.3e} "
             f"| grad norm {metrics['grad_norm']:.3f} | {perf['tokens_per_second']:.0f} tok/s "
             f"| data wait {1e3 * data_wait_per_step:.0f} ms/step "
-            f"| {perf['model_tflops_per_rank'] * 1e3:.1f} GFLOP/s/rank | ETA {_duration(eta)}",
+            f"| {perf['model_tflops_per_rank'] * 1e3:.1f} GFLOP/s/rank | ETA {_duration(eta)}"
+            + (f" | skipped {metrics['skipped_steps']}" if metrics["skipped_steps"] else ""),
             flush=True,
         )
 

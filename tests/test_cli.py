@@ -182,6 +182,7 @@ def user_facing_errors():
     from pretrain.preprocess.pipeline import Interrupted, PreprocessError
     from pretrain.preprocess.tokenizer import TokenizerError
     from pretrain.samples.token_ids import VocabError
+    from pretrain.trainer import NonFiniteTraining
     from tools.fill_mask import FillMaskError
     from tools.plot_curves import PlotError
 
@@ -189,7 +190,7 @@ def user_facing_errors():
             (VocabError, ValueError), (DataError, ValueError), (CorpusError, ValueError),
             (PreprocessError, RuntimeError), (Interrupted, RuntimeError), (DeviceError, RuntimeError),
             (TaskDataError, ValueError), (FinetuneError, RuntimeError), (FeatureError, ValueError),
-            (FillMaskError, ValueError), (PlotError, ValueError)]
+            (FillMaskError, ValueError), (PlotError, ValueError), (NonFiniteTraining, RuntimeError)]
 
 
 def test_one_base_for_the_users_errors():

@@ -293,6 +293,9 @@ def cfg_with(*overrides: str) -> Config:
     (["optimizer.no_weight_decay=[bias, norm]"], "optimizer.no_weight_decay entry 'norm' is not a parameter kind"),
     (["optimizer.no_layer_adaptation=[LayerNorm]"], "optimizer.no_layer_adaptation entry 'LayerNorm'"),
     (["train.keep_last=-1"], "train.keep_last (-1) must be >= 0"),
+    (["train.exit_duration_minutes=230"], "train.exit_duration_minutes (230) needs train.save_dir"),
+    (["train.exit_duration_minutes=-1", "train.save_dir=ckpt"], "train.exit_duration_minutes (-1.0) must be >= 0"),
+    (["train.max_consecutive_skips=0"], "train.max_consecutive_skips (0) must be > 0"),
     (["train.dist_timeout_minutes=0"], "train.dist_timeout_minutes (0.0) must be > 0"),
     (["train.global_batch_size=100"], "train.global_batch_size (100) must be a multiple of train.micro_batch_size (8)"),
 ])

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast ti
 
 PROMISED = {
     "train": ["loss", "lm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "learning_rate", "grad_norm",
-              "params_norm"],
+              "params_norm", "skipped_steps"],
     "perf": ["tokens_per_second", "samples_per_second", "model_tflops_per_rank", "iteration_time", "data_wait_time",
              "peak_memory_gb"],
     "eval": ["loss", "lm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "perplexity"],

@@ -243,19 +243,30 @@ class TrainConfig:
     deepspeed_config: str | None = None  # path to a user DeepSpeed JSON adding DeepSpeed-only options
     dist_timeout_minutes: float = 10.0  # collective timeout: a dead/hung rank makes the others exit
     exit_after_steps: int = 0  # stop (saving a checkpoint) after this many steps of this run; 0 = run to train_steps
+    # save and exit 0 once this many minutes have passed since the trainer started (checked every
+    # stop_check_interval steps), ahead of a scheduler's time limit; the relaunch resumes. 0 = no limit
+    exit_duration_minutes: float = 0.0
     tf32: bool = True  # TF32 tensor cores for fp32 matrix products on GPUs (Ampere and later); no effect on CPU
     # steps between the ranks' agreement on a SIGTERM (one collective and host sync each time);
     # keep interval x step time well inside the scheduler's grace period (SLURM: KillWait, 30 s)
     stop_check_interval: int = 5
+    # skip a step whose loss or gradients are NaN/Inf on any rank (weights and LR schedule left
+    # as they were; fp32/bf16 - fp16's loss scaler skips overflows itself); one collective and
+    # host sync per step
+    skip_nonfinite_steps: bool = True
+    max_consecutive_skips: int = 10  # this many skipped steps in a row stop the job with an error
 
     def problems(self) -> list[str]:
         p: list[str] = []
         for name in ("global_batch_size", "micro_batch_size", "train_steps", "log_interval",
-                     "eval_steps", "dist_timeout_minutes", "stop_check_interval"):
+                     "eval_steps", "dist_timeout_minutes", "stop_check_interval", "max_consecutive_skips"):
             _positive(p, f"train.{name}", getattr(self, name))
-        for name in ("seed", "eval_interval", "save_interval", "keep_last", "exit_after_steps"):
+        for name in ("seed", "eval_interval", "save_interval", "keep_last", "exit_after_steps", "exit_duration_minutes"):
             _non_negative(p, f"train.{name}", getattr(self, name))
         _one_of(p, "train.precision", self.precision, PRECISIONS)
+        if self.exit_duration_minutes and not self.save_dir:
+            p.append(f"train.exit_duration_minutes ({self.exit_duration_minutes:g}) needs train.save_dir: the job "
+                     "saves a checkpoint before it exits, for the relaunch to resume")
         return p
 
 

@@ -19,6 +19,7 @@ decay_steps is usually train.train_steps; a longer horizon leaves the run at a h
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
@@ -70,14 +71,24 @@ class WarmupDecayLR(LRScheduler):
     `lr_scheduler` (DeepSpeed calls step() after each optimizer step it does not skip).
 
     The checkpoint keeps only the step count: the schedule itself comes from the run's
-    config (one source of truth), so a resumed run may e.g. extend the decay horizon."""
+    config (one source of truth), so a resumed run may e.g. extend the decay horizon.
+
+    `hold`, when given, is asked at every step(): true means the optimizer step just taken was
+    skipped (a non-finite loss or gradient), and the schedule stays where it is."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, base_lr: float, warmup_steps: int,
-                 decay_steps: int, decay: str = "linear", power: float = 0.5, min_lr: float = 0.0):
+                 decay_steps: int, decay: str = "linear", power: float = 0.5, min_lr: float = 0.0,
+                 hold: Callable[[], bool] | None = None):
         _validate(base_lr, warmup_steps, decay_steps, decay, power, min_lr)
         self.schedule = dict(base_lr=base_lr, warmup_steps=warmup_steps, decay_steps=decay_steps,
                              decay=decay, power=power, min_lr=min_lr)
+        self._hold = hold
         super().__init__(optimizer)  # performs the initial step: last_epoch 0, lr = lr_at(0)
+
+    def step(self, epoch=None) -> None:
+        if self._hold is not None and self._hold():
+            return
+        super().step()
 
     def get_lr(self) -> list[float]:
         lr = lr_at(self.last_epoch, **self.schedule)
@@ -97,5 +108,5 @@ class WarmupDecayLR(LRScheduler):
 
 def make_lr_scheduler(optimizer: torch.optim.Optimizer, base_lr: float, warmup_steps: int,
                       decay_steps: int, decay: str = "linear", power: float = 0.5,
-                      min_lr: float = 0.0) -> WarmupDecayLR:
-    return WarmupDecayLR(optimizer, base_lr, warmup_steps, decay_steps, decay, power, min_lr)
+                      min_lr: float = 0.0, hold: Callable[[], bool] | None = None) -> WarmupDecayLR:
+    return WarmupDecayLR(optimizer, base_lr, warmup_steps, decay_steps, decay, power, min_lr, hold)

@@ -1,0 +1,102 @@
+"""What a cluster job needs from the trainer: a non-finite loss or gradient skips the step (on
+every rank, weights and LR schedule untouched) and too many in a row stop the job; a wall-time
+limit saves and exits 0 so that the relaunch resumes."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from distributed import REPO, free_port, run_ranks
+from _train_worker import TINY
+
+pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
+
+# warmup 4 of 6 steps: every step before the decay has its own learning rate
+GUARDED = ["train.train_steps=6", "scheduler.warmup_steps=4"]
+
+
+def guard_runs(tmp_path, world, *runs):
+    out = tmp_path / "guard.json"
+    run_ranks(["tests/_guard_worker.py", str(out), *[json.dumps(r) for r in runs]], world, timeout=600)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return guard_runs(tmp_path_factory.mktemp("guard1"), 1,
+                      {"name": "loss", "overrides": GUARDED, "poison": "loss", "steps": [3, 4], "rank": 0},
+                      {"name": "diverged", "overrides": GUARDED + ["train.max_consecutive_skips=2"],
+                       "poison": "loss", "steps": [3, 4, 5], "rank": 0},
+                      {"name": "unguarded", "overrides": GUARDED + ["train.skip_nonfinite_steps=false"],
+                       "poison": "loss", "steps": [3], "rank": 0})
+
+
+def test_a_nan_loss_skips_the_step_and_training_goes_on(single):
+    run = single["loss"]
+    history, norms = run["history"], run["norms"]
+    assert len(history) == 6 and "error" not in run
+    assert [math.isnan(h["loss"]) for h in history] == [False, False, True, True, False, False]
+    # steps 3 and 4 left the weights as step 2 left them; steps 5 and 6 moved them again
+    assert norms[2] == norms[1] and norms[3] == norms[1]
+    assert norms[4] != norms[3] and norms[5] != norms[4]
+    # the schedule did not advance on them: steps 3, 4 and 5 all use the rate after two updates
+    rates = [h["learning_rate"] for h in history]
+    assert rates[:3] == pytest.approx([0.0025, 0.005, 0.0075]) and rates[3] == rates[4] == rates[2]
+    assert rates[5] == pytest.approx(0.01)
+    assert [h["skipped_steps"] for h in history] == [0, 0, 1, 2, 2, 2] and run["skipped_steps"] == 2
+
+
+def test_consecutive_bad_steps_stop_the_job_naming_step_and_cause(single):
+    kind, message = single["diverged"]["error"]
+    assert kind == "NonFiniteTraining"
+    assert message.startswith("step 4: non-finite gradients and loss in 2 steps in a row (steps 3-4, "
+                              "train.max_consecutive_skips=2)"), message
+    assert "the weights are those after step 2" in message
+
+
+def test_without_the_guard_a_nan_step_poisons_the_weights(single):
+    """The negative control: the same NaN, unguarded, reaches every weight."""
+    norms = single["unguarded"]["norms"]
+    assert not math.isnan(norms[1]) and all(math.isnan(n) for n in norms[2:])
+
+
+def test_every_rank_skips_what_one_rank_saw(tmp_path):
+    """Infinite gradients on rank 1 of two data-parallel ranks only (its loss finite): both ranks
+    skip, the replicas stay equal, and the error names gradients, not the loss."""
+    runs = guard_runs(tmp_path, 2,
+                      {"name": "grad", "overrides": GUARDED + ["train.micro_batch_size=4"], "poison": "gradients",
+                       "steps": [2], "rank": 1},
+                      {"name": "stop", "overrides": GUARDED + ["train.micro_batch_size=4",
+                                                               "train.max_consecutive_skips=1"],
+                       "poison": "gradients", "steps": [2], "rank": 1})
+    run = runs["grad"]
+    assert not any(math.isnan(h["loss"]) for h in run["history"])
+    assert run["norms"][1] == run["norms"][0] and run["norms"][2] != run["norms"][1]
+    assert math.isfinite(run["norms"][-1]) and run["skipped_steps"] == 1
+    kind, message = runs["stop"]["error"]
+    assert kind == "NonFiniteTraining" and message.startswith("step 2: non-finite gradients in 1 steps"), message
+
+
+def pretrain(tmp_path, overrides):
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "pretrain", "--config", "configs/bert-tiny.yaml", *TINY, *overrides],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_wall_time_limit_saves_exits_zero_and_the_relaunch_resumes(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run = ["train.train_steps=100000", f"train.save_dir={ckpt}", f"train.load_dir={ckpt}",
+           "train.stop_check_interval=3"]
+    first = pretrain(tmp_path, run + ["train.exit_duration_minutes=0.0001"])  # over at the first check
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "train.exit_duration_minutes (0.0001) reached after" in first.stdout
+    assert "saving at step 3 and stopping; launch again to resume" in first.stdout
+    assert (ckpt / "latest").read_text() == "iter_0000003"
+    again = pretrain(tmp_path, run + ["train.exit_after_steps=2"])
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resumed from {ckpt} at step 3 " in again.stdout and "step 5/100000" in again.stdout
+    assert "step 1/" not in again.stdout
