@@ -1,7 +1,9 @@
 """The pretraining loop: model + optimizer under DeepSpeed, data, metrics, checkpoints."""
 from __future__ import annotations
 
+import json
 import math
+import os
 import resource
 import signal
 import sys
@@ -114,8 +116,8 @@ class Trainer:
         self.engine = self._build_engine()
 
         # Rank 0 builds missing sample indices while the others wait; all then map the cache.
-        self.train_data, self.valid_data = pretraining_datasets(cfg, is_builder=parallel.rank == 0,
-                                                                barrier=device.barrier, log=self.log)
+        self.train_data, self.valid_data, self.test_data = pretraining_datasets(
+            cfg, is_builder=parallel.rank == 0, barrier=device.barrier, log=self.log)
         self.writer = None
         if cfg.train.tensorboard_dir and parallel.rank == parallel.logging_rank:
             from torch.utils.tensorboard import SummaryWriter
@@ -129,7 +131,8 @@ class Trainer:
 
         def make_model():
             model = build_model(cfg.model, padded_vocab, torch.float32, self.tracker, par.tp_group,
-                                pipeline_topology=par.topology if self.pipelined else None, loss_fn=self.loss_fn)
+                                pipeline_topology=par.topology if self.pipelined else None, loss_fn=self.loss_fn,
+                                binary_head=cfg.binary_head)
             init_weights(model, cfg.model.init_std, cfg.train.seed, cfg.model.vocab_size, par.tp_rank, par.tp_size)
             return model
 
@@ -273,9 +276,11 @@ class Trainer:
         return metrics
 
     @torch.no_grad()
-    def evaluate(self) -> dict:
+    def evaluate(self, dataset=None) -> dict:
+        """Metrics over train.eval_steps global batches of `dataset` (default: the validation set),
+        always its first ones: every evaluation sees the same samples."""
         self.engine.eval()
-        data_iter = self.data_iterator(self.valid_data, 0)
+        data_iter = self.data_iterator(self.valid_data if dataset is None else dataset, 0)
         self.loss_fn.drain(self.parallel.device)
         for _ in range(self.cfg.train.eval_steps):
             if self.pipelined:
@@ -377,7 +382,7 @@ class Trainer:
                     self._log_train(history[-1], elapsed / len(window), flops, waited / len(window))
                     window_start, window = time.perf_counter(), []
                 if t.eval_interval and self.step % t.eval_interval == 0:
-                    self._log_eval(self.evaluate())
+                    self._log_eval("eval", self.evaluate())
                 saved = bool(t.save_interval) and self.step % t.save_interval == 0
                 if saved:
                     self.save()
@@ -389,6 +394,8 @@ class Trainer:
             else:
                 if not (t.save_interval and self.step % t.save_interval == 0):
                     self.save()
+                if self.test_data is not None and self.step == t.train_steps:
+                    self._log_eval("test", self.evaluate(self.test_data))  # once, at the end of training
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
@@ -417,17 +424,18 @@ class Trainer:
             "peak_memory_gb": _peak_memory_gb(self.parallel.device),
         }
         params_norm = self.params_norm()  # a collective: every rank computes it
-        train = {k: metrics[k] for k in ("loss", "lm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy",
-                                          "learning_rate", "grad_norm", "skipped_steps")}
+        train = {k: metrics[k] for k in ("loss", "lm_loss", *self._nsp_keys, "mlm_accuracy", "learning_rate",
+                                          "grad_norm", "skipped_steps")}
         train["params_norm"] = params_norm
         if self.cfg.train.precision == "fp16":  # the other wrappers report a constant 1.0
             train["loss_scale"] = internals.loss_scale(self.engine)
         self._scalars("train", train)
         self._scalars("perf", perf)
         eta = seconds_per_step * (t.train_steps - self.step)
+        nsp = f"| nsp {metrics['nsp_loss']:.4f} " if self.cfg.binary_head else ""
         self.log(
             f"step {self.step}/{t.train_steps} | loss {metrics['loss']:.4f} | lm {metrics['lm_loss']:.4f} "
-            f"| nsp {metrics['nsp_loss']:.4f} | mlm acc {metrics['mlm_accuracy']:.3f} | lr {metrics['learning_rate']:.3e} "
+            f"{nsp}| mlm acc {metrics['mlm_accuracy']:.3f} | lr {metrics['learning_rate']:.3e} "
             f"| grad norm {metrics['grad_norm']:.3f} | {perf['tokens_per_second']:.0f} tok/s "
             f"| data wait {1e3 * data_wait_per_step:.0f} ms/step "
             f"| {perf['model_tflops_per_rank'] * 1e3:.1f} GFLOP/s/rank | ETA {_duration(eta)}"
@@ -435,14 +443,46 @@ class Trainer:
             flush=True,
         )
 
-    def _log_eval(self, metrics: dict) -> None:
-        metrics = dict(metrics, perplexity=math.exp(min(metrics["lm_loss"], 50.0)))
-        self._scalars("eval", metrics)
+    @property
+    def _nsp_keys(self) -> tuple[str, ...]:
+        """The next-sentence metrics, which a model without the binary head does not have."""
+        return ("nsp_loss", "nsp_accuracy") if self.cfg.binary_head else ()
+
+    def _log_eval(self, split: str, metrics: dict) -> None:
+        """One evaluation ("eval": the validation set, "test"): console, TensorBoard, eval_results."""
+        metrics = {k: v for k, v in metrics.items() if not k.startswith("nsp_") or k in self._nsp_keys}
+        metrics["perplexity"] = math.exp(min(metrics["lm_loss"], 50.0))
+        self._scalars(split, metrics)
+        nsp = (f" | nsp {metrics['nsp_loss']:.4f}", f" | nsp acc {metrics['nsp_accuracy']:.3f}") \
+            if self.cfg.binary_head else ("", "")
         self.log(
-            f"eval at step {self.step} | lm {metrics['lm_loss']:.4f} | perplexity {metrics['perplexity']:.2f} "
-            f"| nsp {metrics['nsp_loss']:.4f} | mlm acc {metrics['mlm_accuracy']:.3f} | nsp acc {metrics['nsp_accuracy']:.3f}",
+            f"{split} at step {self.step} | lm {metrics['lm_loss']:.4f} | perplexity {metrics['perplexity']:.2f}"
+            f"{nsp[0]} | mlm acc {metrics['mlm_accuracy']:.3f}{nsp[1]}",
             flush=True,
         )
+        if self.cfg.train.eval_results and self.parallel.rank == self.parallel.logging_rank:
+            record_evaluation(self.cfg.train.eval_results, "valid" if split == "eval" else split, self.step,
+                              self.consumed_samples, metrics)
+
+
+def record_evaluation(path: str, split: str, step: int, consumed_samples: int, metrics: dict) -> None:
+    """Add one evaluation to the JSON file at `path` ({"valid": [...], "test": [...]}, each entry
+    {step, consumed_samples, metrics}), replacing it atomically. Entries at this step or later
+    (from a run that crashed after them and is now repeating those steps) are dropped first."""
+    results = {"valid": [], "test": []}
+    if os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                results.update(json.load(f))
+        except (OSError, ValueError) as err:
+            raise UserError(f"train.eval_results: {path} cannot be read as JSON ({err}); move it away") from None
+    results[split] = [e for e in results.get(split, []) if e["step"] < step]
+    results[split].append({"step": step, "consumed_samples": consumed_samples, "metrics": metrics})
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    partial = f"{path}.partial"
+    with open(partial, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=1)
+    os.replace(partial, path)
 
 
 def _main_thread() -> bool:

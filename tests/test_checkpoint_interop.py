@@ -341,3 +341,38 @@ def test_bf16_checkpoints_convert_from_their_fp32_masters(tmp_path, zero, world)
     mlm, nsp = hf_outputs(tmp_path / "hf", result["bf16"]["inputs"])  # fp32 vs the run's bf16 arithmetic
     assert (result["bf16"]["mlm"].float() - mlm).abs().max() < 0.1 * mlm.abs().max()
     assert (result["bf16"]["nsp"].float() - nsp).abs().max() < 0.1 * nsp.abs().max() + 0.05
+
+
+@pytest.mark.slow
+def test_no_binary_head_trains_mlm_only_and_converts_to_masked_lm(tmp_path):
+    """data.segment_pairs none (Megatron's --bert-no-binary-head): at TP2 x PP2 the model has no
+    pooler and no next-sentence classifier, the loss is the MLM loss alone, and the checkpoint
+    converts to a BertForMaskedLM directory that transformers loads with no missing or unexpected
+    key and that gives our MLM logits."""
+    ckpt = tmp_path / "ckpt"
+    result = worker(tmp_path, "mlm-only", 2, 2, 4, [{"name": "mlm", "overrides": [
+        "data.segment_pairs=none", "train.train_steps=3", f"train.save_dir={ckpt}"]}])["mlm"]
+    assert result["nsp"] is None
+    assert all(h["loss"] == h["lm_loss"] and h["nsp_loss"] == 0 for h in result["history"])
+    tag_dir = ckpt / "iter_0000003"
+    assert json.loads((tag_dir / "meta.json").read_text())["model_shape"]["binary_head"] is False
+    saved = set()
+    for path in tag_dir.glob("*model_states.pt"):
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        saved |= set(state["module"] if state.get("module") is not None else state)
+    assert any("mlm_dense" in name for name in saved)
+    assert not [name for name in saved if "pooler" in name or "nsp." in name]
+
+    native = read_native(str(ckpt))
+    assert native.initialised_heads == ["next-sentence head", "pooler"]
+    out = tmp_path / "hf"
+    write_hf(native, str(out), vocab_file=str(write_vocab(tmp_path / "vocab.txt")))
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["BertForMaskedLM"]
+    assert not [name for name in tensors(out) if name.startswith(("bert.pooler.", "cls.seq_relationship."))]
+    model, info = BertForMaskedLM.from_pretrained(out, output_loading_info=True, attn_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    input_ids, token_types, padding_mask, positions = result["inputs"]
+    with torch.no_grad():
+        logits = model.eval()(input_ids=input_ids, token_type_ids=token_types, attention_mask=padding_mask).logits
+    mlm = torch.gather(logits, 1, positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    assert mlm.abs().max() > 0.1 and (result["mlm"] - mlm).abs().max() < 1e-5

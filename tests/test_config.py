@@ -252,6 +252,7 @@ def cfg_with(*overrides: str) -> Config:
     (["data.masking=sometimes"], "data.masking ('sometimes') must be one of: static, dynamic"),
     (["data.short_seq_prob=1.5"], "data.short_seq_prob (1.5) must be in [0, 1]"),
     (["data.max_ngram=0"], "data.max_ngram (0) must be > 0"),
+    (["data.valid_paths=[held]"], "data.valid_paths needs data.kind indexed"),
     (["data.num_workers=-1"], "data.num_workers (-1) must be >= 0"),
     (["data.kind=indexed", "data.paths=[a]", "data.vocab_file=v.txt", "data.weights=[1,2]"],
      "data.weights has 2 entries for 1 data.paths"),

@@ -85,3 +85,46 @@ def test_raw_text_to_pretrained_model(prepared):
     assert f"initialised weights from {root}/phase1" in out2
     phase2 = [(int(s), float(lm)) for s, lm, _, _ in STEP.findall(out2)]
     assert phase2[0][1] < first_lm - 1.0, (phase2, first_lm)
+
+
+def test_separate_validation_and_test_corpora(prepared, tmp_path):
+    """data.valid_paths / data.test_paths (Megatron's --valid-data-path / --test-data-path): the
+    validation set is evaluated every eval_interval and the test set once at the end, from the
+    held-out corpus (all its documents; the training corpus gives all of its own to training),
+    into the console, TensorBoard and train.eval_results."""
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root = prepared
+    held = tmp_path / "held"
+    held.mkdir()
+    write_jsonl(held / "held.jsonl", 150, seed=7)
+    run(["tools/preprocess_data.py", "--input", str(held / "held.jsonl"), "--output-prefix", str(held / "held"),
+         "--vocab-file", str(root / "vocab" / "vocab.txt"), "--split-sentences"])
+    vocab = WordPieceVocab.from_file(root / "vocab" / "vocab.txt")
+    results = tmp_path / "eval.json"
+    overrides = common(root, vocab.size) + [
+        "data.seq_length=64", "data.max_predictions_per_seq=10", "data.split=100,0,0", "train.train_steps=4",
+        "scheduler.warmup_steps=1",
+        "train.log_interval=1", "train.eval_interval=2", "train.eval_steps=1", f"train.eval_results={results}",
+        f"train.tensorboard_dir={tmp_path / 'tb'}"]
+    held_prefix = f"[{held}/held_text_sentence]"
+    out = pretrain(overrides + [f"data.valid_paths={held_prefix}", f"data.test_paths={held_prefix}"], nproc=1)
+    assert re.findall(r"^(eval|test) at step (\d+)", out, re.M) == [("eval", "2"), ("eval", "4"), ("test", "4")], out
+    assert list((held / "index-cache").glob("segments-*")), "the held-out corpus was not read"
+    saved = json.loads(results.read_text())
+    assert [e["step"] for e in saved["valid"]] == [2, 4] and [e["step"] for e in saved["test"]] == [4]
+    assert saved["test"][0]["consumed_samples"] == 4 * 32
+    assert {"lm_loss", "perplexity", "mlm_accuracy", "nsp_accuracy"} <= set(saved["test"][0]["metrics"])
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("test/lm_loss")] == [4]
+    assert [e.step for e in events.Scalars("eval/lm_loss")] == [2, 4]
+
+    # without them the split's empty validation share is refused, naming the fix
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
+                           f"--master-port={free_port()}", "-m", "pretrain", "--config", "configs/bert-tiny.yaml",
+                           *overrides], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert "leaves no validation documents (set data.valid_paths" in done.stdout + done.stderr

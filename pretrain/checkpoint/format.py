@@ -42,6 +42,20 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads"
                 "max_position_embeddings", "type_vocab_size", "make_vocab_size_divisible_by")
 
 
+# Parameters by head (Hugging Face name prefix): a checkpoint of an architecture without a head,
+# or trained without the binary head, gets them initialised and listed as untrained.
+HEADS = {"pooler": "bert.pooler.", "next-sentence head": "cls.seq_relationship.", "MLM head": "cls.predictions."}
+
+
+def head_of(hf_name: str) -> str | None:
+    """The head a parameter belongs to (None: the encoder)."""
+    return next((head for head, prefix in HEADS.items() if hf_name.startswith(prefix)), None)
+
+
+# shape keys that are not a model.<key> of the config
+SHAPE_NAMES = {"binary_head": "binary (next-sentence) head, from data.segment_pairs"}
+
+
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be read, written or used as asked (the message names the file)."""
 
@@ -122,7 +136,7 @@ def pipeline_stage_bounds(num_layers: int, pipeline_parallel: int) -> list[int]:
     return partition_balanced(weights=weights, num_parts=pipeline_parallel)
 
 
-def checkpoint_param_names(num_layers: int, pipelined: bool) -> list[tuple[int, str, str]]:
+def checkpoint_param_names(num_layers: int, pipelined: bool, binary_head: bool = True) -> list[tuple[int, str, str]]:
     """(spec index, parameter name in the engine's module, Hugging Face name) of every parameter,
     in each spec's order; the tied word embedding once, at its first use (spec 0).
 
@@ -130,7 +144,7 @@ def checkpoint_param_names(num_layers: int, pipelined: bool) -> list[tuple[int, 
     specs); DeepSpeed's PipelineModule tied_modules.word_embeddings.* and <spec index>.*.
     """
     names, untied = [], 0
-    for index, (kind, layer) in enumerate(spec_modules(num_layers)):
+    for index, (kind, layer) in enumerate(spec_modules(num_layers, binary_head)):
         tied = kind is WordEmbedding
         if tied and index > 0:
             continue
@@ -144,8 +158,9 @@ def checkpoint_param_names(num_layers: int, pipelined: bool) -> list[tuple[int, 
     return names
 
 
-def hf_parameter_info(model_cfg) -> dict[str, HfParameter]:
-    """Hugging Face name -> its whole shape (unpadded vocabulary), kind and TP partition dim."""
+def hf_parameter_info(model_cfg, binary_head: bool = True) -> dict[str, HfParameter]:
+    """Hugging Face name -> its whole shape (unpadded vocabulary), kind and TP partition dim; without
+    `binary_head`, no pooler and no next-sentence classifier."""
     h, f, v = model_cfg.hidden_size, model_cfg.ffn_size, model_cfg.vocab_size
     shapes = {
         "embedding.weight": (v, h), "position_embeddings.weight": (model_cfg.max_position_embeddings, h),
@@ -153,7 +168,7 @@ def hf_parameter_info(model_cfg) -> dict[str, HfParameter]:
         "intermediate.bias": (f,), "output.weight": (h, f), "nsp.weight": (2, h), "nsp.bias": (2,), "bias": (v,),
     }
     info = {}
-    for kind, layer in spec_modules(model_cfg.num_layers):
+    for kind, layer in spec_modules(model_cfg.num_layers, binary_head):
         for local, entry in HF_NAME_TABLE[kind].items():
             default = (h,) if local.endswith("bias") or "layernorm" in local else (h, h)
             info[entry.hf_name.format(i=layer if layer is not None else "")] = HfParameter(
@@ -161,13 +176,13 @@ def hf_parameter_info(model_cfg) -> dict[str, HfParameter]:
     return info
 
 
-def stage_param_names(num_layers: int, pp: int, stage: int) -> list[tuple[str, str]]:
+def stage_param_names(num_layers: int, pp: int, stage: int, binary_head: bool = True) -> list[tuple[str, str]]:
     """(engine parameter name, HF name) of one pipeline stage, in the module's parameter order:
     the tied word embedding first on the stages that use it (first and last), then by spec."""
     specs = stage_spec_range(num_layers, pp, stage)
     decoder_spec = len(spec_modules(num_layers)) - 2  # the tied embedding's second use
     names = []
-    for index, name, hf_name in checkpoint_param_names(num_layers, pipelined=pp > 1):
+    for index, name, hf_name in checkpoint_param_names(num_layers, pipelined=pp > 1, binary_head=binary_head):
         tied = index == 0
         if (tied and (0 in specs or decoder_spec in specs)) or (not tied and index in specs):
             names.append((name, hf_name))
@@ -188,7 +203,7 @@ def layout_of(cfg: Config, parallel) -> dict:
 
 
 def model_shape_of(cfg: Config) -> dict:
-    return {name: getattr(cfg.model, name) for name in SHAPE_FIELDS}
+    return {**{name: getattr(cfg.model, name) for name in SHAPE_FIELDS}, "binary_head": cfg.binary_head}
 
 
 def read_meta(tag_dir: str) -> dict:
@@ -238,12 +253,14 @@ def layout_differences(meta: dict, cfg: Config, parallel) -> list[str]:
             if meta["layout"].get(key) != ours[key]]
 
 
-def shape_differences(saved_shape: dict, cfg: Config, ignore_padding: bool = False) -> list[str]:
+def shape_differences(saved_shape: dict, cfg: Config, ignore: tuple[str, ...] = ()) -> list[str]:
     """The model fields in which a checkpoint's shape (meta.json's model_shape) differs from the
-    run's; the vocabulary padding, a layout matter, may be ignored (layout-free loading re-pads)."""
-    return [f"model.{key}: checkpoint {saved_shape.get(key)} vs run {value}"
+    run's, except those in `ignore` (e.g. the vocabulary padding, a layout matter that layout-free
+    loading re-pads)."""
+    saved_shape = {"binary_head": True, **saved_shape}  # older checkpoints all had the binary head
+    return [f"{SHAPE_NAMES.get(key, 'model.' + key)}: checkpoint {saved_shape.get(key)} vs run {value}"
             for key, value in model_shape_of(cfg).items()
-            if saved_shape.get(key) != value and not (ignore_padding and key == "make_vocab_size_divisible_by")]
+            if saved_shape.get(key) != value and key not in ignore]
 
 
 def restores_exactly(meta: dict, cfg: Config, parallel) -> bool:

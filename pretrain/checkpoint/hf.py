@@ -19,10 +19,10 @@ import torch
 
 from ..config import Config, ConfigError
 from ..preprocess.tokenizer import SPECIAL_TOKENS, TokenizerError, load_tokenizer, read_vocab
-from ..model.bert import full_initial_value
 from ..model.names import MLM_BIAS, WORD_EMBEDDINGS
-from .format import CONFIG_JSON, LATEST, META, TOKENIZER_FILES, TOKENIZER_JSON, VOCAB_FILE, CheckpointError, hf_parameter_info
-from .logical import LogicalCheckpoint
+from .format import (CONFIG_JSON, HEADS, LATEST, META, TOKENIZER_FILES, TOKENIZER_JSON, VOCAB_FILE, CheckpointError,
+                     head_of, hf_parameter_info)
+from .logical import LogicalCheckpoint, initialise_missing
 from .tokenizer_files import check_vocab_fits, copy_vocab_files, has_tokenizer
 
 PRETRAINING_ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel")
@@ -33,8 +33,6 @@ TASK_HEAD_PREFIXES = ("classifier.", "qa_outputs.")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 DECODER_WEIGHT, DECODER_BIAS = "cls.predictions.decoder.weight", "cls.predictions.decoder.bias"
 BUFFERS = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids")
-# Parameters by head: a checkpoint of an architecture without the head gets them initialised.
-HEADS = {"pooler": "bert.pooler.", "next-sentence head": "cls.seq_relationship.", "MLM head": "cls.predictions."}
 ARCHITECTURE_HEADS = {
     "BertForPreTraining": ("pooler", "next-sentence head", "MLM head"),
     "BertForMaskedLM": ("MLM head",),
@@ -43,10 +41,6 @@ ARCHITECTURE_HEADS = {
     "BertForMultipleChoice": ("pooler",),
     "BertForQuestionAnswering": (),
 }
-
-
-def _head_of(name: str) -> str | None:
-    return next((head for head, prefix in HEADS.items() if name.startswith(prefix)), None)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -177,7 +171,7 @@ def read_hf(path: str, seed: int = 1234) -> LogicalCheckpoint:
                   for n in info if n in state and tuple(state[n].shape) != tuple(info[n].shape)]
     required_heads = ARCHITECTURE_HEADS[architecture]
     missing = [n for n in info if n not in state]
-    missing_required = [n for n in missing if _head_of(n) is None or _head_of(n) in required_heads]
+    missing_required = [n for n in missing if head_of(n) is None or head_of(n) in required_heads]
     problems = []
     if unexpected:
         problems.append(f"{len(unexpected)} unexpected tensor(s) for {architecture}: {', '.join(unexpected)}")
@@ -194,11 +188,7 @@ def read_hf(path: str, seed: int = 1234) -> LogicalCheckpoint:
     if dtypes != ["float32"]:
         notes.append(f"weights stored as {', '.join(dtypes)}: converted to float32")
     weights = {n: state[n].to(torch.float32).contiguous() for n in info if n in state}
-    initialised: dict[str, list[str]] = {}
-    for name in missing:
-        shape, kind, _ = info[name]
-        weights[name] = full_initial_value(name, kind, shape, cfg.model.init_std, seed, cfg.model.vocab_size)
-        initialised.setdefault(_head_of(name), []).append(name)
+    initialised = initialise_missing(weights, cfg, seed)
     for head, names in initialised.items():
         notes.append(f"{architecture} has no {head}: initialised {len(names)} tensor(s) "
                      f"(normal(0, {cfg.model.init_std}) weights, zero biases, unit LayerNorm; seed {seed}): "
@@ -322,7 +312,7 @@ def _written_tensors(ckpt: LogicalCheckpoint, architecture: str) -> dict[str, to
     no `bert.` prefix; a fine-tuned model adds its task head (ckpt.extra)."""
     heads = written_heads(ckpt, architecture)
     info = hf_parameter_info(ckpt.config.model)
-    names = [n for n in info if _head_of(n) is None or _head_of(n) in heads]
+    names = [n for n in info if head_of(n) is None or head_of(n) in heads]
     tensors = {n.removeprefix("bert.") if architecture == "BertModel" else n: ckpt.weights[n] for n in names}
     if architecture not in PRETRAINING_ARCHITECTURES:
         tensors.update(ckpt.extra or {})

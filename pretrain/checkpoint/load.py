@@ -47,9 +47,12 @@ def native_meta(path: str) -> tuple[str, dict] | None:
     return tag_dir, read_meta(tag_dir)
 
 
-def check_model_matches(ckpt: LogicalCheckpoint, cfg, path: str) -> None:
-    """Shapes must agree; the vocabulary padding (a layout matter) may differ."""
-    differences = shape_differences(model_shape_of(ckpt.config), cfg, ignore_padding=True)
+def check_model_matches(ckpt: LogicalCheckpoint, cfg, path: str, new_run: bool = False) -> None:
+    """Shapes must agree; the vocabulary padding (a layout matter) may differ, and a new run
+    (train.init_from) may add or drop the binary head (a checkpoint without one carries an
+    initialised pooler and classifier, logical.read_native)."""
+    ignore = ("make_vocab_size_divisible_by", "binary_head") if new_run else ("make_vocab_size_divisible_by",)
+    differences = shape_differences(model_shape_of(ckpt.config), cfg, ignore)
     if differences:
         raise CheckpointError(f"checkpoint {path} does not fit this run's model:\n  " + "\n  ".join(differences))
 
@@ -133,8 +136,13 @@ def init_from(engine, model, path: str, cfg, parallel, optimizer_states: bool) -
                                                           optimizer_states)
             return f"{tag_dir} (its step {saved_at})"
     ckpt = read_any(path, with_optimizer=optimizer_states)
-    check_model_matches(ckpt, cfg, path)
+    check_model_matches(ckpt, cfg, path, new_run=True)
     if optimizer_states and ckpt.moments is None:
         raise CheckpointError(f"train.init_optimizer_states: {path} holds no optimizer state")
+    if optimizer_states and ckpt.config.binary_head != cfg.binary_head:
+        raise CheckpointError(f"train.init_optimizer_states: {path} was trained "
+                              f"{'with' if ckpt.config.binary_head else 'without'} the binary head, this run "
+                              f"{'has' if cfg.binary_head else 'has not'} one: its optimizer state does not fit; "
+                              "start from its weights only")
     load_into_engine(engine, model, ckpt, cfg, parallel, with_optimizer=optimizer_states, with_schedule=False)
     return f"{ckpt.source} (its step {ckpt.step}, loaded layout-free)" + "".join(f"\n  {n}" for n in ckpt.notes)

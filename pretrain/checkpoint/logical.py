@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import Config
+from ..model.bert import full_initial_value
 from ..model.names import spec_modules
 from ..optim.groups import group_by_kind
-from .format import (LATEST, META, MOMENTS, CheckpointError, check_complete, config_of, hf_parameter_info,
+from .format import (LATEST, META, MOMENTS, CheckpointError, check_complete, config_of, head_of, hf_parameter_info,
                      layer_file, model_ranks, model_shape_of, mp_file, read_meta, resolve_tag_dir, stage_param_names,
                      stage_spec_range, tag_for, zero_file)
 from .sharding import local_value, unpad_vocab
@@ -50,7 +51,7 @@ class LogicalCheckpoint:
     vocab_dir: str | None = None  # directory holding the tokenizer files (vocab.txt and/or tokenizer.json), if any
     notes: list[str] = field(default_factory=list)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # a fine-tuned model's task head (HF names)
-    # heads the source did not have, filled with fresh initial values (hf.HEADS names, e.g.
+    # heads the source did not have, filled with fresh initial values (format.HEADS names, e.g.
     # "MLM head" for a BertModel directory); kept through write_native so tools can tell untrained heads
     initialised_heads: list[str] = field(default_factory=list)
 
@@ -75,7 +76,7 @@ class _ShardReader:
         self.tag_dir, self.layout, self.cfg = tag_dir, layout, cfg
         self.p, self.t, self.m = p, t, m
         self.pp, self.dp, self.zero = layout["pipeline_parallel"], layout["data_parallel"], layout["zero_stage"]
-        self.names = stage_param_names(cfg.model.num_layers, self.pp, p)
+        self.names = stage_param_names(cfg.model.num_layers, self.pp, p, cfg.binary_head)
         self.weights: dict[str, torch.Tensor] = {}
         self.moments: dict[str, dict[str, torch.Tensor]] = {}
         self.optimizer_step: int | None = None
@@ -131,7 +132,7 @@ class _ShardReader:
     def _grouped_names(self, optimizer_state: dict) -> list[list[str]]:
         """Engine parameter names of each param group of a by-index optimizer state."""
         o = self.cfg.optimizer
-        info = hf_parameter_info(self.cfg.model)
+        info = hf_parameter_info(self.cfg.model, self.cfg.binary_head)
         groups = group_by_kind([(name, info[hf].kind) for name, hf in self.names], o.no_weight_decay,
                                o.no_layer_adaptation)
         grouped = [names for _, _, names in groups]
@@ -239,7 +240,7 @@ def read_native(path: str, with_optimizer: bool = True) -> LogicalCheckpoint:
     layout = meta["layout"]
     tp, pp = layout["tensor_parallel"], layout["pipeline_parallel"]
     check_complete(tag_dir, layout, cfg.model.num_layers)
-    info = hf_parameter_info(cfg.model)
+    info = hf_parameter_info(cfg.model, cfg.binary_head)
 
     by_hf: dict[str, dict[int, torch.Tensor]] = {}
     moments_by_hf: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
@@ -277,13 +278,34 @@ def read_native(path: str, with_optimizer: bool = True) -> LogicalCheckpoint:
                    for hf, per_t in moments_by_hf.items()}
     if len(steps) > 1:
         raise CheckpointError(f"{tag_dir}: model shards disagree on the optimizer step ({sorted(steps)})")
+    initialised = set(meta.get("initialised_heads", []))
+    notes = []
+    if not cfg.binary_head:
+        # Trained without the binary head: its pooler and classifier are initialised here, as a
+        # BertForMaskedLM directory's are (checkpoint/hf.py), so that every reader sees a whole
+        # BertForPreTraining; they are marked untrained, and conversion writes BertForMaskedLM.
+        added = initialise_missing(weights, cfg, seed=cfg.train.seed)
+        initialised |= set(added)
+        notes.append(f"trained without the binary head (data.segment_pairs none): initialised "
+                     f"{', '.join(sorted(added))}")
     return LogicalCheckpoint(
         config=cfg, weights=weights, moments=moments, optimizer_step=steps.pop() if steps else 0,
         step=int(meta.get("step", 0)), consumed_samples=int(meta.get("consumed_samples", 0)),
         scheduler_steps=scheduler_steps or 0, source=tag_dir,
         vocab_dir=tag_dir if has_tokenizer(tag_dir) else None,
-        initialised_heads=list(meta.get("initialised_heads", [])),
+        initialised_heads=sorted(initialised), notes=notes,
     )
+
+
+def initialise_missing(weights: dict[str, torch.Tensor], cfg: Config, seed: int) -> dict[str, list[str]]:
+    """Add to `weights` every BertForPreTraining tensor it lacks, initialised as the trainer
+    initialises (per-name seeds from `seed`); returns the names added, by head."""
+    added: dict[str, list[str]] = {}
+    for name, (shape, kind, _) in hf_parameter_info(cfg.model).items():
+        if name not in weights:
+            weights[name] = full_initial_value(name, kind, shape, cfg.model.init_std, seed, cfg.model.vocab_size)
+            added.setdefault(head_of(name), []).append(name)
+    return added
 
 
 # ----------------------------------------------------------------------------- writing
@@ -308,7 +330,7 @@ def check_layout(cfg: Config, tp: int, pp: int) -> None:
 def _indexed_optimizer_state(ckpt: LogicalCheckpoint, names: list[tuple[str, str]], local) -> dict:
     """A ZeRO-0 optimizer's state_dict for one model shard: state by parameter index, in the
     trainer's param-group order."""
-    o, info = ckpt.config.optimizer, hf_parameter_info(ckpt.config.model)
+    o, info = ckpt.config.optimizer, hf_parameter_info(ckpt.config.model, ckpt.config.binary_head)
     groups = group_by_kind([(hf, info[hf].kind) for _, hf in names], o.no_weight_decay, o.no_layer_adaptation)
     state, param_groups, index = {}, [], 0
     for decay, adapt, members in groups:
@@ -334,7 +356,7 @@ def write_native(ckpt: LogicalCheckpoint, out_dir: str, tp: int, pp: int, with_o
         raise CheckpointError(f"{out_dir} already exists and is not empty; choose a new output directory")
     with_optimizer = with_optimizer and ckpt.moments is not None
     m = cfg.model
-    info, padded = hf_parameter_info(m), m.padded_vocab_size(tp)
+    info, padded = hf_parameter_info(m, cfg.binary_head), m.padded_vocab_size(tp)
     tmp = f"{out_dir.rstrip(os.sep)}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tag = tag_for(ckpt.step)
@@ -344,7 +366,7 @@ def write_native(ckpt: LogicalCheckpoint, out_dir: str, tp: int, pp: int, with_o
         if ckpt.vocab_dir:  # first: a tokenizer that cannot be carried fails before the weights are written
             check_vocab_fits(copy_vocab_files(ckpt.vocab_dir, tag_dir), m.vocab_size, ckpt.vocab_dir)
         for p, t, mp in model_ranks(tp, pp):
-            names = stage_param_names(m.num_layers, pp, p)
+            names = stage_param_names(m.num_layers, pp, p, cfg.binary_head)
 
             def local(hf_name, tensor):
                 return local_value(hf_name, tensor, padded, info[hf_name].partition_dim, t, tp)

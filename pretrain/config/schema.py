@@ -168,6 +168,10 @@ class DataConfig:
     weights: list[float] = field(default_factory=list)  # blending weights, one per path; empty = equal
     vocab_file: str | None = None  # vocab.txt or tokenizer.json the data was preprocessed with
     split: str = "949,50,1"  # train,valid,test shares of each corpus's documents (Megatron's rule)
+    # separate validation / test corpora (all their documents; Megatron's --valid-data-path and
+    # --test-data-path): used instead of the split's valid / test shares of data.paths
+    valid_paths: list[str] = field(default_factory=list)
+    test_paths: list[str] = field(default_factory=list)
     segment_pairs: str = "nsp"  # "nsp" (BERT) | "sop" (ALBERT/Megatron sentence order) | "none" (one segment)
     short_seq_prob: float = 0.1  # share of samples cut to a random shorter target length
     whole_word_masking: bool = True  # mask a word's '##' pieces together
@@ -196,6 +200,8 @@ class DataConfig:
         _non_negative(p, "data.num_workers", self.num_workers)
         if self.kind == "indexed":
             p += self._indexed_problems()
+        else:
+            p += [f"data.{key} needs data.kind indexed" for key in ("valid_paths", "test_paths") if getattr(self, key)]
         return p
 
     def _indexed_problems(self) -> list[str]:
@@ -240,6 +246,9 @@ class TrainConfig:
     init_from: str | None = None
     init_optimizer_states: bool = False
     tensorboard_dir: str | None = None
+    # a JSON file with every evaluation's metrics (validation at each eval_interval, the test set
+    # once at the end of training), rewritten after each; kept across resumes
+    eval_results: str | None = None
     deepspeed_config: str | None = None  # path to a user DeepSpeed JSON adding DeepSpeed-only options
     dist_timeout_minutes: float = 10.0  # collective timeout: a dead/hung rank makes the others exit
     exit_after_steps: int = 0  # stop (saving a checkpoint) after this many steps of this run; 0 = run to train_steps
@@ -324,6 +333,12 @@ class Config:
     fp16: Fp16Config = field(default_factory=Fp16Config)
 
     # -- derived sizes ----------------------------------------------------------------------
+
+    @property
+    def binary_head(self) -> bool:
+        """Whether the model has the pooler and the next-sentence (or sentence-order) classifier:
+        not with data.segment_pairs none, whose samples are single segments."""
+        return self.data.segment_pairs != "none"
 
     def data_parallel_size(self, world_size: int) -> int:
         problem = _world_size_problem(self, world_size)

@@ -20,6 +20,7 @@ from ..device import all_reduce
 from ..internals import full_shape, is_zero3_param
 from .layers import (
     EmbeddingTail,
+    MlmHead,
     MlmOutputBias,
     PretrainingHeads,
     TransformerLayer,
@@ -31,9 +32,11 @@ from .layers import (
 from .names import TIED_EMBEDDING_KEY, WORD_EMBEDDINGS, logical_parameters, spec_modules
 from .rng import RngTracker
 
-def stage_specs(model_cfg, padded_vocab_size: int, params_dtype: torch.dtype, rng: RngTracker, tp_group) -> list:
+def stage_specs(model_cfg, padded_vocab_size: int, params_dtype: torch.dtype, rng: RngTracker, tp_group,
+                binary_head: bool = True) -> list:
     """The model as an ordered list of layer specs (see layers.py for what flows between them);
-    `tp_group` is the tensor-parallel group its sharded layers split over and reduce in."""
+    `tp_group` is the tensor-parallel group its sharded layers split over and reduce in. Without
+    `binary_head` the heads are MLM only (no pooler, no next-sentence classifier)."""
     mp_config = megatron_config(params_dtype, tp_group)
     hidden = model_cfg.hidden_size
     word = partial(TiedLayerSpec, TIED_EMBEDDING_KEY, WordEmbedding, padded_vocab_size, hidden, mp_config, tp_group,
@@ -45,13 +48,13 @@ def stage_specs(model_cfg, padded_vocab_size: int, params_dtype: torch.dtype, rn
         LayerSpec(EmbeddingTail, hidden, model_cfg.max_position_embeddings, model_cfg.type_vocab_size,
                   model_cfg.layernorm_epsilon, model_cfg.hidden_dropout, params_dtype),
         *[LayerSpec(TransformerLayer, i, model_cfg, mp_config, rng, tp_group) for i in range(model_cfg.num_layers)],
-        LayerSpec(PretrainingHeads, model_cfg, params_dtype),
+        LayerSpec(PretrainingHeads if binary_head else MlmHead, model_cfg, params_dtype),
         word(forward_fn=decode_tokens),
         LayerSpec(MlmOutputBias, model_cfg.vocab_size, padded_vocab_size, mp_config, tp_group),
     ]
     described = [(spec.typename, spec.module_args[0] if spec.typename is TransformerLayer else None)
                  for spec in specs]
-    assert described == spec_modules(model_cfg.num_layers), "spec_modules is out of date"
+    assert described == spec_modules(model_cfg.num_layers, binary_head), "spec_modules is out of date"
     return specs
 
 
@@ -103,8 +106,8 @@ class SequentialBert(nn.Module):
 
 
 def build_model(model_cfg, padded_vocab_size, params_dtype, rng, tp_group, pipeline_topology=None,
-                loss_fn=None) -> nn.Module:
-    specs = stage_specs(model_cfg, padded_vocab_size, params_dtype, rng, tp_group)
+                loss_fn=None, binary_head: bool = True) -> nn.Module:
+    specs = stage_specs(model_cfg, padded_vocab_size, params_dtype, rng, tp_group, binary_head)
     if pipeline_topology is None or pipeline_topology.get_dim("pipe") == 1:
         return SequentialBert(specs)
     return PipelineModule(
@@ -171,7 +174,8 @@ def assign_local(param: nn.Parameter, value: torch.Tensor) -> None:
 
 
 class PretrainingLoss:
-    """MLM (at masked positions, vocabulary-parallel) + NSP cross entropy, as BertForPreTraining.
+    """MLM (at masked positions, vocabulary-parallel) + NSP cross entropy, as BertForPreTraining
+    (MLM only, as BertForMaskedLM, when the model has no binary head: its nsp_logits are None).
 
     Called once per micro-batch (also as the pipeline's loss_fn on the last stage); keeps the
     detached metric sums of the micro-batches since the last `drain`.
@@ -211,7 +215,6 @@ class PretrainingLoss:
         with torch.no_grad():
             predicted = vocab_parallel_argmax(mlm_logits, self.tp_group, self.tp_rank)
             mlm_correct = ((predicted == masked_labels).float() * weights).sum()
-            nsp_correct = (nsp_logits.argmax(-1) == nsp_labels).float().sum()
         # megatron's cross entropy overwrites fp32 logits in place: work on a copy, so that the
         # logits stay what the model output (the pipeline engine returns them from eval_batch)
         fp32_logits = mlm_logits.float() if mlm_logits.dtype != torch.float32 else mlm_logits.clone()
@@ -219,7 +222,13 @@ class PretrainingLoss:
         count = weights.sum()
         lm_sum = (per_token * weights).sum()
         lm_loss = lm_sum * self._lm_scale if self._lm_scale is not None else lm_sum / count.clamp(min=1.0)
+        if nsp_logits is None:  # no binary head: no NSP loss, zero NSP sums (and count)
+            values = torch.stack([lm_sum.detach(), count.detach(), mlm_correct, *torch.zeros_like(count).expand(3)])
+            self._sums = values.double() if self._sums is None else self._sums + values.double()
+            return lm_loss
         nsp_sum = F.cross_entropy(nsp_logits.float(), nsp_labels, reduction="sum")
+        with torch.no_grad():
+            nsp_correct = (nsp_logits.argmax(-1) == nsp_labels).float().sum()
         values = torch.stack([lm_sum.detach(), count.detach(), mlm_correct, nsp_sum.detach(),
                               torch.full_like(count, nsp_labels.numel()), nsp_correct]).double()
         self._sums = values if self._sums is None else self._sums + values

@@ -367,22 +367,32 @@ class TransformerLayer(nn.Module):
 class PretrainingHeads(nn.Module):
     """Pooler + NSP classifier, and the MLM transform applied only at masked positions."""
 
+    binary_head = True
+
     def __init__(self, model_cfg, params_dtype):
         super().__init__()
         hidden = model_cfg.hidden_size
-        self.pooler = nn.Linear(hidden, hidden, dtype=params_dtype)
-        self.nsp = nn.Linear(hidden, 2, dtype=params_dtype)
+        if self.binary_head:
+            self.pooler = nn.Linear(hidden, hidden, dtype=params_dtype)
+            self.nsp = nn.Linear(hidden, 2, dtype=params_dtype)
         self.mlm_dense = nn.Linear(hidden, hidden, dtype=params_dtype)
         self.mlm_layernorm = layer_norm(hidden, model_cfg.layernorm_epsilon, params_dtype)
 
     def forward(self, inputs):
         hidden, _padding_mask, masked_positions = inputs
-        nsp_logits = self.nsp(torch.tanh(self.pooler(hidden[:, 0])))
+        nsp_logits = self.nsp(torch.tanh(self.pooler(hidden[:, 0]))) if self.binary_head else None
         # Sparse prediction: only the masked positions go through the vocabulary projection.
         index = masked_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
         masked_hidden = torch.gather(hidden, 1, index)
         mlm_hidden = self.mlm_layernorm(F.gelu(self.mlm_dense(masked_hidden)))
         return mlm_hidden, nsp_logits
+
+
+class MlmHead(PretrainingHeads):
+    """BertForMaskedLM's heads: the MLM transform only, no pooler and no next-sentence classifier
+    (data.segment_pairs: none, Megatron's --bert-no-binary-head); its nsp_logits are None."""
+
+    binary_head = False
 
 
 class MlmOutputBias(nn.Module):

@@ -12,7 +12,7 @@ from typing import NamedTuple
 from torch import nn
 
 from ..internals import tp_partition_dim
-from .layers import EmbeddingTail, MlmOutputBias, PretrainingHeads, TransformerLayer, WordEmbedding
+from .layers import EmbeddingTail, MlmHead, MlmOutputBias, PretrainingHeads, TransformerLayer, WordEmbedding
 
 TIED_EMBEDDING_KEY = "word_embeddings"
 
@@ -69,6 +69,8 @@ HF_NAME_TABLE: dict[type[nn.Module], dict[str, ParamName]] = {
         "bias": ParamName("cls.predictions.bias", "bias", 0),
     },
 }
+HF_NAME_TABLE[MlmHead] = {local: entry for local, entry in HF_NAME_TABLE[PretrainingHeads].items()
+                          if local.startswith("mlm_")}
 WORD_EMBEDDINGS = HF_NAME_TABLE[WordEmbedding]["embedding.weight"].hf_name
 MLM_BIAS = HF_NAME_TABLE[MlmOutputBias]["bias"].hf_name
 
@@ -108,11 +110,13 @@ def logical_parameters(model: nn.Module) -> list[LogicalParam]:
     return found
 
 
-def spec_modules(num_layers: int) -> list[tuple[type[nn.Module], int | None]]:
+def spec_modules(num_layers: int, binary_head: bool = True) -> list[tuple[type[nn.Module], int | None]]:
     """(layer class, transformer layer index) of each entry of `stage_specs`, in order: what the
     checkpoint files of each module structure are named after (checkpoint.format.checkpoint_param_names).
-    The word embedding appears twice: the input lookup and the tied MLM decoder."""
+    The word embedding appears twice: the input lookup and the tied MLM decoder. Without the binary
+    head the heads' entry is MlmHead (same position, no pooler or next-sentence classifier)."""
+    heads = PretrainingHeads if binary_head else MlmHead
     return [(WordEmbedding, None), (EmbeddingTail, None), *[(TransformerLayer, i) for i in range(num_layers)],
-            (PretrainingHeads, None), (WordEmbedding, None), (MlmOutputBias, None)]
+            (heads, None), (WordEmbedding, None), (MlmOutputBias, None)]
 
 

@@ -17,11 +17,12 @@ def data_file_problems(cfg: Config) -> list[str]:
     if d.kind != "indexed":
         return []
     problems = []
-    for prefix in d.paths:
-        for suffix in (".bin", ".idx"):
-            if not os.path.isfile(prefix + suffix):
-                problems.append(f"data.paths: {prefix}{suffix} does not exist (give prefixes without .bin/.idx, "
-                                "as tools/preprocess_data.py prints them)")
+    for key in ("paths", "valid_paths", "test_paths"):
+        for prefix in getattr(d, key):
+            for suffix in (".bin", ".idx"):
+                if not os.path.isfile(prefix + suffix):
+                    problems.append(f"data.{key}: {prefix}{suffix} does not exist (give prefixes without .bin/.idx, "
+                                    "as tools/preprocess_data.py prints them)")
     if d.vocab_file:
         try:
             WordPieceVocab.from_file(d.vocab_file)
@@ -30,9 +31,16 @@ def data_file_problems(cfg: Config) -> list[str]:
     return problems
 
 
+# What a separate validation or test corpus contributes: all of its documents, at its position
+# (the split index also seeds its sampling).
+WHOLE_CORPUS_AS = {1: "0,1,0", 2: "0,0,1"}
+
+
 def pretraining_datasets(cfg: Config, is_builder: bool, barrier: Callable[[], None] | None,
                          log: Callable[[str], None]):
-    """(train, valid) datasets; valid is None when the split leaves no validation documents.
+    """(train, valid, test) datasets. Valid and test come from data.valid_paths / data.test_paths
+    (every document of those corpora) when given, else from data.split's shares of data.paths;
+    either is None when it has no documents (synthetic data has no test set).
 
     is_builder: this rank builds missing sample indices (one rank); barrier: waits for it.
     """
@@ -42,7 +50,7 @@ def pretraining_datasets(cfg: Config, is_builder: bool, barrier: Callable[[], No
                                  d.masked_lm_prob)
         valid = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions_per_seq, d.num_samples,
                                  d.seed + 1, d.masked_lm_prob)
-        return train, valid
+        return train, valid, None
     try:
         vocab = WordPieceVocab.from_file(d.vocab_file)
     except VocabError as err:
@@ -63,7 +71,16 @@ def pretraining_datasets(cfg: Config, is_builder: bool, barrier: Callable[[], No
     train = build_split_dataset(corpora, 0, d.split, t.train_steps * t.global_batch_size, **common)
     if train is None:
         raise DataError(f"data.split {d.split!r} leaves no training documents in {', '.join(d.paths)}")
-    valid = build_split_dataset(corpora, 1, d.split, max(1, t.eval_steps) * t.global_batch_size, **common)
+    eval_samples = max(1, t.eval_steps) * t.global_batch_size
+
+    def held_out(index: int, separate: list[str]):
+        if separate:
+            return build_split_dataset([CorpusSpec(prefix, 1.0) for prefix in separate], index,
+                                       WHOLE_CORPUS_AS[index], eval_samples, **common)
+        return build_split_dataset(corpora, index, d.split, eval_samples, **common)
+
+    valid, test = held_out(1, d.valid_paths), held_out(2, d.test_paths)
     if valid is None and t.eval_interval:
-        raise DataError(f"train.eval_interval is set but data.split {d.split!r} leaves no validation documents")
-    return train, valid
+        raise DataError(f"train.eval_interval is set but data.split {d.split!r} leaves no validation documents "
+                        "(set data.valid_paths, or give the split a validation share)")
+    return train, valid, test
