@@ -33,6 +33,7 @@ from pretrain.errors import UserError
 from pretrain.internals import no_optimizer_steps
 from pretrain.model.names import logical_parameters
 from pretrain.model.rng import RngTracker, seed_streams
+from pretrain.console import progress, rank_printer
 from pretrain.optim import make_lr_scheduler
 from pretrain.optim.groups import group_by_kind
 
@@ -58,9 +59,10 @@ def _write_files(directory: str, files: dict[str, str]) -> None:
 
 
 class Finetuner:
-    def __init__(self, cfg: FinetuneConfig, parallel, log=print):
+    def __init__(self, cfg: FinetuneConfig, parallel, log=None):
         self.cfg, self.parallel = cfg, parallel
         self._pending_files: dict[str, str] = {}  # prediction files of the last evaluation, written if it is the best
+        log = log or rank_printer(parallel.rank, parallel.world_size)
         self.log = log if parallel.rank == parallel.logging_rank else (lambda *a, **k: None)
         self.task = TASKS[cfg.task.name]
         t = cfg.train
@@ -240,10 +242,8 @@ class Finetuner:
         return summary
 
     def _progress(self, total: int):
-        from tqdm import tqdm
-
         enabled = self.cfg.train.progress and self.parallel.rank == self.parallel.logging_rank
-        return tqdm(total=total, desc=f"fine-tuning {self.task.name}", disable=not enabled, dynamic_ncols=True)
+        return progress(total, f"fine-tuning {self.task.name}", enabled=enabled, unit="step")
 
     def _scalar(self, name, value, step) -> None:
         if self.writer is not None:
@@ -334,7 +334,7 @@ class Finetuner:
         self.log(f"saved the epoch-{result['epoch']} weights to {target}")
 
 
-def run(cfg: FinetuneConfig, parallel, log=print) -> dict:
+def run(cfg: FinetuneConfig, parallel, log=None) -> dict:
     started = time.perf_counter()
     summary = Finetuner(cfg, parallel, log).train()
     summary["seconds"] = time.perf_counter() - started

@@ -14,6 +14,7 @@ import torch
 
 from . import device, internals
 from .config import Config, build_deepspeed_config
+from .console import rank_printer
 from .samples.provider import pretraining_datasets
 from .samples.batches import MicroBatchIterator
 from .checkpoint import exact as checkpoint_saving, load as checkpoint_loading
@@ -93,10 +94,11 @@ def model_flops_per_sample(cfg: Config) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, parallel: Parallel, log=print):
+    def __init__(self, cfg: Config, parallel: Parallel, log=None):
         self.started = time.monotonic()  # train.exit_duration_minutes counts from here
         self.cfg = cfg
         self.parallel = parallel
+        log = log or rank_printer(parallel.rank, parallel.world_size)
         self.log = log if parallel.rank == parallel.logging_rank else (lambda *a, **k: None)
         self.step = 0
         self.consumed_samples = 0

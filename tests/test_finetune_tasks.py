@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -76,9 +77,14 @@ def test_pair_classification_learns_and_best_weights_load_in_transformers(tiny, 
 
     files = repeat_task(tmp_path)
     out = tmp_path / "out"
-    finetune("rte", [f"model.init_from={tiny / 'hf'}", f"task.train_file={files['train']}",
-                     f"task.dev_files=[{files['dev']}]", f"train.output_dir={out}", "train.epochs=14", "train.lr=1e-3",
-                     "task.max_seq_length=12"])
+    done = finetune("rte", [f"model.init_from={tiny / 'hf'}", f"task.train_file={files['train']}",
+                            f"task.dev_files=[{files['dev']}]", f"train.output_dir={out}", "train.epochs=14",
+                            "train.lr=1e-3", "task.max_seq_length=12", "train.progress=true"])
+    # progress into a pipe (a batch job's log): plain lines every few seconds and the final count,
+    # never a bar's carriage-return redraws
+    assert "\r" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("fine-tuning rte: ")]
+    assert 1 <= len(lines) <= 20 and re.match(r"fine-tuning rte: (\d+)/\1 \(100%\)", lines[-1]), lines
     summary = json.loads((out / "metrics.json").read_text())
     assert summary["best"]["metrics"]["accuracy"] >= 0.9  # chance: 0.5
     assert summary["history"][0]["metrics"]["accuracy"] < 0.8  # it learned, it was not given

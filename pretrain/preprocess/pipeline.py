@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from ..console import progress
 from ..errors import UserError
 from .atomic import atomic_outputs, remove_quietly, temp_path
 from .corpus import (
@@ -372,14 +373,13 @@ def _check_not_empty(report: PreprocessReport) -> None:
 
 
 class _Progress:
-    """tqdm bar in input MB with documents/s, refreshed every log_interval documents."""
+    """Progress in input MB with documents/s, refreshed every log_interval documents (a bar on a
+    terminal, a plain line every few seconds in a log)."""
 
     def __init__(self, report: PreprocessReport, options: PreprocessOptions, started: float):
-        from tqdm import tqdm
-
         self.report, self.interval, self.started = report, options.log_interval, started
-        self.bar = tqdm(total=report.disk_bytes, unit="B", unit_scale=True, unit_divisor=1000, dynamic_ncols=True,
-                        desc="preprocess", disable=not options.progress, mininterval=0, smoothing=0.1)
+        self.bar = progress(report.disk_bytes, "preprocess", enabled=options.progress, unit="B", unit_scale=True,
+                            unit_divisor=1000, mininterval=0, smoothing=0.1)
         self.pending_bytes, self.pending_docs = 0, 0
 
     def update(self, result: EncodedChunk) -> None:

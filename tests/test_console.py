@@ -1,0 +1,77 @@
+"""What the programs write for a batch log: plain progress lines every few seconds instead of a bar's
+carriage-return redraws, and rank-prefixed, timestamped lines when several ranks share the output."""
+import io
+import re
+
+import pytest
+
+import pretrain.console as console
+from pretrain.console import PlainProgress, progress, rank_printer
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = Clock()
+    monkeypatch.setattr(console.time, "monotonic", fake)
+    return fake
+
+
+def test_a_log_file_gets_a_plain_line_every_interval(clock):
+    log = io.StringIO()  # not a terminal
+    bar = progress(626, "fine-tuning rte", unit="step", file=log, interval=10.0)
+    assert isinstance(bar, PlainProgress)
+    for _ in range(626):
+        clock.now += 0.1  # 62.6 s of steps
+        bar.update(1)
+        bar.set_postfix(loss="0.6931", epoch=1)
+    bar.close()
+    bar.close()  # closing twice writes nothing more
+    text = log.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert len(lines) == 7  # at 10, 20, ..., 60 s, and the final count
+    assert lines[0].startswith("fine-tuning rte: 100/626 (16%) | 10 step/s | 0:00:10 elapsed | ETA 0:00:52")
+    assert lines[0].endswith("| loss=0.6931, epoch=1")
+    assert lines[-1].startswith("fine-tuning rte: 626/626 (100%) | 10 step/s | 0:01:02 elapsed | loss=")
+
+
+def test_scaled_units_and_a_disabled_display(clock):
+    log = io.StringIO()
+    bar = progress(2_500_000, "preprocess", unit="B", unit_scale=True, file=log, interval=5.0,
+                   unit_divisor=1000, mininterval=0)  # tqdm's options are accepted and left to tqdm
+    clock.now += 5
+    bar.set_postfix_str("1,234 docs", refresh=False)  # as preprocessing does, before the update
+    bar.update(1_000_000)
+    assert log.getvalue() == "preprocess: 1.0M/2.5M B (40%) | 200.0k B/s | 0:00:05 elapsed | ETA 0:00:07 | 1,234 docs\n"
+    quiet = io.StringIO()
+    off = progress(10, "x", enabled=False, file=quiet, interval=0)
+    off.update(10)
+    off.close()
+    assert quiet.getvalue() == ""
+
+
+def test_a_terminal_gets_tqdm():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    bar = progress(3, "x", file=Terminal())
+    assert type(bar).__module__.startswith("tqdm")
+    bar.close()
+
+
+def test_lines_of_several_ranks_carry_time_and_rank(capsys):
+    assert rank_printer(0, 1) is print
+    rank_printer(3, 8)("step 5/10 | loss 2.0\nsecond line", flush=True)
+    out = capsys.readouterr().out.splitlines()
+    stamp = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d rank 3\] "
+    assert re.fullmatch(stamp + r"step 5/10 \| loss 2\.0", out[0]), out
+    assert re.fullmatch(stamp + "second line", out[1]), out
