@@ -140,5 +140,11 @@ def reduce_floats(values, device: torch.device, group=None, op: str = "sum") -> 
     return all_reduce(tensor, group, op).tolist()
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU, where work is not queued)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def barrier(group=None) -> None:
     dist.barrier(group=group)

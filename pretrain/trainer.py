@@ -27,8 +27,15 @@ from .optim import Lamb, build_optimizer, layout_for_deepspeed, make_lr_schedule
 from .optim.groups import group_by_kind
 from .optim.guard import NonFiniteGuard, guard_optimizer
 from .parallel import Parallel
+from .profiling import step_profiler
+from .timers import NoTimers, PhaseTimers
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# how the console line names each phase of pretrain/timers.py
+PHASE_LABELS = {"data": "data", "forward": "fwd", "backward": "bwd", "forward_backward": "fwd+bwd",
+                "grad_reduce": "reduce", "optimizer": "opt"}
 
 
 class NonFiniteTraining(UserError, RuntimeError):
@@ -116,6 +123,7 @@ class Trainer:
         self.loss_fn = PretrainingLoss(parallel.tp_group, parallel.tp_rank)
         self.ds_config = build_deepspeed_config(cfg, parallel.world_size)
         self.engine = self._build_engine()
+        self.timers = self._phase_timers()
 
         # Rank 0 builds missing sample indices while the others wait; all then map the cache.
         self.train_data, self.valid_data, self.test_data = pretraining_datasets(
@@ -185,6 +193,17 @@ class Trainer:
                                                       par.dp_group if par.dp_size > 1 else None, par.device))
         return engine
 
+    def _phase_timers(self) -> PhaseTimers | NoTimers:
+        """train.timers: time each phase, also inside DeepSpeed (its gradient reduction, the
+        optimizer wrapper's step, which the pipeline engine calls from train_batch)."""
+        if not self.cfg.train.timers:
+            return NoTimers()
+        timers = PhaseTimers(lambda: device.synchronize(self.parallel.device))
+        for method in ("allreduce_gradients", "buffered_allreduce_fallback"):
+            timers.time_method(self.engine, method, "grad_reduce")
+        timers.time_method(self.engine.optimizer, "step", "optimizer")
+        return timers
+
     def data_iterator(self, dataset, consumed_samples: int) -> MicroBatchIterator:
         p = self.parallel
         # Middle pipeline stages never draw from it: no loader processes for them.
@@ -207,20 +226,26 @@ class Trainer:
             self.guard.begin_step()
         overflows = internals.overflow_skips(self.engine)
         draws = not self.pipelined or p.is_first_stage or p.is_last_stage
-        micro_batches = [next(data_iter) for _ in range(self.grad_accum)] if draws else []
+        timers = self.timers
+        with timers.phase("data"):
+            micro_batches = [next(data_iter) for _ in range(self.grad_accum)] if draws else []
         if not self.pipelined or p.is_last_stage:
             self._scale_loss_to_global_batch([labels for _, labels in micro_batches])
         if self.pipelined:
-            self.engine.train_batch(data_iter=iter(micro_batches))
+            with timers.phase("forward_backward"):
+                self.engine.train_batch(data_iter=iter(micro_batches))
             if not draws:
                 # DeepSpeed never draws from a middle stage's iterator (PipelineEngine.
                 # set_dataiterator); move its position on as the end stages' moved.
                 data_iter.skip(self.grad_accum)
         else:
             for inputs, labels in micro_batches:
-                loss = self.loss_fn(self.engine(inputs), labels)
-                self.engine.backward(loss)
-                self.engine.step()
+                with timers.phase("forward"):
+                    loss = self.loss_fn(self.engine(inputs), labels)
+                with timers.phase("backward"):
+                    self.engine.backward(loss)
+                with timers.phase("optimizer"):  # real work at the last micro-batch only
+                    self.engine.step()
         self._last_skipped = self.guard.skipped() if self.guard is not None else []
         if internals.overflow_skips(self.engine) > overflows:
             self._last_skipped = ["fp16 loss-scale overflow"]
@@ -360,12 +385,15 @@ class Trainer:
         history, flops = [], model_flops_per_sample(cfg)
         last_step = t.train_steps if not t.exit_after_steps else min(t.train_steps, self.step + t.exit_after_steps)
         window_start, window = time.perf_counter(), []  # the steps since the last log line
+        profiler = step_profiler(t, self.parallel.rank, self.parallel.device)
         try:
             while self.step < last_step:
                 started = time.perf_counter()
                 learning_rate = self.engine.get_lr()[0]  # the rate this step uses
+                profiler.before_step(self.step + 1)
                 step_metrics = self._step(data_iter)  # stays on the device until the log line
                 self.step += 1
+                profiler.after_step(self.step)
                 self.consumed_samples += t.global_batch_size
                 self._count_skip()
                 if data_iter.consumed_samples != self.consumed_samples:
@@ -381,7 +409,8 @@ class Trainer:
                     history.extend(dict(metrics, **host) for metrics, (_, host) in zip(reduced, window))
                     elapsed = time.perf_counter() - window_start
                     waited, data_iter.wait_seconds = data_iter.wait_seconds, 0.0
-                    self._log_train(history[-1], elapsed / len(window), flops, waited / len(window))
+                    self._log_train(history[-1], elapsed / len(window), flops, waited / len(window),
+                                    self.timers.read(len(window)))
                     window_start, window = time.perf_counter(), []
                 if t.eval_interval and self.step % t.eval_interval == 0:
                     self._log_eval("eval", self.evaluate())
@@ -399,6 +428,7 @@ class Trainer:
                 if self.test_data is not None and self.step == t.train_steps:
                     self._log_eval("test", self.evaluate(self.test_data))  # once, at the end of training
         finally:
+            profiler.close()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
             if self.writer is not None:
@@ -414,7 +444,7 @@ class Trainer:
             self.writer.add_scalar(f"{prefix}-vs-samples/{name}", value, self.consumed_samples)
 
     def _log_train(self, metrics: dict, seconds_per_step: float, flops_per_sample: float,
-                   data_wait_per_step: float) -> None:
+                   data_wait_per_step: float, phase_ms: dict[str, float]) -> None:
         t = self.cfg.train
         tokens = t.global_batch_size * self.cfg.data.seq_length
         perf = {
@@ -433,6 +463,8 @@ class Trainer:
             train["loss_scale"] = internals.loss_scale(self.engine)
         self._scalars("train", train)
         self._scalars("perf", perf)
+        self._scalars("time", {f"{phase}_ms": ms for phase, ms in phase_ms.items()})
+        phases = " ".join(f"{PHASE_LABELS[phase]} {ms:.0f}" for phase, ms in phase_ms.items())
         eta = seconds_per_step * (t.train_steps - self.step)
         nsp = f"| nsp {metrics['nsp_loss']:.4f} " if self.cfg.binary_head else ""
         self.log(
@@ -441,7 +473,8 @@ class Trainer:
             f"| grad norm {metrics['grad_norm']:.3f} | {perf['tokens_per_second']:.0f} tok/s "
             f"| data wait {1e3 * data_wait_per_step:.0f} ms/step "
             f"| {perf['model_tflops_per_rank'] * 1e3:.1f} GFLOP/s/rank | ETA {_duration(eta)}"
-            + (f" | skipped {metrics['skipped_steps']}" if metrics["skipped_steps"] else ""),
+            + (f" | skipped {metrics['skipped_steps']}" if metrics["skipped_steps"] else "")
+            + (f" | ms/step: {phases}" if phases else ""),
             flush=True,
         )
 

@@ -75,3 +75,29 @@ def test_lines_of_several_ranks_carry_time_and_rank(capsys):
     stamp = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d rank 3\] "
     assert re.fullmatch(stamp + r"step 5/10 \| loss 2\.0", out[0]), out
     assert re.fullmatch(stamp + "second line", out[1]), out
+
+
+def test_phase_times_are_exclusive(monkeypatch):
+    """A phase inside another stops the outer one's clock (the all-reduce inside backward)."""
+    import pretrain.timers as timers
+
+    now = [0.0]
+    monkeypatch.setattr(timers.time, "perf_counter", lambda: now[0])
+    t = timers.PhaseTimers(synchronize=lambda: None)
+
+    class Engine:
+        def allreduce_gradients(self):
+            now[0] += 0.010
+
+    engine = Engine()
+    t.time_method(engine, "allreduce_gradients", "grad_reduce")
+    for _ in range(2):  # two steps
+        with t.phase("backward"):
+            now[0] += 0.030
+            engine.allreduce_gradients()
+            now[0] += 0.005
+        with t.phase("optimizer"):
+            with t.phase("optimizer"):  # re-entered: counted once
+                now[0] += 0.002
+    assert t.read(steps=2) == pytest.approx({"backward": 35.0, "grad_reduce": 10.0, "optimizer": 2.0})
+    assert t.read(steps=1) == {}

@@ -4,6 +4,7 @@ limit saves and exits 0 so that the relaunch resumes."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -100,3 +101,32 @@ def test_wall_time_limit_saves_exits_zero_and_the_relaunch_resumes(tmp_path):
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"resumed from {ckpt} at step 3 " in again.stdout and "step 5/100000" in again.stdout
     assert "step 1/" not in again.stdout
+
+
+def test_phase_timers_and_a_profiler_trace(tmp_path):
+    """train.timers: ms per step of each phase on the log line and in TensorBoard, adding up to no
+    more than the step; train.profile_steps: a trace of exactly those steps, as TensorBoard's
+    profiler plugin and Perfetto read it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trace_dir, tb = tmp_path / "trace", tmp_path / "tb"
+    done = pretrain(tmp_path, ["train.train_steps=4", "train.log_interval=2", "train.timers=true",
+                               f"train.tensorboard_dir={tb}", "train.profile_steps=[2,3]", f"train.profile_dir={trace_dir}"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2 and all(re.search(r"\| ms/step: data \d+ fwd \d+ bwd \d+ opt \d+$", l) for l in lines), lines
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    phases = ("data", "forward", "backward", "optimizer")
+    for phase in phases:
+        assert [e.step for e in events.Scalars(f"time/{phase}_ms")] == [2, 4], phase
+    for at in range(2):
+        step_ms = 1e3 * events.Scalars("perf/iteration_time")[at].value
+        spent = sum(events.Scalars(f"time/{phase}_ms")[at].value for phase in phases)
+        assert 0 < spent <= 1.02 * step_ms, (spent, step_ms)  # exclusive phases: never counted twice
+
+    traces = list(trace_dir.glob("rank0.*.pt.trace.json"))
+    assert len(traces) == 1, list(trace_dir.iterdir())
+    names = [event.get("name", "") for event in json.loads(traces[0].read_text())["traceEvents"]]
+    assert sorted({n for n in names if n.startswith("ProfilerStep#")}) == ["ProfilerStep#0", "ProfilerStep#1"]
+    assert any(n.startswith("aten::") for n in names)

@@ -246,6 +246,14 @@ class TrainConfig:
     init_from: str | None = None
     init_optimizer_states: bool = False
     tensorboard_dir: str | None = None
+    # time each phase of a step (data, forward, backward, gradient reduction, optimizer; ms per step
+    # on the log line and time/* in TensorBoard); on a GPU it synchronises at every phase boundary
+    timers: bool = False
+    # a torch.profiler trace of the steps [first, last] (1-based, inclusive) into profile_dir, on
+    # the ranks in profile_ranks: <rank>.*.pt.trace.json for TensorBoard's profiler plugin or Perfetto
+    profile_steps: list[int] = field(default_factory=list)
+    profile_dir: str | None = None
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
     # a JSON file with every evaluation's metrics (validation at each eval_interval, the test set
     # once at the end of training), rewritten after each; kept across resumes
     eval_results: str | None = None
@@ -273,6 +281,14 @@ class TrainConfig:
         for name in ("seed", "eval_interval", "save_interval", "keep_last", "exit_after_steps", "exit_duration_minutes"):
             _non_negative(p, f"train.{name}", getattr(self, name))
         _one_of(p, "train.precision", self.precision, PRECISIONS)
+        if self.profile_steps:
+            first_last = self.profile_steps
+            if len(first_last) != 2 or not 1 <= first_last[0] <= first_last[1]:
+                p.append(f"train.profile_steps ({first_last}) must be [first, last] with 1 <= first <= last")
+            if not self.profile_dir:
+                p.append("train.profile_steps needs train.profile_dir (where the trace is written)")
+        if any(rank < 0 for rank in self.profile_ranks):
+            p.append(f"train.profile_ranks ({self.profile_ranks}) must be ranks >= 0")
         if self.exit_duration_minutes and not self.save_dir:
             p.append(f"train.exit_duration_minutes ({self.exit_duration_minutes:g}) needs train.save_dir: the job "
                      "saves a checkpoint before it exits, for the relaunch to resume")
