@@ -26,25 +26,43 @@ class PhaseTimers:
         self._totals: dict[str, float] = defaultdict(float)
         self._stack: list[list] = []  # [phase, started] of the phases running, innermost last
 
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        if self._stack and self._stack[-1][0] == name:  # re-entered (a wrapped method calling itself)
-            yield
-            return
+    def start(self, name: str) -> bool:
+        """Begin phase `name`, pausing the one running; False (and nothing done) when `name` is
+        already the innermost phase (a timed call inside a timed call of the same phase)."""
+        if self._stack and self._stack[-1][0] == name:
+            return False
         self._synchronize()
         now = time.perf_counter()
         if self._stack:  # pause the outer phase
             outer = self._stack[-1]
             self._totals[outer[0]] += now - outer[1]
         self._stack.append([name, now])
+        return True
+
+    def stop(self) -> None:
+        """End the innermost phase; the one it interrupted resumes."""
+        self._synchronize()
+        now = time.perf_counter()
+        name, started = self._stack.pop()
+        self._totals[name] += now - started
+        if self._stack:
+            self._stack[-1][1] = now
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        started = self.start(name)
         try:
             yield
         finally:
-            self._synchronize()
-            now = time.perf_counter()
-            self._totals[name] += now - self._stack.pop()[1]
-            if self._stack:
-                self._stack[-1][1] = now  # the outer phase resumes
+            if started:
+                self.stop()
+
+    def time_optimizer(self, optimizer) -> None:
+        """Count torch optimizer steps as "optimizer", through its step hooks (wrapping `step`
+        itself after an LR scheduler was built would hide it from the scheduler's bookkeeping)."""
+        started = []
+        optimizer.register_step_pre_hook(lambda *_: started.append(self.start("optimizer")))
+        optimizer.register_step_post_hook(lambda *_: self.stop() if started.pop() else None)
 
     def time_method(self, owner, method: str, name: str) -> None:
         """Count every call of owner.<method> (an instance method) as phase `name`."""
@@ -69,6 +87,9 @@ class NoTimers:
         return contextlib.nullcontext()
 
     def time_method(self, owner, method: str, name: str) -> None:
+        pass
+
+    def time_optimizer(self, optimizer) -> None:
         pass
 
     def read(self, steps: int) -> dict[str, float]:

@@ -21,6 +21,7 @@ from .checkpoint import exact as checkpoint_saving, load as checkpoint_loading
 from .checkpoint.format import CheckpointError
 from .model.bert import PretrainingLoss, build_model, init_weights
 from .model.names import WORD_EMBEDDINGS, logical_parameters
+from .memory import FirstStepMemory
 from .model.rng import RngTracker, seed_streams
 from .errors import UserError
 from .optim import Lamb, build_optimizer, layout_for_deepspeed, make_lr_scheduler
@@ -201,7 +202,7 @@ class Trainer:
         timers = PhaseTimers(lambda: device.synchronize(self.parallel.device))
         for method in ("allreduce_gradients", "buffered_allreduce_fallback"):
             timers.time_method(self.engine, method, "grad_reduce")
-        timers.time_method(self.engine.optimizer, "step", "optimizer")
+        timers.time_optimizer(internals.client_optimizer(self.engine))
         return timers
 
     def data_iterator(self, dataset, consumed_samples: int) -> MicroBatchIterator:
@@ -386,13 +387,21 @@ class Trainer:
         last_step = t.train_steps if not t.exit_after_steps else min(t.train_steps, self.step + t.exit_after_steps)
         window_start, window = time.perf_counter(), []  # the steps since the last log line
         profiler = step_profiler(t, self.parallel.rank, self.parallel.device)
+        memory = FirstStepMemory(self.model, self.engine)  # this run's first step, logged once
         try:
             while self.step < last_step:
                 started = time.perf_counter()
                 learning_rate = self.engine.get_lr()[0]  # the rate this step uses
                 profiler.before_step(self.step + 1)
-                step_metrics = self._step(data_iter)  # stays on the device until the log line
+                if memory is not None:
+                    with memory.meter.hooks():
+                        step_metrics = self._step(data_iter)  # stays on the device until the log line
+                else:
+                    step_metrics = self._step(data_iter)
                 self.step += 1
+                if memory is not None:
+                    self._log_memory(memory.report())
+                    memory = None
                 profiler.after_step(self.step)
                 self.consumed_samples += t.global_batch_size
                 self._count_skip()
@@ -477,6 +486,14 @@ class Trainer:
             + (f" | ms/step: {phases}" if phases else ""),
             flush=True,
         )
+
+    def _log_memory(self, mine: dict[str, float]) -> None:
+        """Every rank's breakdown, one line each on the logging rank (one collective, once)."""
+        for rank, report in enumerate(device.all_gather_object(mine)):
+            self.log(f"memory of rank {rank} in step {self.step}: parameters {report['parameters_mb']:,.1f} MB | "
+                     f"gradients {report['gradients_mb']:,.1f} MB | optimizer state "
+                     f"{report['optimizer_state_mb']:,.1f} MB | activations peak {report['activations_peak_mb']:,.1f} MB")
+        self._scalars("memory", mine)  # the logging rank's own
 
     @property
     def _nsp_keys(self) -> tuple[str, ...]:

@@ -17,10 +17,10 @@ from pretrain.quiet import hide_library_warnings
 
 hide_library_warnings()
 
-from _train_worker import TINY  # noqa: E402
+from _train_worker import TINY, finish  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 from pretrain.model.bert import PretrainingLoss  # noqa: E402
-from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
+from pretrain.parallel import discover_launch_env, init_parallel  # noqa: E402
 from pretrain.trainer import Trainer  # noqa: E402
 
 
@@ -79,10 +79,7 @@ def main():
             result["error"] = [type(error).__name__, str(error)]
         result["skipped_steps"] = trainer.steps_skipped
         results[run["name"]] = result
-    if parallel.rank == parallel.logging_rank:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-    shutdown_parallel()
+    finish(parallel, out_path, results)
 
 
 if __name__ == "__main__":

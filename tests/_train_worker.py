@@ -4,8 +4,9 @@ usage: python tests/_train_worker.py OUT.json TP PP RUN_JSON...
 Each RUN_JSON is {"name": ..., "overrides": [...]} applied on top of tests' tiny config, with
 optional "evaluate": true (evaluation metrics after training) and "per_shard_lamb": true (the
 negative control: LAMB trust ratios of whatever tensor each rank steps, not of whole parameters).
-The logging rank writes, per run: the per-step metrics, the params norm, where it ran, and what
-every rank reports of its layout and optimizer groups (what proves the layout took effect).
+The logging rank writes, per run: the per-step metrics, the params norm, where it ran, what
+every rank reports of its layout and optimizer groups (what proves the layout took effect), and
+the lines the trainer logged.
 """
 import json
 import os
@@ -112,15 +113,22 @@ def main():
     for run in runs:
         cfg = load_config(None, TINY + [f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}"] + run["overrides"])
         cfg.validate(world_size=parallel.world_size)
-        trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
+        lines = []
+        trainer = Trainer(cfg, parallel, log=lambda *a, **k: lines.append(" ".join(map(str, a))))
         if run.get("per_shard_lamb"):
             use_per_shard_trust_ratios(trainer)
         history = trainer.train()
         results[run["name"]] = {"history": history, "params_norm": trainer.params_norm(),
                                 "device": where_it_ran(trainer, parallel),
-                                "ranks": device.all_gather_object(layout_report(trainer, parallel))}
+                                "ranks": device.all_gather_object(layout_report(trainer, parallel)),
+                                "log": lines}
         if run.get("evaluate"):
             results[run["name"]]["evaluation"] = trainer.evaluate()
+    finish(parallel, out_path, results)
+
+
+def finish(parallel, out_path: str, results: dict) -> None:
+    """The logging rank writes the results; every rank leaves the process groups."""
     if parallel.rank == parallel.logging_rank:
         with open(out_path, "w") as f:
             json.dump(results, f)

@@ -131,7 +131,8 @@ def test_overrides(tmp_path):
         "train.save_dir=null",
         "optimizer.no_weight_decay=[bias]",
         "optimizer.no_layer_adaptation=[]",
-        "model.activation_checkpointing=true",
+        "model.recompute=selective",
+        "train.timers=true",
         "optimizer.lr=1e-3",          # YAML 1.1 would read this as a string
         "optimizer.weight_decay=0",   # int accepted for float
         "optimizer.max_trust_ratio=10.0",
@@ -143,7 +144,7 @@ def test_overrides(tmp_path):
     assert cfg.train.save_dir is None
     assert cfg.optimizer.no_weight_decay == ["bias"]
     assert cfg.optimizer.no_layer_adaptation == []
-    assert cfg.model.activation_checkpointing is True
+    assert cfg.model.recompute == "selective" and cfg.train.timers is True
     assert cfg.optimizer.lr == 1e-3 and isinstance(cfg.optimizer.lr, float)
     assert cfg.optimizer.weight_decay == 0.0 and isinstance(cfg.optimizer.weight_decay, float)
     assert cfg.optimizer.max_trust_ratio == 10.0
@@ -200,7 +201,7 @@ def test_malformed_override(bad):
     ("optimizer.lr=fast", "optimizer.lr must be float, got str 'fast'"),
     ("optimizer.no_weight_decay=bias", "optimizer.no_weight_decay must be list[str], got str 'bias'"),
     ("optimizer.no_weight_decay=[1]", "optimizer.no_weight_decay must be list[str], got list [1]"),
-    ("model.activation_checkpointing=1", "model.activation_checkpointing must be bool, got int 1"),
+    ("train.timers=1", "train.timers must be bool, got int 1"),
     ("train.save_dir=5", "train.save_dir must be str or null, got int 5"),
 ])
 def test_wrong_type(override, expected):
@@ -253,6 +254,7 @@ def cfg_with(*overrides: str) -> Config:
     (["data.short_seq_prob=1.5"], "data.short_seq_prob (1.5) must be in [0, 1]"),
     (["data.max_ngram=0"], "data.max_ngram (0) must be > 0"),
     (["data.valid_paths=[held]"], "data.valid_paths needs data.kind indexed"),
+    (["model.recompute=attention"], "model.recompute ('attention') must be one of: none, selective, full"),
     (["data.num_workers=-1"], "data.num_workers (-1) must be >= 0"),
     (["data.kind=indexed", "data.paths=[a]", "data.vocab_file=v.txt", "data.weights=[1,2]"],
      "data.weights has 2 entries for 1 data.paths"),

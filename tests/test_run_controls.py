@@ -88,45 +88,82 @@ def pretrain(tmp_path, overrides):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_wall_time_limit_saves_exits_zero_and_the_relaunch_resumes(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    run = ["train.train_steps=100000", f"train.save_dir={ckpt}", f"train.load_dir={ckpt}",
-           "train.stop_check_interval=3"]
-    first = pretrain(tmp_path, run + ["train.exit_duration_minutes=0.0001"])  # over at the first check
-    assert first.returncode == 0, first.stdout + first.stderr
-    assert "train.exit_duration_minutes (0.0001) reached after" in first.stdout
-    assert "saving at step 3 and stopping; launch again to resume" in first.stdout
+@pytest.fixture(scope="module")
+def cut_short(tmp_path_factory):
+    """One run stopped by train.exit_duration_minutes at its first check (step 3), with the phase
+    timers on (a log line every 2 steps) and a profile of steps 2-3: (its directory, its output)."""
+    tmp = tmp_path_factory.mktemp("cut-short")
+    ckpt = tmp / "ckpt"
+    done = pretrain(tmp, resumable(ckpt) + ["train.exit_duration_minutes=0.0001", "train.log_interval=2",
+                                            "train.timers=true", f"train.tensorboard_dir={tmp / 'tb'}",
+                                            "train.profile_steps=[2,3]", f"train.profile_dir={tmp / 'trace'}"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    return tmp, done.stdout
+
+
+def resumable(ckpt):
+    return ["train.train_steps=100000", f"train.save_dir={ckpt}", f"train.load_dir={ckpt}",
+            "train.stop_check_interval=3"]
+
+
+def test_wall_time_limit_saves_exits_zero_and_the_relaunch_resumes(cut_short):
+    tmp, first = cut_short
+    ckpt = tmp / "ckpt"
+    assert "train.exit_duration_minutes (0.0001) reached after" in first
+    assert "saving at step 3 and stopping; launch again to resume" in first
     assert (ckpt / "latest").read_text() == "iter_0000003"
-    again = pretrain(tmp_path, run + ["train.exit_after_steps=2"])
+    again = pretrain(tmp, resumable(ckpt) + ["train.exit_after_steps=2"])
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"resumed from {ckpt} at step 3 " in again.stdout and "step 5/100000" in again.stdout
     assert "step 1/" not in again.stdout
 
 
-def test_phase_timers_and_a_profiler_trace(tmp_path):
+def test_phase_timers_and_a_profiler_trace(cut_short):
     """train.timers: ms per step of each phase on the log line and in TensorBoard, adding up to no
     more than the step; train.profile_steps: a trace of exactly those steps, as TensorBoard's
     profiler plugin and Perfetto read it."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    trace_dir, tb = tmp_path / "trace", tmp_path / "tb"
-    done = pretrain(tmp_path, ["train.train_steps=4", "train.log_interval=2", "train.timers=true",
-                               f"train.tensorboard_dir={tb}", "train.profile_steps=[2,3]", f"train.profile_dir={trace_dir}"])
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    tmp, out = cut_short
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(lines) == 2 and all(re.search(r"\| ms/step: data \d+ fwd \d+ bwd \d+ opt \d+$", l) for l in lines), lines
-    events = EventAccumulator(str(tb))
+    events = EventAccumulator(str(tmp / "tb"))
     events.Reload()
     phases = ("data", "forward", "backward", "optimizer")
     for phase in phases:
-        assert [e.step for e in events.Scalars(f"time/{phase}_ms")] == [2, 4], phase
+        assert [e.step for e in events.Scalars(f"time/{phase}_ms")] == [2, 3], phase
     for at in range(2):
         step_ms = 1e3 * events.Scalars("perf/iteration_time")[at].value
         spent = sum(events.Scalars(f"time/{phase}_ms")[at].value for phase in phases)
         assert 0 < spent <= 1.02 * step_ms, (spent, step_ms)  # exclusive phases: never counted twice
 
-    traces = list(trace_dir.glob("rank0.*.pt.trace.json"))
-    assert len(traces) == 1, list(trace_dir.iterdir())
+    traces = list((tmp / "trace").glob("rank0.*.pt.trace.json"))
+    assert len(traces) == 1, list((tmp / "trace").iterdir())
     names = [event.get("name", "") for event in json.loads(traces[0].read_text())["traceEvents"]]
     assert sorted({n for n in names if n.startswith("ProfilerStep#")}) == ["ProfilerStep#0", "ProfilerStep#1"]
     assert any(n.startswith("aten::") for n in names)
+
+
+def test_memory_breakdown_of_each_rank_and_what_recomputation_saves(tmp_path):
+    """The first step's memory of every rank, logged once: gradients as large as the parameters
+    and LAMB's two moments twice as large (fp32, ZeRO-0, DP2 replicas), and an activation peak
+    that selective recomputation lowers and full recomputation lowers further."""
+    out = tmp_path / "memory.json"
+    runs = [json.dumps({"name": mode, "overrides": ["train.train_steps=3", f"model.recompute={mode}",
+                                                    "model.hidden_dropout=0.1", "model.attention_dropout=0.1",
+                                                    "data.seq_length=64", "data.max_predictions_per_seq=10",
+                                                    "train.micro_batch_size=4"]})
+            for mode in ("none", "selective", "full")]
+    run_ranks(["tests/_train_worker.py", str(out), "1", "1", *runs], 2, timeout=600)
+    results = json.loads(out.read_text())
+    line = re.compile(r"memory of rank (\d) in step 1: parameters ([\d.,]+) MB \| gradients ([\d.,]+) MB \| "
+                      r"optimizer state ([\d.,]+) MB \| activations peak ([\d.,]+) MB")
+    peaks = {}
+    for mode, result in results.items():
+        found = [line.fullmatch(text) for text in result["log"] if text.startswith("memory of rank")]
+        assert [int(m.group(1)) for m in found] == [0, 1], result["log"]
+        params, grads, state, activations = (float(m.replace(",", "")) for m in found[0].groups()[1:])
+        assert params > 0.1 and grads == pytest.approx(params, rel=0.01)
+        assert state == pytest.approx(2 * params, rel=0.01)
+        peaks[mode] = activations
+    assert peaks["none"] > peaks["selective"] > peaks["full"] > 0, peaks

@@ -12,3 +12,4 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 DATA_KINDS = ("synthetic", "indexed")
 SEGMENT_PAIRS = ("nsp", "sop", "none")
 MASKING_MODES = ("static", "dynamic")
+RECOMPUTE = ("none", "selective", "full")  # Megatron's --recompute-granularity, and none

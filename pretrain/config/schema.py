@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .choices import DATA_KINDS, DECAYS, MASKING_MODES, OPTIMIZERS, PARAMETER_KINDS, PRECISIONS, SEGMENT_PAIRS
+from .choices import DATA_KINDS, DECAYS, MASKING_MODES, OPTIMIZERS, PARAMETER_KINDS, PRECISIONS, RECOMPUTE, SEGMENT_PAIRS
 from .typed_yaml import ConfigError, check_tree, load_sections
 
 
@@ -28,7 +28,10 @@ class ModelConfig:
     attention_dropout: float = 0.1
     init_std: float = 0.02  # std of the normal weight initialisation
     make_vocab_size_divisible_by: int = 128  # vocab padded to a multiple of this * tensor_parallel
-    activation_checkpointing: bool = False  # recompute layer activations in backward
+    # recompute activations in backward instead of keeping them: "full" each transformer layer
+    # (its input kept), "selective" the attention core only (scores, softmax, dropout: the
+    # activations that grow with seq_length^2; Megatron's selective granularity), "none"
+    recompute: str = "none"
 
     @property
     def ffn_size(self) -> int:
@@ -53,6 +56,7 @@ class ModelConfig:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 p.append(f"model.{name} ({value}) must be in [0, 1)")
+        _one_of(p, "model.recompute", self.recompute, RECOMPUTE)
         if self.hidden_size > 0 and self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads:
             p.append(f"model.hidden_size ({self.hidden_size}) must be divisible by "
                      f"model.num_attention_heads ({self.num_attention_heads})")

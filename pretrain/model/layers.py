@@ -306,7 +306,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.layer_index = layer_index
         self.rng = rng
-        self.activation_checkpointing = model_cfg.activation_checkpointing
+        self.recompute = model_cfg.recompute  # "none" | "selective" | "full"
         hidden, tp = model_cfg.hidden_size, mp_config.tensor_model_parallel_size
         self.local_heads = model_cfg.num_attention_heads // tp
         self.head_dim = hidden // model_cfg.num_attention_heads
@@ -346,18 +346,26 @@ class TransformerLayer(nn.Module):
         key = self._split_heads(self.key(hidden)[0])
         value = self._split_heads(self.value(hidden)[0])
         bias = attention_bias(padding_mask, query.dtype)
-        dropout_p = self.attention_dropout if self.training else 0.0
-        with self.rng.fork():  # this rank's heads: a TP-rank-specific dropout stream
-            context = self_attention(query, key, value, bias, dropout_p)
+        if self.recompute == "selective" and self.training and torch.is_grad_enabled():
+            # the attention core only: its [batch, heads, seq, seq] scores and probabilities are
+            # recomputed in backward instead of kept; the projections' outputs stay
+            context = checkpoint_with_rng(self._attention_core, self.rng, query, key, value, bias)
+        else:
+            context = self._attention_core(query, key, value, bias)
         context = context.transpose(1, 2).reshape(batch, seq, self.local_heads * self.head_dim)
         attention = self.attention_output(context)[0]
         hidden = self.attention_layernorm(hidden + self.dropout(attention))
         mlp = self.output(F.gelu(self.intermediate(hidden)[0]))[0]
         return self.output_layernorm(hidden + self.dropout(mlp))
 
+    def _attention_core(self, query, key, value, bias) -> torch.Tensor:
+        dropout_p = self.attention_dropout if self.training else 0.0
+        with self.rng.fork():  # this rank's heads: a TP-rank-specific dropout stream
+            return self_attention(query, key, value, bias, dropout_p)
+
     def forward(self, inputs):
         hidden, padding_mask, masked_positions = inputs
-        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+        if self.recompute == "full" and self.training and torch.is_grad_enabled():
             hidden = checkpoint_with_rng(self._layer, self.rng, hidden, padding_mask)
         else:
             hidden = self._layer(hidden, padding_mask)
