@@ -55,7 +55,8 @@ class NonFiniteGuard:
             return False
         if self._decision is None:
             seen = self._seen.clone()
-            seen[LOSS] = torch.maximum(seen[LOSS], torch.logical_not(self._loss_is_finite()).to(seen.dtype))
+            loss_bad = torch.logical_not(self._loss_is_finite()).to(device=seen.device, dtype=seen.dtype)
+            seen[LOSS] = torch.maximum(seen[LOSS], loss_bad)
             flags = devices.all_reduce(seen, op="max").tolist()
             self._decision = [what for what, flag in zip(WHAT, flags) if flag > 0]
         return bool(self._decision)
