@@ -19,7 +19,8 @@ def _is_terminal(stream: TextIO) -> bool:
     return bool(isatty and isatty())
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """H:MM:SS."""
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
@@ -53,9 +54,9 @@ class PlainProgress:
         rate = self.n / elapsed if elapsed > 0 else 0.0
         done = f"{self._amount(self.n)}/{self._amount(self.total)}{' ' + self.unit if self.unit_scale else ''}"
         parts = [f"{self.desc}: {done} ({100 * self.n / self.total:.0f}%)" if self.total else f"{self.desc}: {done}",
-                 f"{self._amount(rate)} {self.unit}/s", f"{_duration(elapsed)} elapsed"]
+                 f"{self._amount(rate)} {self.unit}/s", f"{duration(elapsed)} elapsed"]
         if self.total and rate > 0 and self.n < self.total:
-            parts.append(f"ETA {_duration((self.total - self.n) / rate)}")
+            parts.append(f"ETA {duration((self.total - self.n) / rate)}")
         if self.postfix:
             parts.append(self.postfix)
         return " | ".join(parts)

@@ -14,7 +14,7 @@ import torch
 
 from . import device, internals
 from .config import Config, build_deepspeed_config
-from .console import rank_printer
+from .console import duration, rank_printer
 from .samples.provider import pretraining_datasets
 from .samples.batches import MicroBatchIterator
 from .checkpoint import exact as checkpoint_saving, load as checkpoint_loading
@@ -26,6 +26,7 @@ from .model.rng import RngTracker, seed_streams
 from .errors import UserError
 from .optim import Lamb, build_optimizer, layout_for_deepspeed, make_lr_scheduler
 from .optim.groups import group_by_kind
+from .preprocess.atomic import atomic_outputs
 from .optim.guard import NonFiniteGuard, guard_optimizer
 from .parallel import Parallel
 from .profiling import step_profiler
@@ -129,6 +130,8 @@ class Trainer:
         # Rank 0 builds missing sample indices while the others wait; all then map the cache.
         self.train_data, self.valid_data, self.test_data = pretraining_datasets(
             cfg, is_builder=parallel.rank == 0, barrier=device.barrier, log=self.log)
+        self.eval_results = EvalResults(cfg.train.eval_results) \
+            if cfg.train.eval_results and parallel.rank == parallel.logging_rank else None
         self.writer = None
         if cfg.train.tensorboard_dir and parallel.rank == parallel.logging_rank:
             from torch.utils.tensorboard import SummaryWriter
@@ -481,7 +484,7 @@ class Trainer:
             f"{nsp}| mlm acc {metrics['mlm_accuracy']:.3f} | lr {metrics['learning_rate']:.3e} "
             f"| grad norm {metrics['grad_norm']:.3f} | {perf['tokens_per_second']:.0f} tok/s "
             f"| data wait {1e3 * data_wait_per_step:.0f} ms/step "
-            f"| {perf['model_tflops_per_rank'] * 1e3:.1f} GFLOP/s/rank | ETA {_duration(eta)}"
+            f"| {perf['model_tflops_per_rank'] * 1e3:.1f} GFLOP/s/rank | ETA {duration(eta)}"
             + (f" | skipped {metrics['skipped_steps']}" if metrics["skipped_steps"] else "")
             + (f" | ms/step: {phases}" if phases else ""),
             flush=True,
@@ -512,29 +515,37 @@ class Trainer:
             f"{nsp[0]} | mlm acc {metrics['mlm_accuracy']:.3f}{nsp[1]}",
             flush=True,
         )
-        if self.cfg.train.eval_results and self.parallel.rank == self.parallel.logging_rank:
-            record_evaluation(self.cfg.train.eval_results, "valid" if split == "eval" else split, self.step,
-                              self.consumed_samples, metrics)
+        if self.eval_results is not None:
+            self.eval_results.add("valid" if split == "eval" else split, self.step, self.consumed_samples, metrics)
 
 
-def record_evaluation(path: str, split: str, step: int, consumed_samples: int, metrics: dict) -> None:
-    """Add one evaluation to the JSON file at `path` ({"valid": [...], "test": [...]}, each entry
-    {step, consumed_samples, metrics}), replacing it atomically. Entries at this step or later
-    (from a run that crashed after them and is now repeating those steps) are dropped first."""
-    results = {"valid": [], "test": []}
-    if os.path.exists(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                results.update(json.load(f))
-        except (OSError, ValueError) as err:
-            raise UserError(f"train.eval_results: {path} cannot be read as JSON ({err}); move it away") from None
-    results[split] = [e for e in results.get(split, []) if e["step"] < step]
-    results[split].append({"step": step, "consumed_samples": consumed_samples, "metrics": metrics})
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    partial = f"{path}.partial"
-    with open(partial, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=1)
-    os.replace(partial, path)
+class EvalResults:
+    """train.eval_results: a JSON file {"valid": [...], "test": [...]} of {step, consumed_samples,
+    metrics} entries, read once (a resumed run keeps what came before), rewritten atomically after
+    each evaluation. Entries at a step being evaluated again (after a crash past them) are replaced."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.results: dict | None = None
+
+    def _read(self) -> dict:
+        results = {"valid": [], "test": []}
+        if os.path.exists(self.path):
+            try:
+                with open(self.path, encoding="utf-8") as f:
+                    results.update(json.load(f))
+            except (OSError, ValueError) as err:
+                raise UserError(f"train.eval_results: {self.path} cannot be read as JSON ({err}); move it away") from None
+        return results
+
+    def add(self, split: str, step: int, consumed_samples: int, metrics: dict) -> None:
+        if self.results is None:
+            self.results = self._read()
+        entries = [e for e in self.results.get(split, []) if e["step"] < step]
+        self.results[split] = entries + [{"step": step, "consumed_samples": consumed_samples, "metrics": metrics}]
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with atomic_outputs([self.path]) as temps, open(temps[self.path], "w", encoding="utf-8") as f:
+            json.dump(self.results, f, indent=1)
 
 
 def _main_thread() -> bool:
@@ -548,8 +559,3 @@ def _peak_memory_gb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
     return kb / 2**20 if sys.platform != "darwin" else kb / 2**30
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"

@@ -234,12 +234,12 @@ class PretrainingLoss:
         self._sums = values if self._sums is None else self._sums + values
         return lm_loss + nsp_sum / nsp_labels.numel()
 
-    def all_finite(self) -> torch.Tensor:
-        """Whether every loss since the last drain was finite (a device bool; true on ranks that
-        computed none)."""
+    def all_finite(self, device: torch.device) -> torch.Tensor:
+        """Whether every loss since the last drain was finite (a bool on `device`; true on ranks
+        that computed none)."""
         if self._sums is None:
-            return torch.ones((), dtype=torch.bool)
-        return torch.isfinite(self._sums).all()
+            return torch.ones((), dtype=torch.bool, device=device)
+        return torch.isfinite(self._sums).all().to(device)
 
     def drain(self, device: torch.device) -> torch.Tensor:
         """Sums since the last drain (zeros on ranks that computed no loss), on `device`; ends

@@ -26,9 +26,9 @@ WHAT = ("loss", "gradients")
 
 
 class NonFiniteGuard:
-    def __init__(self, on: torch.device, loss_is_finite: Callable[[], torch.Tensor]):
+    def __init__(self, on: torch.device, loss_is_finite: Callable[[torch.device], torch.Tensor]):
         self._on = on
-        self._loss_is_finite = loss_is_finite  # a device bool over the loss sums since the step began
+        self._loss_is_finite = loss_is_finite  # (device) -> a bool over the loss sums since the step began
         self._seen = torch.zeros(2, device=on)  # this rank, this step: [loss, gradients] non-finite
         self._decision: list[str] | None = None  # what the ranks found non-finite, once they agreed
         self._active = False  # no decisions before the first step (DeepSpeed's construction steps once)
@@ -55,7 +55,7 @@ class NonFiniteGuard:
             return False
         if self._decision is None:
             seen = self._seen.clone()
-            loss_bad = torch.logical_not(self._loss_is_finite()).to(device=seen.device, dtype=seen.dtype)
+            loss_bad = torch.logical_not(self._loss_is_finite(seen.device)).to(seen.dtype)
             seen[LOSS] = torch.maximum(seen[LOSS], loss_bad)
             flags = devices.all_reduce(seen, op="max").tolist()
             self._decision = [what for what, flag in zip(WHAT, flags) if flag > 0]
