@@ -101,6 +101,29 @@ def _single_checks():
             same(a.grad, b.grad, exact=False)
 
     @check
+    def lstm_forward_backward():
+        """nn.LSTM takes the fused cell on any non-CPU device (pretrain/fakegpu/_lstm.py there)."""
+        import copy
+
+        torch.manual_seed(0)
+        lstm = torch.nn.LSTM(8, 6, num_layers=2, bidirectional=True, batch_first=True)
+        lstm_f = copy.deepcopy(lstm).to(dev)
+        x = torch.randn(3, 5, 8, requires_grad=True)
+        x_f = x.detach().to(dev).requires_grad_()
+        lengths = torch.tensor([5, 3, 2])
+        outputs = []
+        for module, inputs in ((lstm, x), (lstm_f, x_f)):
+            packed = torch.nn.utils.rnn.pack_padded_sequence(inputs, lengths, batch_first=True, enforce_sorted=False)
+            out, _ = torch.nn.utils.rnn.pad_packed_sequence(module(packed)[0], batch_first=True)
+            out.sin().sum().backward()
+            outputs.append(out)
+        assert outputs[1].device == dev
+        same(outputs[1], outputs[0].detach(), exact=False)
+        same(x_f.grad, x.grad, exact=False)
+        for a, b in zip(lstm_f.parameters(), lstm.parameters()):
+            same(a.grad, b.grad, exact=False)
+
+    @check
     def bf16_matmul_and_embedding():
         torch.manual_seed(0)
         a, b = torch.randn(16, 8, dtype=torch.bfloat16), torch.randn(8, 4, dtype=torch.bfloat16)
@@ -293,7 +316,7 @@ def _run_single_worker() -> None:
     print(MARK + json.dumps(results), flush=True)
 
 
-SINGLE_CHECKS = ["mlp_forward_backward_equals_cpu", "dropout_and_rng_follow_cpu", "sdpa_forward_backward",
+SINGLE_CHECKS = ["mlp_forward_backward_equals_cpu", "dropout_and_rng_follow_cpu", "sdpa_forward_backward", "lstm_forward_backward",
                  "bf16_matmul_and_embedding", "sparse_embedding_grad_is_unsupported", "views_alias_storage",
                  "inplace_resize_set_empty", "device_moves_and_serialization", "default_device_is_cpu",
                  "mixed_device_ops_fail_like_cuda", "cpu_generator_fails_like_cuda",

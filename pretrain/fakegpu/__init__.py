@@ -51,7 +51,9 @@ Not supported (fails with an error, never silently wrong)
 - sparse / non-strided layouts on fakegpu: nn.Embedding(sparse=True) backward raises
   NotImplementedError ("Could not run 'aten::_sparse_coo_tensor_with_dims_and_tensors' with
   arguments from the 'Sparsefakegpu' backend"); dense embedding gradients work.
-- ops that have no CPU kernel (CUDA-only fused kernels such as fused Adam, flash attention).
+- ops that have no CPU kernel (CUDA-only fused kernels such as fused Adam, flash attention), except
+  the fused LSTM cell every non-CPU LSTM takes, written with ordinary ops in _lstm.py (nn.LSTM
+  equals the CPU's up to rounding, ~1e-7).
 - dist._coalescing_manager (gloo has no startCoalescing either; all_reduce_coalesced works).
 - autocast on fakegpu: inside torch.autocast("fakegpu", ...) ops raise "Could not run 'aten::...'
   with arguments from the 'Autocastfakegpu' backend" (no autocast kernels are registered); use
@@ -75,6 +77,7 @@ BACKEND = "fakeccl"
 
 _lock = threading.Lock()
 _ext = None
+_lstm_kernels = None  # the fused LSTM cell kernels registered by enable() (kept alive here)
 _SRC = Path(__file__).resolve().parent / "csrc" / "fakegpu.cpp"
 
 
@@ -117,6 +120,10 @@ def enable():
         if not hasattr(torch.Tensor, "is_" + DEVICE_TYPE):
             torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
         _register_backend()
+        global _lstm_kernels
+        from ._lstm import register
+
+        _lstm_kernels = register()
         atexit.register(_let_autograd_threads_settle)
         _ext = ext
         if os.environ.get("FAKEGPU_NO_DEEPSPEED", "0") in ("", "0"):
