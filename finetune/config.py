@@ -15,7 +15,7 @@ TASK_NAMES = tuple(TASKS)
 
 @dataclass
 class TaskSection:
-    name: str = ""  # a GLUE task (cola sst2 mrpc stsb qqp mnli qnli rte wnli), swag, squad (1.1) or squad2 (2.0)
+    name: str = ""  # a GLUE task (cola sst2 mrpc stsb qqp mnli qnli rte wnli), swag, squad (1.1), squad2 (2.0), conll2003
     data_dir: str | None = None  # the task's directory: GLUE's standard layout (train.tsv, dev.tsv, test.tsv), SWAG's train/val/test.csv
     train_file: str | None = None  # instead of data_dir/train.tsv: a .tsv (standard layout), .csv, .json or .jsonl
     dev_files: list[str] = field(default_factory=list)  # instead of the task's dev files
@@ -30,6 +30,11 @@ class TaskSection:
     n_best_size: int = 20
     max_answer_length: int = 30  # tokens
     null_score_diff_threshold: float = 0.0  # 2.0: answer "" when null score - best score exceeds it
+    # token classification (conll2003); doc_stride above is also the step between a long document's windows
+    labels: list[str] = field(default_factory=list)  # IOB2 tag set, O and B-/I- of every type (default: CoNLL-2003's)
+    tag_column: int = -1  # CoNLL-format column of the tags (0 is the word; CoNLL-2003: 1 POS, 2 chunk, 3 NER)
+    tag_scheme: str = "auto"  # the files' scheme (iob1, iob2; auto: detected), in which predictions are written
+    context: str = "document"  # document: windows over each -DOCSTART- document; sentence: each sentence alone
 
     def problems(self) -> list[str]:
         p = []
@@ -104,8 +109,34 @@ class TrainSection:
         return p
 
 
+@dataclass
+class FeaturesSection:
+    """The feature-based approach (python -m finetune TASK --feature-based; token classification):
+    a BiLSTM tagger over the frozen encoder's cached hidden states. The paper's Table 7 setup."""
+
+    layers: list[int] = field(default_factory=lambda: [-1, -2, -3, -4])  # concatenated; -1 last layer, 0 embeddings
+    cache_dir: str | None = None  # default: <train.output_dir>/feature_cache
+    output_dir: str | None = None  # default: <train.output_dir>/feature_based
+    lstm_hidden: int = 768  # per direction (the paper's two-layer 768-dimensional BiLSTM)
+    lstm_layers: int = 2
+    dropout: float = 0.1  # on the features and the LSTM's outputs
+    lr: float = 1e-3  # Adam
+    epochs: int = 10
+    batch_size: int = 32  # sentences
+
+    def problems(self) -> list[str]:
+        p = []
+        if not self.layers or len(set(self.layers)) != len(self.layers):
+            p.append(f"features.layers {self.layers} must name at least one layer, each once")
+        if min(self.lstm_hidden, self.lstm_layers, self.epochs, self.batch_size) < 1:
+            p.append("features.lstm_hidden, lstm_layers, epochs and batch_size must be >= 1")
+        if not 0 <= self.dropout < 1 or self.lr <= 0:
+            p.append("features.dropout must be in [0, 1) and features.lr > 0")
+        return p
+
+
 SECTIONS: dict[str, type] = {"task": TaskSection, "model": ModelSection, "parallel": ParallelSection,
-                             "train": TrainSection}
+                             "train": TrainSection, "features": FeaturesSection}
 
 
 @dataclass
@@ -114,14 +145,23 @@ class FinetuneConfig:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     train: TrainSection = field(default_factory=TrainSection)
+    features: FeaturesSection = field(default_factory=FeaturesSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return asdict(self)
 
-    def validate(self, world_size: int) -> None:
-        """Every section's rules, then the batch arithmetic over the world size; one ConfigError."""
+    def validate(self, world_size: int, feature_based: bool = False) -> None:
+        """Every section's rules, then the batch arithmetic over the world size; one ConfigError.
+        feature_based: the run trains a tagger on frozen features (features section) instead."""
         p, tr = self.parallel, self.train
         problems = self.task.problems() + self.model.problems() + p.problems()
+        if feature_based:
+            problems += self.features.problems()
+            if self.task.name in TASKS and not TASKS[self.task.name].feature_based:
+                problems.append(f"--feature-based trains a token tagger; {self.task.name} is not token classification")
+            if world_size != p.tensor_parallel:
+                problems.append(f"--feature-based runs the encoder tensor-parallel only: the world size ({world_size}) "
+                                f"must equal parallel.tensor_parallel ({p.tensor_parallel})")
         if p.tensor_parallel < 1 or world_size % p.tensor_parallel:
             problems.append(f"parallel.tensor_parallel ({p.tensor_parallel}) must divide the world size ({world_size})")
         else:

@@ -1,6 +1,6 @@
-"""Command line: `python -m finetune TASK [--config FILE] [section.key=value ...]`.
+"""Command line: `python -m finetune TASK [--config FILE] [--feature-based] [section.key=value ...]`.
 
-TASK is a GLUE task (cola sst2 mrpc stsb qqp mnli qnli rte wnli) or swag. The config (default
+TASK is a GLUE task (cola sst2 mrpc stsb qqp mnli qnli rte wnli), swag, squad, squad2 or conll2003. The config (default
 configs/finetune/TASK.yaml when it exists) and the overrides are validated against the world
 size before any process group starts. Started once per rank by a launcher (see launcher.sh);
 a single process needs none. Exit status: 0 done, 1 bad input found after start, 2 bad config.
@@ -26,6 +26,9 @@ def parse_args(argv=None):
     accept_launcher_args(parser)
     parser.add_argument("task", choices=TASK_NAMES)
     parser.add_argument("--config", help="YAML config (default: configs/finetune/TASK.yaml)")
+    parser.add_argument("--feature-based", action="store_true",
+                        help="token classification: train a BiLSTM on the frozen encoder's cached features "
+                             "(the features section) instead of fine-tuning")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.init_from=ckpt/ train.epochs=2")
     # intermixed: overrides may follow --config, as in `python -m finetune mrpc --config F a.b=1`
     return parser.parse_intermixed_args(argv)
@@ -43,16 +46,21 @@ def start(args: argparse.Namespace) -> int:
     try:
         cfg = load_finetune_config(config if os.path.exists(config) or args.config else None,
                                    [f"task.name={args.task}", *args.overrides])
-        cfg.validate(launch.world_size)
+        cfg.validate(launch.world_size, feature_based=args.feature_based)
     except ConfigError as error:
         # every problem on its own line under one heading, before any rank started
         print(f"invalid configuration ({config}):\n{error}", file=sys.stderr)
         return 2
 
-    from .trainer import run
+    if args.feature_based:
+        from .feature_tagger import run
+    else:
+        from .trainer import run
 
     def fine_tune(parallel) -> None:
         summary = run(cfg, parallel)
+        if not summary.get("best"):
+            return  # the feature-based tagger trains on the logging rank only
         if parallel.rank == parallel.logging_rank:
             print(json.dumps({"task": summary["task"], "best": summary["best"]}, indent=2))
 

@@ -28,8 +28,9 @@ def _seeded_linear(in_features: int, out_features: int, init_std: float, seed: i
 
 
 class ClassifierHead(nn.Module):
-    """Dropout + linear on the pooled [CLS] vector (classification, regression, multiple choice).
-    Its parameters are named as in transformers' BertFor{SequenceClassification,MultipleChoice}."""
+    """Dropout + linear on the pooled [CLS] vector (classification, regression, multiple choice) or
+    on every token (token classification). Its parameters are named as in transformers'
+    BertFor{SequenceClassification,MultipleChoice,TokenClassification}."""
 
     def __init__(self, hidden_size: int, num_outputs: int, dropout: float, init_std: float, seed: int):
         super().__init__()
@@ -108,8 +109,9 @@ def load_head(head: nn.Module, extra: dict, source: str) -> bool:
     return True
 
 
-class SpanModel(SequenceClassifier):
-    """BERT + SpanHead: [batch, seq, 2] start/end logits (on every token, not the pooled vector)."""
+class TokenModel(SequenceClassifier):
+    """BERT + a head on every token's hidden state: [batch, seq, outputs] (span start/end logits,
+    or token classification)."""
 
     def forward(self, input_ids, token_type_ids, attention_mask):
         hidden, _ = self.bert.encode(encoder_inputs(input_ids, token_type_ids, attention_mask))

@@ -48,7 +48,7 @@ class FinetuneError(UserError, RuntimeError):
     """Bad input found after start-up (a data file, the checkpoint, the tokenizer)."""
 
 
-def _write_files(directory: str, files: dict[str, str]) -> None:
+def write_files(directory: str, files: dict[str, str]) -> None:
     """Each file under `directory` (subdirectories made), under a temporary name until complete."""
     for relative, content in files.items():
         path = os.path.join(directory, relative)
@@ -64,7 +64,7 @@ class Finetuner:
         self._pending_files: dict[str, str] = {}  # prediction files of the last evaluation, written if it is the best
         log = log or rank_printer(parallel.rank, parallel.world_size)
         self.log = log if parallel.rank == parallel.logging_rank else (lambda *a, **k: None)
-        self.task = TASKS[cfg.task.name]
+        self.task = TASKS[cfg.task.name].configured(cfg.task)
         t = cfg.train
         try:
             self.ckpt = read_any(cfg.model.init_from, with_optimizer=False)
@@ -294,14 +294,14 @@ class Finetuner:
     def write_predictions(self) -> None:
         """The prediction files of the last evaluation (called for the best epoch only)."""
         if self.parallel.rank == self.parallel.logging_rank:
-            _write_files(os.path.join(self.cfg.train.output_dir, "predictions"), self._pending_files)
+            write_files(os.path.join(self.cfg.train.output_dir, "predictions"), self._pending_files)
         self._pending_files = {}
 
     def predict_tests(self) -> None:
         for test in self.test_sets:
             files = self.task.submission_files(test, self.outputs(test.features), self.cfg.task)
             if self.parallel.rank == self.parallel.logging_rank:
-                _write_files(os.path.join(self.cfg.train.output_dir, "submission"), files)
+                write_files(os.path.join(self.cfg.train.output_dir, "submission"), files)
 
     # ----------------------------------------------------------------------------- best weights
     @torch.no_grad()

@@ -146,7 +146,7 @@ def _bad_hf(tmp_path, edit_state=None, edit_config=None):
 
 
 @pytest.mark.parametrize("edit_state, edit_config, message", [
-    (None, lambda c: c.update(architectures=["BertForTokenClassification"]), "unknown architecture 'BertForTokenClassification'"),
+    (None, lambda c: c.update(architectures=["BertLMHeadModel"]), "unknown architecture 'BertLMHeadModel'"),
     (None, lambda c: c.update(model_type="roberta"), "model_type is 'roberta'"),
     (lambda s: s.update({"bert.encoder.layer.0.output.dense.weight": torch.zeros(HIDDEN, FFN + 1)}), None,
      "bert.encoder.layer.0.output.dense.weight: file (64, 257), config.json implies (64, 256)"),

@@ -22,6 +22,7 @@ import torch
 
 from distributed import REPO, run_ranks
 from test_fill_mask import SENTENCES, VOCAB, check_against_transformers, models  # noqa: F401 (fixture)
+from test_finetune_ner import synthetic_files, tiny_ner  # noqa: F401 (fixture)
 from test_finetune_tasks import QUIET, repeat_task, tiny  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
@@ -186,6 +187,30 @@ def test_finetuning_tp2_keeps_the_best_weights(tiny, tmp_path, device_type):  # 
     assert best[device_type].keys() == best["cpu"].keys()
     for name, value in best["cpu"].items():
         torch.testing.assert_close(best[device_type][name], value, rtol=tolerance(device_type), atol=1e-5)
+
+
+@pytest.mark.parametrize("device_type", on_devices(1))
+def test_ner_fine_tuned_and_feature_based(tiny_ner, tmp_path, device_type):  # noqa: F811
+    """Token classification on the device: the fine-tuning losses and the feature-based tagger's
+    scores (features extracted on the device, the BiLSTM trained there) equal the CPU's."""
+    files = synthetic_files(tmp_path, seed=8, train_docs=24, dev_docs=6)
+    common = [*QUIET, f"model.init_from={tiny_ner}", f"task.train_file={files['train']}",
+              f"task.dev_files=[{files['dev']}]", "task.max_seq_length=24", "task.doc_stride=8", "train.epochs=1",
+              "train.lr=1e-3", "train.global_batch_size=16", "train.keep_best=false", "train.tf32=false",
+              "features.layers=[-1,-2]", "features.lstm_hidden=16", "features.epochs=2", "features.batch_size=8"]
+    runs = {}
+    for name, env in (("cpu", CPU_ENV), (device_type, DEVICES[device_type][0])):
+        out = tmp_path / name
+        tuned = run_ranks(["-m", "finetune", "conll2003", *common, f"train.output_dir={out}"], 1, timeout=600, env=env)
+        tagged = run_ranks(["-m", "finetune", "conll2003", "--feature-based", *common, f"train.output_dir={out}"], 1,
+                           timeout=600, env=env)
+        runs[name] = (json.loads((out / "metrics.json").read_text()),
+                      json.loads((out / "feature_based" / "metrics.json").read_text()))
+    assert f"{device_type}:" in tuned[0].stdout and f"the tagger trains on {device_type}:" in tagged[0].stdout
+    (tuned_dev, tagged_dev), (tuned_cpu, tagged_cpu) = runs[device_type], runs["cpu"]
+    assert tuned_dev["train_losses"] == pytest.approx(tuned_cpu["train_losses"], rel=tolerance(device_type))
+    for a, b in zip(tagged_dev["history"], tagged_cpu["history"]):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=tolerance(device_type) * 10)
 
 
 @pytest.mark.parametrize("device_type", on_devices(2))

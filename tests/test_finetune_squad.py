@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from finetune.tasks.base import TaskDataError
-from finetune.tasks.squad import _windows, build_features, postprocess, read_squad
+from finetune.tasks.squad import build_features, postprocess, read_squad
+from finetune.windows import windows as _windows
 from pretrain.preprocess.tokenizer import bert_wordpiece_tokenizer
 from test_finetune_tasks import SPECIALS, WORDS, finetune, tiny  # noqa: F401  (tiny: a fixture)
 

@@ -92,12 +92,18 @@ class Task(ABC):
     """One fine-tuning task. Subclasses are frozen dataclasses holding the task's constants."""
 
     architecture: ClassVar[str]  # transformers class of the exported best weights
+    feature_based: ClassVar[bool] = False  # a BiLSTM tagger over frozen features can learn it (finetune/feature_tagger.py)
     name: str
     submission: str  # stem of the submission file (GLUE's official names: CoLA, MNLI, ...)
     main_metric: str  # the metric (averaged over dev sets) that picks the best epoch
     train_file: str  # default file names inside task.data_dir
     dev_files: tuple[str, ...]
     test_files: tuple[tuple[str, str], ...]  # (file, submission suffix)
+
+    def configured(self, section: TaskSection) -> Task:
+        """This task with what the config decides about it (token classification: its label set);
+        called once with the validated config, before any data is read."""
+        return self
 
     def config_problems(self, section: TaskSection) -> list[str]:
         """Problems with the task section that only this task has (checked with the config)."""

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ..inputs import Batches
 from ..squad_metrics import evaluate_v1, evaluate_v2
+from ..windows import is_max_context, windows
 from .base import Dataset, Evaluation, Log, Read, ReadReport, Task, TaskDataError
 
 if TYPE_CHECKING:  # annotations only (the config imports the task registry)
@@ -74,9 +75,9 @@ class SquadTask(Task):
         return features
 
     def build_model(self, encoder: nn.Module, model_cfg: ModelConfig, section: ModelSection, seed: int) -> nn.Module:
-        from ..model import SpanHead, SpanModel  # megatron-core: imported once a model is built
+        from ..model import SpanHead, TokenModel  # megatron-core: imported once a model is built
 
-        return SpanModel(encoder, SpanHead(model_cfg.hidden_size, model_cfg.init_std, seed))
+        return TokenModel(encoder, SpanHead(model_cfg.hidden_size, model_cfg.init_std, seed))
 
     def loss(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Mean of the start and end cross entropies (run_squad.py's loss)."""
@@ -181,30 +182,6 @@ class SquadFeatures(Batches):
     truncated_questions: int = 0
 
 
-def _windows(num_tokens: int, max_tokens: int, stride: int) -> list[tuple[int, int]]:
-    """(start, length) of each window; starts are `stride` apart (run_squad.py's loop)."""
-    spans, start = [], 0
-    while start < num_tokens:
-        length = min(num_tokens - start, max_tokens)
-        spans.append((start, length))
-        if start + length == num_tokens:
-            break
-        start += min(length, stride)
-    return spans
-
-
-def _is_max_context(spans: list[tuple[int, int]], current: int, position: int) -> bool:
-    best_score, best = None, None
-    for index, (start, length) in enumerate(spans):
-        end = start + length - 1
-        if position < start or position > end:
-            continue
-        score = min(position - start, end - position) + 0.01 * length
-        if best_score is None or score > best_score:
-            best_score, best = score, index
-    return best == current
-
-
 def build_features(tokenizer, examples: list[SquadExample], max_seq_length: int, doc_stride: int,
                    max_query_length: int, training: bool) -> SquadFeatures:
     cls_id, sep_id, pad_id = (tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
@@ -217,7 +194,7 @@ def build_features(tokenizer, examples: list[SquadExample], max_seq_length: int,
         query = question.ids[:max_query_length]
         truncated += len(question.ids) > max_query_length
         max_tokens = max_seq_length - len(query) - 3
-        spans = _windows(len(context.ids), max_tokens, doc_stride)
+        spans = windows(len(context.ids), max_tokens, doc_stride)
         windows_per_example.append(len(spans))
         answer_tokens = None
         if training and example.label is not None:
@@ -228,7 +205,7 @@ def build_features(tokenizer, examples: list[SquadExample], max_seq_length: int,
             ids = [cls_id, *query, sep_id, *context.ids[start:start + length], sep_id]
             types = [0] * (len(query) + 2) + [1] * (length + 1)
             offsets = [None] * (len(query) + 2) + list(context.offsets[start:start + length]) + [None]
-            max_context = [False] * (len(query) + 2) + [_is_max_context(spans, window, start + i)
+            max_context = [False] * (len(query) + 2) + [is_max_context(spans, window, start + i)
                                                         for i in range(length)] + [False]
             label = (0, 0)
             if answer_tokens is not None and start <= answer_tokens[0] and answer_tokens[1] < start + length:

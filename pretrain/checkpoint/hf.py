@@ -27,7 +27,7 @@ from .tokenizer_files import check_vocab_fits, copy_vocab_files, has_tokenizer
 
 PRETRAINING_ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel")
 ARCHITECTURES = PRETRAINING_ARCHITECTURES + ("BertForSequenceClassification", "BertForMultipleChoice",
-                                             "BertForQuestionAnswering")
+                                             "BertForQuestionAnswering", "BertForTokenClassification")
 # Task heads of fine-tuned checkpoints: kept aside (LogicalCheckpoint.extra) for the fine-tuner.
 TASK_HEAD_PREFIXES = ("classifier.", "qa_outputs.")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -40,6 +40,7 @@ ARCHITECTURE_HEADS = {
     "BertForSequenceClassification": ("pooler",),
     "BertForMultipleChoice": ("pooler",),
     "BertForQuestionAnswering": (),
+    "BertForTokenClassification": (),  # no pooler (transformers builds it with add_pooling_layer=False)
 }
 
 
