@@ -12,7 +12,7 @@ into the other and the two sides never compete for the cores. Per invocation:
 
 1. GEMM peak: the best of a few 2048^3 ``torch.mm`` calls (2 n^3 FLOPs each; for bf16 the faster
    of torch's bf16 kernel and our bf16 route, see ``gemm_peak``) with the benchmark's thread
-   count, in fp32 and in bf16 up front, and again in each measuring child for its own precision
+   count, up front in each precision asked for, and again in each measuring child for its own precision
    right before and right after its steps (the better of the two): MFU of a side is against that
    side's own peak (the clock of a shared or virtual CPU drifts; peaks from 225 to 329 GFLOP/s
    fp32 were seen on one machine within an hour).
@@ -177,7 +177,8 @@ def child_peak(args) -> dict:
 
     device = bench_device()
     configure_math(device, TrainConfig().tf32)  # the fp32 GEMMs our trainer runs (TF32 on a GPU)
-    return {"peak_gflops": {precision: gemm_peak(precision, device) for precision in PRECISIONS},
+    # only the precisions asked for: a CPU without bf16 kernels takes minutes over one bf16 peak
+    return {"peak_gflops": {precision: gemm_peak(precision, device) for precision in args.precisions.split(",")},
             "device": str(device)}
 
 
@@ -402,9 +403,25 @@ def print_table(rows: list[dict], peak: dict, peak_load: float | None) -> None:
         if r["ours"].get("peak_device_mb") is not None:
             print(f"  {r['config']} {r['precision']}: peak device memory ours {r['ours']['peak_device_mb']:.0f} MB, "
                   f"HF {r['hf']['peak_device_mb']:.0f} MB")
-    print(f"GEMM peak (2048^3, best of 6) up front: fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s; "
+    print(f"GEMM peak (2048^3, best of 6) up front: {peaks_text(peak)}; "
           "each side's MFU is against the peak its own process measured around its steps (column above)")
     print(FLOPS_NOTE)
+    if "bf16" in peak:
+        print_bf16_route()
+    busy = [f"{r['config']} {r['precision']} {side}" for r in rows for side in ("ours", "hf")
+            if (r[side].get("other_load") or 0.0) > LOAD_WARNING]
+    if (peak_load or 0.0) > LOAD_WARNING:
+        busy.insert(0, "GEMM peak")
+    if busy:
+        print(f"WARNING: other processes used > {LOAD_WARNING} cores during: {', '.join(busy)}; "
+              "these figures are not from a quiet machine.")
+
+
+def peaks_text(peak: dict) -> str:
+    return ", ".join(f"{precision} {gflops:.0f} GFLOP/s" for precision, gflops in peak.items())
+
+
+def print_bf16_route() -> None:
     from pretrain.model.cpu_bf16 import OVERRIDE_ENV, bf16_route, calibrated_route
 
     _, record = calibrated_route()
@@ -413,13 +430,6 @@ def print_table(rows: list[dict], peak: dict, peak_load: float | None) -> None:
     print(f"bf16 GEMM route on this CPU: {bf16_route()}{forced} (calibrated GFLOP/s: {rates}). With 'fp32', our bf16 GEMMs multiply "
           "the exactly upcast bf16 operands in fp32 and round to bf16 (the arithmetic of a bf16 GEMM); HF's "
           "autocast uses the native kernel. The bf16 peak is the faster of the two routes.")
-    busy = [f"{r['config']} {r['precision']} {side}" for r in rows for side in ("ours", "hf")
-            if (r[side].get("other_load") or 0.0) > LOAD_WARNING]
-    if (peak_load or 0.0) > LOAD_WARNING:
-        busy.insert(0, "GEMM peak")
-    if busy:
-        print(f"WARNING: other processes used > {LOAD_WARNING} cores during: {', '.join(busy)}; "
-              "these figures are not from a quiet machine.")
 
 
 def measure_side(side: str, args, config: str, precision: str, batch: int) -> dict:
@@ -447,9 +457,9 @@ def parent_main(args) -> None:
     for p in precisions:
         if p not in PRECISIONS:
             raise SystemExit(f"bench_train: unknown precision {p!r}; choose from {', '.join(PRECISIONS)}")
-    measured = run_child("peak", args)
+    measured = run_child("peak", args, precisions=",".join(precisions))
     peak = measured["peak_gflops"]
-    print(f"GEMM peak on {measured['device']}: fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s "
+    print(f"GEMM peak on {measured['device']}: {peaks_text(peak)} "
           f"({args.threads} threads), other load {_load(measured)}", flush=True)
     rows = []
     for config in configs:
