@@ -1,5 +1,5 @@
 """Token classification (CoNLL-2003 named entities, BERT paper section 5.3): tagged files in the
-CoNLL format or JSON lines (finetune/tagging.py), a tag for every word, entity-level metrics.
+CoNLL format or JSON lines (finetune/tasks/tagging.py), a tag for every word, entity-level metrics.
 
 * Labels: the word's first sub-token carries its tag (the paper's choice); the other sub-tokens,
   [CLS], [SEP] and padding are ignored in the loss (label -100). The model predicts IOB2 tags.
