@@ -27,7 +27,7 @@ from pretrain.checkpoint.format import CheckpointError
 from pretrain.checkpoint.load import read_any
 from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer
 from pretrain.console import progress, rank_printer
-from pretrain.device import describe, reduce_floats
+from pretrain.device import configure_math, describe, reduce_floats
 from pretrain.model.rng import RngTracker, seed_streams
 from pretrain.preprocess.atomic import atomic_outputs
 
@@ -100,6 +100,7 @@ class FeatureTagger:
             raise FinetuneError(f"features.layers {bad}: the model has layers 0 (embeddings) to {layers} "
                                 f"(or -1 to -{layers + 1})")
         self._bert = None
+        configure_math(parallel.device, cfg.train.tf32)  # the encoder's and the tagger's matmuls, as fine-tuning's
         self.log(f"{describe(parallel)}; the encoder frozen, the tagger trains on {parallel.device} (rank "
                  f"{parallel.logging_rank})")
 

@@ -41,8 +41,10 @@ def launch_environment_untouched(request):
 
 
 def pytest_configure(config):
+    from distributed import hide_gpus
     from pretrain.quiet import pytest_filters
 
+    hide_gpus()  # the CPU tiers select the CPU on any machine; the GPU tier asks for the GPUs back
     for line in pytest_filters():  # the programs' own list of library noise, nothing broader
         config.addinivalue_line("filterwarnings", line)
     config.addinivalue_line(
@@ -55,14 +57,16 @@ def pytest_configure(config):
         "markers", "slow: multi-process or end-to-end; `pytest -m \"not slow\"` is the fast tier.")
 
 
-def gpu_shortfall(needed: int) -> str | None:
-    """Why a test needing `needed` GPUs cannot run here, or None when it can."""
-    import torch
+def gpu_shortfall(config, needed: int) -> str | None:
+    """Why a test needing `needed` GPUs cannot run here, or None when it can (the GPUs the session
+    found, counted once, in a child: this process keeps them hidden)."""
+    if not hasattr(config, "_gpu_count"):
+        from distributed import session_gpu_count
 
-    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if available >= needed:
+        config._gpu_count = session_gpu_count()
+    if config._gpu_count >= needed:
         return None
-    return f"needs {needed} CUDA GPU(s), this machine has {available}"
+    return f"needs {needed} CUDA GPU(s), this machine has {config._gpu_count}"
 
 
 def _required(env: str) -> bool:
@@ -90,13 +94,12 @@ def pytest_runtest_setup(item):
     if marker is None:
         return
     needed = marker.args[0] if marker.args else marker.kwargs.get("n", 1)
-    reason = gpu_shortfall(needed)
+    reason = gpu_shortfall(item.config, needed)
     if reason is None:
         return
-    import torch
-
-    if _required(REQUIRE_GPU_ENV) or torch.cuda.is_available():
+    present = item.config._gpu_count > 0
+    if _required(REQUIRE_GPU_ENV) or present:
         pytest.fail(f"GPU test {item.nodeid} {reason} ({REQUIRE_GPU_ENV}={os.environ.get(REQUIRE_GPU_ENV, 'unset')}, "
-                    f"CUDA {'present' if torch.cuda.is_available() else 'absent'}): GPU tests fail rather than skip "
+                    f"CUDA {'present' if present else 'absent'}): GPU tests fail rather than skip "
                     "where a GPU is expected", pytrace=False)
     pytest.skip(f"GPU test: {reason}")

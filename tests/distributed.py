@@ -4,6 +4,10 @@ Every rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR=127.0.0.1/MASTER_PORT; a 
 crash fails the caller with every rank's output instead of blocking the test run. Warnings the
 ranks print are raised again in the test process (once each), so that pytest's summary shows a
 library's new deprecation instead of losing it in a passing rank's output.
+
+The CPU tiers never see a GPU: the test session hides them (`hide_gpus`, from conftest.py) before
+anything starts CUDA, so every rank and program a test starts, and the test process itself, select
+the CPU as they do in CI, also on a GPU machine; the GPU tier hands them back (`gpu_env`).
 """
 from __future__ import annotations
 
@@ -18,6 +22,46 @@ import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# CUDA_VISIBLE_DEVICES as the test session found it ("" for unset: every GPU), for the GPU tier
+SESSION_GPUS_ENV = "BERT_TESTS_SESSION_GPUS"
+
+
+def hide_gpus() -> None:
+    """Hide every GPU from this process and whatever it starts (before CUDA is initialised)."""
+    if SESSION_GPUS_ENV not in os.environ:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ[SESSION_GPUS_ENV] = "unset" if visible is None else f"set:{visible}"
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def gpu_env(**extra) -> dict:
+    """The environment of a GPU-tier subprocess: the GPUs the session found, plus `extra`. A value
+    of None removes the variable (child_env)."""
+    session = os.environ.get(SESSION_GPUS_ENV, "unset")
+    return {"CUDA_VISIBLE_DEVICES": None if session == "unset" else session[len("set:"):], **extra}
+
+
+def child_env(*overlays: dict | None) -> dict:
+    """os.environ with the overlays applied in order; a value of None removes the variable."""
+    env = dict(os.environ)
+    for overlay in overlays:
+        for key, value in (overlay or {}).items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+    return env
+
+
+def session_gpu_count() -> int:
+    """How many GPUs the session's own CUDA_VISIBLE_DEVICES shows, asked of torch in a child (this
+    process must not initialise CUDA: its in-process tests belong to the CPU tiers)."""
+    done = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count() "
+                           "if torch.cuda.is_available() else 0)"], env=child_env(gpu_env()), capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"counting the GPUs failed: {done.stderr[-2000:]}")
+    return int(done.stdout.strip().splitlines()[-1])
 
 
 def free_port() -> int:
@@ -64,9 +108,11 @@ def reraise_warnings(outputs: list[str]) -> None:
 def run_ranks(args: list[str], nprocs: int, timeout: float = 600, env: dict | None = None,
               expect_success: bool = True) -> list[subprocess.CompletedProcess]:
     port = free_port()
-    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nprocs),
-                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    base = child_env(dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nprocs),
+                          PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                          OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                          # what pretrain/cli.py sets with tensor parallelism (workers start the groups themselves)
+                          CUDA_DEVICE_MAX_CONNECTIONS="1"), env)
     procs = []
     for rank in range(nprocs):
         rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))

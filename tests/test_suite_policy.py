@@ -13,7 +13,7 @@ import sys
 import warnings
 import pytest
 
-from distributed import REPO, reraise_warnings, run_ranks
+from distributed import REPO, SESSION_GPUS_ENV, reraise_warnings, run_ranks
 
 
 def pytest_run(args, env):
@@ -34,6 +34,48 @@ def test_netns_tests_skip_with_the_reason_and_fail_when_required():
     assert failed.returncode == 1 and "1 error" in failed.stdout, failed.stdout[-2000:]
     assert "namespaces cannot be created here" in failed.stdout and "REQUIRE_NETNS=1: it fails rather than skips" \
         in failed.stdout
+
+
+# A stand-in for a CUDA machine, loaded by every Python process started with it on the PYTHONPATH:
+# torch reports as many GPUs as CUDA_VISIBLE_DEVICES lists (and fails, as a CPU build does, when one
+# is actually used).
+CUDA_STANDIN = """
+import os
+import torch
+
+def _visible():
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return len(listed.split(",")) if listed else 0
+
+torch.cuda.is_available = lambda: _visible() > 0
+torch.cuda.device_count = _visible
+"""
+
+
+def test_a_rank_selects_the_cpu():
+    """Every rank a CPU-tier test starts selects the CPU, and so does DeepSpeed's accelerator."""
+    script = ("from pretrain.device import select_device\n"
+              "from deepspeed.accelerator import get_accelerator\n"
+              "print('selected', select_device(0), get_accelerator().device_name())\n")
+    outputs = run_ranks(["-c", script], 1, timeout=300)
+    assert "selected cpu cpu" in outputs[0].stdout, outputs[0].stdout[-2000:]
+
+
+def test_cpu_tiers_select_the_cpu_where_cuda_is_present(tmp_path):
+    """`pytest` on a machine that reports GPUs (the stand-in above, CUDA_VISIBLE_DEVICES=0,1): the
+    test process and every rank it starts still select the CPU (the session hides the GPUs before
+    anything starts CUDA), while the GPU tier sees the two GPUs the session found."""
+    standin = tmp_path / "standin"
+    standin.mkdir()
+    (standin / "sitecustomize.py").write_text(CUDA_STANDIN)
+    env = dict(os.environ, PYTHONPATH=f"{standin}{os.pathsep}{REPO}", CUDA_VISIBLE_DEVICES="0,1")
+    env.pop(SESSION_GPUS_ENV, None)  # a new session, finding these GPUs
+    selected = ["tests/test_device.py", "tests/test_suite_policy.py::test_a_rank_selects_the_cpu",
+                "tests/test_devices.py::test_gpu_tests_skip_without_a_gpu_and_fail_when_one_is_required"]
+    done = pytest_run(selected, env)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "1 skipped" in done.stdout and "the switch is about machines without a GPU" in done.stdout, \
+        done.stdout[-2000:]
 
 
 def test_ci_requires_what_this_machine_can_do():
