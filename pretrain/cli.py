@@ -72,14 +72,18 @@ def run_distributed(work: Callable[["Parallel"], int | None], tensor_parallel: i
 
     launch: where this rank sits (default: discovered from the launcher's variables). It is
     exported to os.environ first, because DeepSpeed (its engine, deepspeed.comm, PipelineModule)
-    reads RANK, LOCAL_RANK and the master address from there, not from us.
+    reads RANK, LOCAL_RANK and the master address from there, not from us. With tensor
+    parallelism CUDA_DEVICE_MAX_CONNECTIONS=1 is set there too (unless the user set it), before
+    any CUDA context exists, whichever launcher started the rank (pretrain/device.py).
     Every rank meets the same bad input: only the logging rank raises the UserError (for
     run_command to print), the others return its status quietly, so it is printed once.
     """
+    from .device import prepare_cuda_environment
     from .parallel import discover_launch_env, init_parallel, shutdown_parallel
 
     launch = discover_launch_env() if launch is None else launch
     launch.export_to(os.environ)
+    prepare_cuda_environment(tensor_parallel)  # before init_parallel makes this rank's CUDA context
     parallel = init_parallel(launch, tensor_parallel, pipeline_parallel, timeout_minutes)
     try:
         return work(parallel) or 0

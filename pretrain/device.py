@@ -72,11 +72,59 @@ def _checked_ordinal(device_type: str, local_rank: int, count: int, env) -> torc
 
 
 def configure_math(device: torch.device, tf32: bool) -> None:
-    """TF32 for fp32 matrix products and convolutions on a GPU (torch's default is off for
-    matmuls: NVIDIA's BERT and most GPU users turn it on; train.tf32=false gives exact fp32)."""
+    """The GPU math settings of this process, chosen explicitly:
+
+    - TF32 for fp32 matrix products and convolutions (torch's default is off for matmuls: NVIDIA's
+      BERT and most GPU users turn it on; train.tf32=false gives exact fp32);
+    - no cuDNN attention: torch 2.13 puts SDPA's cuDNN backend first on sm90/sm100 with cuDNN
+      > 9.15 wherever it applies, which for BERT is attention dropout 0 (evaluation, fine-tuning
+      with dropout off; it cannot take 0.1), and there its backward returns NaN query gradients
+      with an explicit mask for some sequence lengths (pytorch/pytorch#196678, fixed with cuDNN
+      9.26). The memory-efficient kernel takes our additive float mask at every dropout, on every
+      GPU from sm50 (flash attention takes no mask at all).
+    """
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = tf32
         torch.backends.cudnn.allow_tf32 = tf32
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+# the compute capability bf16 needs: below it (V100 sm70, T4 sm75) bf16 is emulated, and SDPA's fused
+# kernels take no bf16 (flash and cuDNN need sm80, memory-efficient attention has bf16 from sm80), so
+# attention falls back to the math kernel and its [seq, seq] matrices
+BF16_MIN_CAPABILITY = (8, 0)
+
+
+def precision_problem(device: torch.device, precision: str, capability=None, name: str | None = None) -> str | None:
+    """Why this device cannot train in `precision`, or None. torch.cuda.is_bf16_supported() (and
+    DeepSpeed's check, which asks it) says yes on sm70/sm75, where bf16 is only emulated.
+    `capability` (major, minor) and `name`: the device's, read from it when not given."""
+    if device.type != "cuda" or precision != "bf16":
+        return None
+    capability = tuple(capability or torch.cuda.get_device_capability(device))
+    if capability >= BF16_MIN_CAPABILITY:
+        return None
+    name = name or torch.cuda.get_device_name(device)
+    return (f"train.precision bf16 needs a GPU of compute capability {BF16_MIN_CAPABILITY[0]}.{BF16_MIN_CAPABILITY[1]} "
+            f"or later (Ampere); {device} is a {name} of {capability[0]}.{capability[1]}, where bf16 is emulated "
+            "and attention loses its fused kernels: use train.precision=fp16 (dynamic loss scaling) or fp32")
+
+
+# megatron-core's column-parallel linear overlaps the input-gradient all-reduce of tensor parallelism
+# with the weight-gradient GEMM; the overlap keeps its order only with one CUDA work queue
+# (it warns otherwise: megatron/core/tensor_parallel/layers.py). Read when the CUDA context is made.
+MAX_CONNECTIONS_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def prepare_cuda_environment(tensor_parallel: int, environ=None) -> str | None:
+    """Before any CUDA context exists in this process: CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor
+    parallelism (Megatron-LM's requirement), unless the user set it. Returns a line saying what was
+    set (None when nothing was). Harmless on the CPU."""
+    env = os.environ if environ is None else environ
+    if tensor_parallel > 1 and MAX_CONNECTIONS_ENV not in env:
+        env[MAX_CONNECTIONS_ENV] = "1"
+        return f"{MAX_CONNECTIONS_ENV}=1 (tensor parallelism: megatron-core's gradient all-reduce overlap keeps its order)"
+    return None
 
 
 def describe(parallel) -> str:

@@ -13,6 +13,7 @@ import pytest
 import pretrain.parallel
 from distributed import REPO
 from pretrain.cli import run_command, run_distributed
+from pretrain.device import MAX_CONNECTIONS_ENV
 from pretrain.errors import UsageError, UserError
 from pretrain.parallel import LaunchEnv
 
@@ -120,14 +121,14 @@ def fake_groups(monkeypatch):
     calls = []
 
     def init_parallel(launch, tensor_parallel, pipeline_parallel, timeout_minutes):
-        calls.append(("init", {key: os.environ.get(key) for key in LAUNCH_KEYS}, tensor_parallel,
-                      pipeline_parallel, timeout_minutes))
+        calls.append(("init", {key: os.environ.get(key) for key in (*LAUNCH_KEYS, MAX_CONNECTIONS_ENV)},
+                      tensor_parallel, pipeline_parallel, timeout_minutes))
         return SimpleNamespace(rank=launch.rank, logging_rank=1)
 
     monkeypatch.setattr(pretrain.parallel, "init_parallel", init_parallel)
     monkeypatch.setattr(pretrain.parallel, "shutdown_parallel", lambda: calls.append(("shutdown",)))
     with mock.patch.dict(os.environ):
-        for key in LAUNCH_KEYS:
+        for key in (*LAUNCH_KEYS, MAX_CONNECTIONS_ENV):
             os.environ.pop(key, None)
         yield calls
 
@@ -137,9 +138,19 @@ def launch(rank):
 
 
 def test_run_distributed_exports_the_launch_then_starts_and_stops(fake_groups):
+    """Also CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor parallelism, before the groups (and the CUDA
+    context) exist: megatron-core's all-reduce overlap keeps its order only with one work queue."""
     assert run_distributed(lambda parallel: 3, 2, 1, 5.0, launch(1)) == 3
     exported = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
-    assert fake_groups == [("init", exported, 2, 1, 5.0), ("shutdown",)]
+    assert fake_groups == [("init", {**exported, MAX_CONNECTIONS_ENV: "1"}, 2, 1, 5.0), ("shutdown",)]
+
+
+def test_max_connections_only_with_tensor_parallelism_and_never_over_the_users(fake_groups):
+    run_distributed(lambda parallel: 0, 1, 2, launch=launch(1))
+    assert fake_groups[0][1][MAX_CONNECTIONS_ENV] is None  # PP and DP only: CUDA's default queues
+    os.environ[MAX_CONNECTIONS_ENV] = "32"
+    run_distributed(lambda parallel: 0, 2, launch=launch(1))
+    assert fake_groups[2][1][MAX_CONNECTIONS_ENV] == "32"
 
 
 def test_groups_are_shut_down_after_a_user_error(fake_groups, capsys):

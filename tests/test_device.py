@@ -21,10 +21,46 @@ def test_local_rank_beyond_the_visible_gpus_is_refused(monkeypatch):
         device.select_device(1, {"CUDA_VISIBLE_DEVICES": "3"})
 
 
-def test_cpu_device_and_backend():
+def test_cpu_device_and_backend(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a GPU machine's CPU tier
     assert device.select_device(0, {}) == torch.device("cpu")
     assert device.backend_for(torch.device("cpu")) == "gloo"
     assert device.backend_for(torch.device("cuda", 1)) == "nccl"
+
+
+def test_gpu_math_is_chosen_explicitly():
+    """TF32 as configured and SDPA's cuDNN backend off on a GPU (torch 2.13 prefers it on sm90 at
+    attention dropout 0, where its masked backward has returned NaN); the CPU's settings untouched."""
+    cuda = torch.backends.cuda
+    before = (cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, cuda.cudnn_sdp_enabled())
+    try:
+        cuda.enable_cudnn_sdp(True)
+        cuda.matmul.allow_tf32 = True
+        device.configure_math(torch.device("cpu"), tf32=False)
+        assert cuda.cudnn_sdp_enabled() and cuda.matmul.allow_tf32
+        device.configure_math(torch.device("cuda", 0), tf32=False)
+        assert not cuda.cudnn_sdp_enabled() and not cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        assert cuda.mem_efficient_sdp_enabled()  # the kernel that takes the additive padding mask
+        device.configure_math(torch.device("cuda", 0), tf32=True)
+        assert cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before[:2]
+        cuda.enable_cudnn_sdp(before[2])
+
+
+def test_bf16_is_refused_below_ampere():
+    """torch.cuda.is_bf16_supported() (and DeepSpeed's check) accept a V100 or T4, where bf16 is
+    emulated and attention loses its fused kernels."""
+    gpu = torch.device("cuda", 0)
+    problem = device.precision_problem(gpu, "bf16", (7, 0), "Tesla V100-SXM2-32GB")
+    assert problem == ("train.precision bf16 needs a GPU of compute capability 8.0 or later (Ampere); cuda:0 is a "
+                       "Tesla V100-SXM2-32GB of 7.0, where bf16 is emulated and attention loses its fused kernels: "
+                       "use train.precision=fp16 (dynamic loss scaling) or fp32")
+    assert device.precision_problem(gpu, "bf16", (7, 5), "Tesla T4") is not None
+    assert device.precision_problem(gpu, "bf16", (8, 0), "A100") is None
+    assert device.precision_problem(gpu, "bf16", (9, 0), "H100") is None
+    assert device.precision_problem(gpu, "fp16", (7, 0), "Tesla V100") is None
+    assert device.precision_problem(torch.device("cpu"), "bf16") is None
 
 
 @pytest.mark.parametrize("module,argv", [
