@@ -20,11 +20,6 @@ from ..device import all_reduce
 from .layout import NormLayout, Segment
 
 
-def _sum_sq(x: torch.Tensor) -> torch.Tensor:
-    x = x.float()
-    return torch.dot(x, x)
-
-
 class Lamb(torch.optim.Optimizer):
     """Param-group keys: lr, betas, eps, weight_decay, layer_adaptation (False fixes the trust
     ratio to 1, for biases and LayerNorm), max_trust_ratio (None = no clamp), bias_correction.
@@ -78,11 +73,14 @@ class Lamb(torch.optim.Optimizer):
             bc2 = [1 - beta2 ** step for step in steps]
         else:
             bc1 = bc2 = [1.0] * len(params)
-        denominators = torch._foreach_div(v, bc2)
-        torch._foreach_sqrt_(denominators)
-        torch._foreach_add_(denominators, group["eps"])
-        updates = torch._foreach_div(m, bc1)
-        torch._foreach_div_(updates, denominators)
+        # u = m_hat / (sqrt(v_hat) + eps) + wd * w, built in one full-size temporary: the
+        # denominators, inverted in place and multiplied by m and 1/bc1
+        updates = torch._foreach_div(v, bc2)
+        torch._foreach_sqrt_(updates)
+        torch._foreach_add_(updates, group["eps"])
+        torch._foreach_reciprocal_(updates)
+        torch._foreach_mul_(updates, m)
+        torch._foreach_mul_(updates, [1.0 / b for b in bc1])
         if group["weight_decay"] != 0:
             torch._foreach_add_(updates, params, alpha=group["weight_decay"])
         return [u.reshape(-1) for u in updates]
@@ -129,20 +127,21 @@ class Lamb(torch.optim.Optimizer):
         layout = self._layout
         n = implicit if layout is None else layout.num_logical
         device = self._device(work)
-        index, w_sq, u_sq = [], [], []
+        index, w_pieces, u_pieces = [], [], []
         for p, group, u, segments in work:
             if not group["layer_adaptation"]:
                 continue  # ratio fixed to 1: its norms are never read
             w = p.detach().reshape(-1)
             for seg in segments:
                 index.append(seg.logical_index)
-                w_sq.append(_sum_sq(w.narrow(0, seg.start, seg.numel)))
-                u_sq.append(_sum_sq(u.narrow(0, seg.start, seg.numel)))
+                w_pieces.append(w.narrow(0, seg.start, seg.numel))
+                u_pieces.append(u.narrow(0, seg.start, seg.numel))
         sums = torch.zeros(2, n, dtype=torch.float64, device=device)
         if index:
-            pieces = torch.stack([torch.stack(w_sq), torch.stack(u_sq)]).to(torch.float64)
+            # one multi-tensor launch per side, not one dot product per segment
+            norms = torch.stack([torch.stack(torch._foreach_norm(w_pieces)), torch.stack(torch._foreach_norm(u_pieces))])
             positions = self._on(device, ("index", *index), lambda: torch.tensor(index))
-            sums.index_add_(1, positions, pieces)
+            sums.index_add_(1, positions, norms.to(torch.float64).square())
 
         # 3. Whole-parameter sums: add the pieces held by other DP ranks (ZeRO), then the other
         #    TP shards of sharded parameters only (a replicated parameter is already whole on
@@ -186,11 +185,11 @@ class Lamb(torch.optim.Optimizer):
                                     torch.ones_like(seg_ratio))
             # The learning rate goes in as `alpha` (a host number), once per distinct rate: a tensor
             # of rates copied to a GPU would wait for the GPU to finish the backward pass.
-            ratios_f32 = seg_ratio.float().unbind()
+            # u *= ratio in place (segments never overlap), then w += rate * u: no temporary
+            torch._foreach_mul_(directions, list(seg_ratio.float().unbind()))
             for rate in dict.fromkeys(rates):
                 chosen = [j for j, r in enumerate(rates) if r == rate]
-                steps = torch._foreach_mul([directions[j] for j in chosen], [ratios_f32[j] for j in chosen])
-                torch._foreach_add_([targets[j] for j in chosen], steps, alpha=rate)
+                torch._foreach_add_([targets[j] for j in chosen], [directions[j] for j in chosen], alpha=rate)
         for p, target in copy_back:
             p.data.copy_(target.view_as(p))
         return loss
