@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from pretrain.config import ConfigError, load_sections
+from pretrain.config.precision import precision_problems
 
 from .tasks import TASKS
 
@@ -91,6 +92,7 @@ class TrainSection:
     grad_clip: float = 1.0
     seed: int = 42
     precision: str = "fp32"
+    grad_accum_dtype: str = "fp32"  # bf16 only: accumulate and reduce gradients in fp32 (ZeRO >= 1) or bf16
     eval_batch_size: int = 32  # per rank
     output_dir: str = "outputs/finetune"
     tensorboard_dir: str | None = None  # default: <output_dir>/tensorboard
@@ -170,6 +172,8 @@ class FinetuneConfig:
                 problems.append(f"train.global_batch_size ({tr.global_batch_size}) must be a multiple of "
                                 f"micro_batch_size x data-parallel size ({tr.micro_batch_size} x {dp})")
         problems += tr.problems()
+        if tr.precision in ("fp32", "bf16") and p.zero_stage in (0, 1, 2):
+            problems += precision_problems(tr.precision, tr.grad_accum_dtype, p.zero_stage)
         if problems:
             raise ConfigError(problems)
 

@@ -28,14 +28,17 @@ from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer, save_vocab
 from pretrain.config import deepspeed_settings
 from pretrain.preprocess.atomic import atomic_outputs
 from pretrain.samples.batches import micro_batch_indices
-from pretrain.device import all_gather, all_gather_object, all_reduce, configure_math, describe, to_host
+from pretrain.device import (DeviceError, all_gather, all_gather_object, all_reduce, configure_math, describe,
+                            precision_problem, to_host)
 from pretrain.errors import UserError
-from pretrain.internals import no_optimizer_steps
+from pretrain.internals import is_tp_sharded, no_optimizer_steps, report_grad_norm
 from pretrain.model.names import logical_parameters
 from pretrain.model.rng import RngTracker, seed_streams
 from pretrain.console import progress, rank_printer
 from pretrain.optim import make_lr_scheduler
 from pretrain.optim.groups import group_by_kind
+from pretrain.optim.guard import wrap_optimizer_step
+from pretrain.optim.norms import exact_clipping_for
 
 from .config import FinetuneConfig
 from .inputs import Batches
@@ -85,6 +88,9 @@ class Finetuner:
         self._read_data()
 
         configure_math(parallel.device, t.tf32)
+        unsupported = precision_problem(parallel.device, t.precision)
+        if unsupported:
+            raise DeviceError(unsupported)
         self.log(f"{describe(parallel)}, ZeRO-{cfg.parallel.zero_stage}, {t.precision}")
         self.tracker = RngTracker(parallel.device)
         seed_streams(self.tracker, t.seed, parallel.tp_rank, 0, parallel.dp_rank)
@@ -166,12 +172,22 @@ class Finetuner:
         optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(0.9, 0.999), eps=1e-6)
         warmup = int(t.warmup_ratio * self.total_steps)
         ds_config = deepspeed_settings(t.global_batch_size, t.micro_batch_size, self.micro_per_step, t.grad_clip,
-                                       self.cfg.parallel.zero_stage, t.precision)
+                                       self.cfg.parallel.zero_stage, t.precision, grad_accum_dtype=t.grad_accum_dtype)
+        clipping = None  # ZeRO-0: exact clipping inside the optimizer's step (pretrain/optim/norms.py)
+
+        def before_update():
+            if clipping is not None:
+                report_grad_norm(engine, clipping())
+
         with no_optimizer_steps(optimizer):  # the bf16 wrapper at ZeRO-0 steps once at construction
+            wrap_optimizer_step(optimizer, before_update=before_update)
             engine, _, _, _ = deepspeed.initialize(
                 model=self.model, optimizer=optimizer, config=ds_config, mpu=p.mpu,
                 lr_scheduler=lambda opt: make_lr_scheduler(opt, t.lr, warmup, max(self.total_steps, warmup + 1),
                                                            "linear"))
+        # each parameter once: TP-sharded ones on every TP rank, replicated ones on TP rank 0
+        counted = [param for param in self.model.parameters() if is_tp_sharded(param) or p.tp_rank == 0]
+        clipping = exact_clipping_for(engine, counted, p, t.grad_clip)
         return engine
 
     # ----------------------------------------------------------------------------- training

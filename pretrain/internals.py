@@ -22,13 +22,17 @@ PINNED: dict[str, tuple[str, ...]] = {
         "basic_optimizer", "global_steps", "global_samples", "_global_grad_norm", "enable_backward_allreduce",
         "clip_fp32_gradients", "skipped_steps"),
     "deepspeed.runtime.zero.stage_1_and_2": (  # DeepSpeedZeroOptimizer (ZeRO-1/2)
-        "bit16_groups", "single_partition_of_fp32_groups", "real_dp_process_group", "zenflow"),
+        "bit16_groups", "single_partition_of_fp32_groups", "real_dp_process_group", "zenflow",
+        "gradient_accumulation_dtype", "communication_data_type", "loss_scaler"),
     "deepspeed.runtime.bf16_optimizer": (  # BF16_Optimizer
-        "bf16_groups", "fp32_groups_flat_partition", "real_dp_process_group", "using_real_optimizer"),
+        "bf16_groups", "fp32_groups_flat_partition", "real_dp_process_group", "using_real_optimizer",
+        "grad_acc_dtype"),
     "deepspeed.runtime.zero.stage3": (  # DeepSpeedZeroOptimizer_Stage3
         "fp16_groups", "fp32_partitioned_groups_flat", "sub_group_to_group_id", "params_in_nvme_and_cpu",
-        "swap_optimizer"),
-    "deepspeed.runtime.fp16.unfused_optimizer": ("fp16_groups", "fp32_groups"),  # FP16_UnfusedOptimizer
+        "swap_optimizer", "gradient_accumulation_dtype", "communication_data_type", "loss_scaler"),
+    "deepspeed.runtime.fp16.unfused_optimizer": (  # FP16_UnfusedOptimizer
+        "fp16_groups", "fp32_groups", "clip_grad", "_global_grad_norm"),
+    "deepspeed.runtime.fp16.loss_scaler": ("raise_error_at_min_scale",),  # DynamicLossScaler, ZeRO's fp16 scaler
     "deepspeed.runtime.zero.partition_parameters": (  # what deepspeed.zero.Init adds to each parameter
         "ds_id", "ds_tensor", "ds_shape", "ds_numel", "ds_process_group", "partition_numel"),
     "deepspeed.utils.mixed_precision_linkage": ("_hp_mapping",),  # ZeRO-1/2, bf16: parameter -> fp32 fragment
@@ -163,6 +167,23 @@ def optimizer_wrapper(engine):
     raise TypeError(f"engine.optimizer is a {kind}, not an optimizer DeepSpeed builds")
 
 
+def gradient_dtypes(engine) -> tuple[torch.dtype, torch.dtype]:
+    """(accumulation, reduction): the dtype DeepSpeed's wrapper sums gradients over micro-batches
+    in, and the one it reduces them over data-parallel ranks in, as the wrapper was built."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    opt = engine.optimizer
+    if isinstance(opt, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
+        return opt.gradient_accumulation_dtype, opt.communication_data_type
+    if isinstance(opt, BF16_Optimizer):  # the engine reduces its fp32 buffers (buffered_allreduce_fallback)
+        return opt.grad_acc_dtype, engine.communication_data_type
+    # the model's own .grad tensors (ZeRO-0), reduced by the engine
+    dtype = next(p.dtype for p in engine.module.parameters())
+    return dtype, engine.communication_data_type
+
+
 def client_optimizer(engine) -> torch.optim.Optimizer:
     """Our torch optimizer, as DeepSpeed holds it (it keeps the optimizer state of the tensors
     DeepSpeed steps: fp32 partitions or copies under a wrapper, the parameters at ZeRO-0 fp32)."""
@@ -175,14 +196,32 @@ def set_position(engine, step: int, samples: int) -> None:
     engine.global_steps, engine.global_samples = step, samples
 
 
-def set_global_grad_norm(engine, norm: float) -> None:
-    """What engine.get_global_grad_norm() reports after our own clipping replaced DeepSpeed's."""
+def report_grad_norm(engine, norm) -> None:
+    """What engine.get_global_grad_norm() reports after our own clipping replaced DeepSpeed's: the
+    engine copies a wrapper's `_global_grad_norm` into its own after the wrapper's step, so both
+    are set (a client optimizer stepped directly, at ZeRO-0 fp32, has none)."""
     engine._global_grad_norm = norm
+    if engine.optimizer is not engine.basic_optimizer:
+        engine.optimizer._global_grad_norm = norm
 
 
 def replace_fp32_clipping(engine, clip) -> None:
     """ZeRO-0 fp32: the engine calls `clip()` where it would clip with its own routine."""
     engine.clip_fp32_gradients = clip
+
+
+def disable_wrapper_clipping(engine) -> None:
+    """FP16_UnfusedOptimizer: only divide out the loss scale, never clip (by its inexact norm)."""
+    engine.optimizer.clip_grad = 0.0
+
+
+def let_loss_scaler_reach_minimum(engine) -> None:
+    """fp16 under ZeRO: DeepSpeed's DynamicLossScaler raises a bare Exception at the first overflow
+    at its minimum scale (raise_error_at_min_scale); let it stay there instead, so that the trainer's
+    train.max_consecutive_skips decides, as it does at ZeRO-0 (whose scaler never raises)."""
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is not None and hasattr(scaler, "raise_error_at_min_scale"):
+        scaler.raise_error_at_min_scale = False
 
 
 def skip_backward_allreduce(engine) -> None:
@@ -201,8 +240,10 @@ def loss_scale(engine) -> float | None:
 
 
 def overflow_skips(engine) -> int:
-    """Optimizer steps DeepSpeed skipped itself (fp16 loss-scale overflows) since the engine was
-    built: its `_take_model_step` counts them and leaves the LR scheduler alone."""
+    """Optimizer steps DeepSpeed's wrapper skipped itself since the engine was built, before our
+    optimizer was called: fp16 loss-scale overflows, and non-finite gradients or gradient norms
+    under ZeRO-1/2/3 and the bf16 wrappers. Its `_take_model_step` counts them (the wrapper's
+    `overflow` flag) and leaves the LR scheduler alone."""
     return int(engine.skipped_steps)
 
 

@@ -20,14 +20,15 @@ from .samples.batches import MicroBatchIterator
 from .checkpoint import exact as checkpoint_saving, load as checkpoint_loading
 from .checkpoint.format import CheckpointError
 from .model.bert import PretrainingLoss, build_model, init_weights
-from .model.names import WORD_EMBEDDINGS, logical_parameters
+from .model.names import logical_parameters
 from .memory import FirstStepMemory
 from .model.rng import RngTracker, seed_streams
 from .errors import UserError
 from .optim import Lamb, build_optimizer, layout_for_deepspeed, make_lr_scheduler
 from .optim.groups import group_by_kind
 from .preprocess.atomic import atomic_outputs
-from .optim.guard import NonFiniteGuard, guard_optimizer
+from .optim.guard import APPLIED, AT_MIN_SCALE, NonFiniteGuard, StepOutcome, classify, wrap_optimizer_step
+from .optim.norms import counted_once, exact_clipping_for
 from .parallel import Parallel
 from .profiling import step_profiler
 from .timers import NoTimers, PhaseTimers
@@ -52,39 +53,6 @@ def optimizer_param_groups(model: torch.nn.Module, optimizer_cfg) -> list[dict]:
         for decay, adapt, params in group_by_kind(trainable, optimizer_cfg.no_weight_decay,
                                                   optimizer_cfg.no_layer_adaptation)
     ]
-
-
-def counted_once(model, parallel: Parallel):
-    """Logical parameters of this rank that a whole-model sum must count: TP-replicated ones on
-    TP rank 0 only, the tied word embedding on the first pipeline stage only."""
-    tied_word = WORD_EMBEDDINGS
-    for lp in logical_parameters(model):
-        if lp.tp_partition_dim is None and parallel.tp_rank != 0:
-            continue
-        if parallel.pp_size > 1 and lp.hf_name == tied_word and not parallel.is_first_stage:
-            continue
-        yield lp
-
-
-def clip_gradients_exactly(engine, model, parallel: Parallel, max_norm: float) -> None:
-    """Global gradient-norm clipping for ZeRO-0 fp32, replacing DeepSpeed's `clip_fp32_gradients`.
-
-    DeepSpeed's version counts replicated parameters only on model-parallel rank 0 of the whole
-    pipe x tensor group (so later pipeline stages' LayerNorms and biases are left out) and does
-    not record the norm for get_global_grad_norm(). Gradients are already reduced over DP and
-    the tied embedding's copies summed when this runs.
-    """
-    total = torch.zeros((), dtype=torch.float64, device=parallel.device)
-    for lp in counted_once(model, parallel):
-        if lp.param.grad is not None:
-            flat = lp.param.grad.detach().reshape(-1)
-            total += torch.dot(flat, flat).double()  # fp32 BLAS per tensor, float64 across tensors
-    device.all_reduce(total)  # over the world: every DP replica holds the same gradients
-    norm = (total / parallel.dp_size).sqrt()
-    # on the device, no host sync: scaling by a coefficient of exactly 1 leaves gradients as they are
-    coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
-    torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], coefficient)
-    internals.set_global_grad_norm(engine, norm)
 
 
 def model_flops_per_sample(cfg: Config) -> float:
@@ -113,18 +81,25 @@ class Trainer:
         self.consumed_samples = 0
         self._stop_requested = False
         self.steps_skipped = 0  # steps whose update was skipped (non-finite, or an fp16 overflow)
-        self._bad_run: list[tuple[int, list[str]]] = []  # the current run of skipped steps, what was non-finite
-        self._last_skipped: list[str] = []
+        self._bad_run: list[tuple[int, tuple[str, ...]]] = []  # the current run of non-finite steps, what was non-finite
+        self._last_outcome: StepOutcome = APPLIED
         self.pipelined = parallel.pp_size > 1
         self.grad_accum = cfg.grad_accum_steps(parallel.world_size)
 
         device.configure_math(parallel.device, cfg.train.tf32)
+        unsupported = device.precision_problem(parallel.device, cfg.train.precision)
+        if unsupported:
+            raise device.DeviceError(unsupported)
         self.log(f"{device.describe(parallel)}, ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}")
         self.tracker = RngTracker(parallel.device)
         seed_streams(self.tracker, cfg.train.seed, parallel.tp_rank, parallel.pp_rank, parallel.dp_rank)
         self.loss_fn = PretrainingLoss(parallel.tp_group, parallel.tp_rank)
         self.ds_config = build_deepspeed_config(cfg, parallel.world_size)
         self.engine = self._build_engine()
+        accumulation, reduction = internals.gradient_dtypes(self.engine)
+        self.log(f"optimizer {cfg.optimizer.name} under DeepSpeed's {type(self.engine.optimizer).__name__}; gradients "
+                 f"accumulated in {_dtype_name(accumulation)}, reduced in {_dtype_name(reduction)}, clipped "
+                 f"{'exactly by the trainer' if self._exact_clipping is not None else 'by DeepSpeed'}")
         self.timers = self._phase_timers()
 
         # Rank 0 builds missing sample indices while the others wait; all then map the cache.
@@ -166,20 +141,23 @@ class Trainer:
             hyper["max_trust_ratio"] = o.max_trust_ratio
         optimizer = build_optimizer(o.name, optimizer_param_groups(model, o), **hyper)
         s = cfg.scheduler
-        self.guard = None
-        if cfg.train.skip_nonfinite_steps and cfg.train.precision != "fp16":
-            self.guard = NonFiniteGuard(par.device, self.loss_fn.all_finite)
-            self.guard.watch(model.parameters())
-        guard = self.guard
+        # Our non-finite check runs in every precision and ZeRO stage (DeepSpeed's wrappers add
+        # their own, except at ZeRO-0 fp32); train.skip_nonfinite_steps decides whether it vetoes.
+        guard = self.guard = NonFiniteGuard(par.device, self.loss_fn.all_finite, veto=cfg.train.skip_nonfinite_steps)
+        guard.watch(model.parameters())
+        self._exact_clipping = None  # ZeRO-0: our clipping, run inside the optimizer's step
 
         def scheduler(opt):
             steps = cfg.train.train_steps
             return make_lr_scheduler(opt, o.lr, s.warmup(steps), s.horizon(steps), s.decay, s.power, s.min_lr,
-                                     hold=None if guard is None else lambda: bool(guard.skipped()))
+                                     hold=lambda: bool(guard.skipped()))
+
+        def before_update():
+            if self._exact_clipping is not None:
+                internals.report_grad_norm(self.engine, self._exact_clipping())
 
         with internals.no_optimizer_steps(optimizer):  # the fp16/bf16 wrappers step once at construction
-            if guard is not None:
-                guard_optimizer(optimizer, guard)  # inside: no_optimizer_steps replaces optimizer.step
+            wrap_optimizer_step(optimizer, guard.step_is_bad, before_update)  # inside no_optimizer_steps' own
             engine, _, _, _ = deepspeed.initialize(
                 model=model,
                 optimizer=optimizer,
@@ -189,9 +167,10 @@ class Trainer:
             )
         if par.dp_size == 1 and cfg.parallel.zero_stage == 0 and not self.pipelined:
             internals.skip_backward_allreduce(engine)
-        if cfg.parallel.zero_stage == 0 and cfg.train.precision == "fp32":
-            internals.replace_fp32_clipping(engine, lambda: clip_gradients_exactly(engine, model, par,
-                                                                                   cfg.optimizer.grad_clip))
+        self._exact_clipping = exact_clipping_for(engine, [lp.param for lp in counted_once(model, par)], par,
+                                                  cfg.optimizer.grad_clip)
+        if cfg.train.precision == "fp16":
+            internals.let_loss_scaler_reach_minimum(engine)
         if isinstance(optimizer, Lamb):
             optimizer.set_layout(layout_for_deepspeed(engine, par.tp_group if par.tp_size > 1 else None,
                                                       par.dp_group if par.dp_size > 1 else None, par.device))
@@ -226,9 +205,9 @@ class Trainer:
         as DeepSpeed's wrapper reports it (a device tensor, or a float or None, left as it is: a
         host number copied to a GPU would wait for the GPU)."""
         p = self.parallel
-        if self.guard is not None:
-            self.guard.begin_step()
+        self.guard.begin_step()
         overflows = internals.overflow_skips(self.engine)
+        scale = internals.loss_scale(self.engine) if self.cfg.train.precision == "fp16" else None
         draws = not self.pipelined or p.is_first_stage or p.is_last_stage
         timers = self.timers
         with timers.phase("data"):
@@ -250,26 +229,38 @@ class Trainer:
                     self.engine.backward(loss)
                 with timers.phase("optimizer"):  # real work at the last micro-batch only
                     self.engine.step()
-        self._last_skipped = self.guard.skipped() if self.guard is not None else []
-        if internals.overflow_skips(self.engine) > overflows:
-            self._last_skipped = ["fp16 loss-scale overflow"]
-        return self.loss_fn.drain(self.parallel.device), self.engine.get_global_grad_norm()
+        deepspeed_skipped = internals.overflow_skips(self.engine) > overflows
+        self._last_outcome = classify(self.guard.outcome(deepspeed_skipped), deepspeed_skipped,
+                                      None if scale is None else self._scaler_can_lower(scale))
+        # a skipped step's gradients had no finite norm (whatever the engine kept from before)
+        grad_norm = float("inf") if self._last_outcome.skipped else self.engine.get_global_grad_norm()
+        return self.loss_fn.drain(self.parallel.device), grad_norm
+
+    def _scaler_can_lower(self, scale: float) -> bool:
+        """fp16: whether a gradient overflow at this loss scale lowers the scale (dynamic scaling
+        above fp16.min_loss_scale), so that a later step may pass."""
+        f = self.cfg.fp16
+        return f.loss_scale == 0 and scale > f.min_loss_scale
 
     def _count_skip(self) -> None:
         """Count the step just taken if it was skipped; too many non-finite steps in a row end
-        the run. fp16 overflows are counted but never end it: a dynamic loss scaler overflows
-        several times in a row by design while it finds its scale (DeepSpeed itself stops a run
-        whose scale reaches fp16.min_loss_scale)."""
-        if not self._last_skipped:
+        the run. fp16 loss-scale overflows are counted but never end it while the dynamic scaler
+        can still lower its scale (it overflows several times in a row by design while it finds
+        its scale); at fp16.min_loss_scale an overflow is a non-finite step like any other."""
+        outcome = self._last_outcome
+        if not outcome.skipped:
             self._bad_run = []
             return
         self.steps_skipped += 1
-        if self._last_skipped == ["fp16 loss-scale overflow"]:
+        if not outcome.counts:
             return
-        self._bad_run.append((self.step, self._last_skipped))
+        self._bad_run.append((self.step, outcome.what))
         limit = self.cfg.train.max_consecutive_skips
         if len(self._bad_run) >= limit:
             what = sorted({w for _, found in self._bad_run for w in found})
+            if AT_MIN_SCALE in what:  # says more than "gradients"
+                what = [f"{AT_MIN_SCALE} ({self.cfg.fp16.min_loss_scale:g}, fp16.min_loss_scale)" if w == AT_MIN_SCALE
+                        else w for w in what if w != "gradients"]
             first = self._bad_run[0][0]
             raise NonFiniteTraining(
                 f"step {self.step}: non-finite {' and '.join(what)} in {limit} steps in a row (steps {first}-"
@@ -378,6 +369,8 @@ class Trainer:
                 self.log(f"no checkpoint in {t.load_dir} yet: starting from scratch")
             return
         self.step, self.consumed_samples = found
+        if self.cfg.train.precision == "fp16":  # DeepSpeed's checkpoint carries the loss scaler object itself
+            internals.let_loss_scaler_reach_minimum(self.engine)
         self.log(f"resumed from {self.cfg.train.load_dir} at step {self.step} ({self.consumed_samples} samples)")
 
     def train(self) -> list[dict]:
@@ -546,6 +539,10 @@ class EvalResults:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with atomic_outputs([self.path]) as temps, open(temps[self.path], "w", encoding="utf-8") as f:
             json.dump(self.results, f, indent=1)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next((name for name, d in PRECISION_DTYPES.items() if d == dtype), str(dtype))
 
 
 def _main_thread() -> bool:

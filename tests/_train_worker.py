@@ -49,7 +49,7 @@ def layout_report(trainer, parallel) -> dict:
     from megatron.core import parallel_state as ps
 
     from pretrain.model.names import logical_parameters
-    from pretrain.trainer import counted_once
+    from pretrain.optim.norms import counted_once
 
     engine = trainer.engine
     params = list(trainer.model.parameters())

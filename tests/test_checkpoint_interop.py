@@ -319,15 +319,18 @@ def test_resume_in_other_layouts_continues_the_run(tmp_path, trained):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero, world", [(0, 1), (3, 2)])
+@pytest.mark.parametrize("zero, world", [(0, 1), (1, 1), (3, 2)])
 def test_bf16_checkpoints_convert_from_their_fp32_masters(tmp_path, zero, world):
-    """bf16 runs keep fp32 master weights (ZeRO-0: per parameter; ZeRO-3: partitioned); the
-    conversion takes those, not the bf16 copies the model computes with."""
+    """bf16 runs keep fp32 master weights (ZeRO-0: per parameter; ZeRO-1: DeepSpeed's BF16_Optimizer's
+    flat partitions, fp32 accumulation; ZeRO-3: partitioned); the conversion takes those, not the
+    bf16 copies the model computes with."""
     from pretrain.checkpoint.format import checkpoint_param_names
 
     save_dir = tmp_path / "bf16"
+    accumulation = ["train.grad_accum_dtype=bf16"] if zero == 0 else []  # fp32 accumulation needs ZeRO >= 1
     result = worker(tmp_path, "bf16", 1, 1, world, [{"name": "bf16", "overrides": [
-        "train.train_steps=3", "train.precision=bf16", f"parallel.zero_stage={zero}", f"train.save_dir={save_dir}"]}])
+        "train.train_steps=3", "train.precision=bf16", f"parallel.zero_stage={zero}", f"train.save_dir={save_dir}",
+        *accumulation]}])
     ckpt = read_native(str(save_dir))
     query = ckpt.weights["bert.encoder.layer.0.attention.self.query.weight"]
     assert not torch.equal(query, query.bfloat16().float())  # fp32 precision, not bf16 values
@@ -341,6 +344,27 @@ def test_bf16_checkpoints_convert_from_their_fp32_masters(tmp_path, zero, world)
     mlm, nsp = hf_outputs(tmp_path / "hf", result["bf16"]["inputs"])  # fp32 vs the run's bf16 arithmetic
     assert (result["bf16"]["mlm"].float() - mlm).abs().max() < 0.1 * mlm.abs().max()
     assert (result["bf16"]["nsp"].float() - nsp).abs().max() < 0.1 * nsp.abs().max() + 0.05
+
+
+@pytest.mark.slow
+def test_bf16_resumes_across_gradient_dtypes(tmp_path):
+    """train.grad_accum_dtype picks DeepSpeed's ZeRO-1 wrapper (bf16: DeepSpeedZeroOptimizer, fp32:
+    BF16_Optimizer), whose files the other cannot load exactly: a run saved with bf16 accumulation
+    (as every bf16 run before fp32 became the default) resumes with fp32 layout-free, with its step,
+    weights and moments."""
+    ckpt = tmp_path / "ckpt"
+    common = ["train.train_steps=4", "train.precision=bf16", "parallel.zero_stage=1", f"train.save_dir={ckpt}",
+              f"train.load_dir={ckpt}"]
+    first = worker(tmp_path, "bf16-accumulation", 1, 1, 1, [{"name": "first", "overrides": common + [
+        "train.grad_accum_dtype=bf16", "train.exit_after_steps=2"]}])["first"]
+    run = {"name": "second", "overrides": common}
+    out = run_ranks(["tests/_interop_worker.py", str(tmp_path / "second.pt"), "1", "1", json.dumps(run)], 1,
+                    timeout=900)[0].stdout
+    second = torch.load(tmp_path / "second.pt", weights_only=False)["second"]
+    assert len(first["history"]) == 2 and len(second["history"]) == 2
+    assert "grad_accum_dtype: checkpoint bf16 vs run fp32: loaded layout-free (weights, optimizer state" in out, out[-3000:]
+    assert "resumed from" in out and "at step 2 " in out
+    assert second["history"][0]["loss"] == pytest.approx(first["history"][-1]["loss"], rel=0.05)
 
 
 @pytest.mark.slow

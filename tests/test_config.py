@@ -3,6 +3,7 @@
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -312,7 +313,7 @@ def test_each_rule_produces_its_line(overrides, expected):
 
 
 def test_fp16_with_lamb_and_zero_with_pp_stage1_are_allowed():
-    cfg_with("train.precision=fp16", "optimizer.name=lamb").validate(world_size=1)
+    cfg_with("train.precision=fp16", "optimizer.name=lamb", "parallel.zero_stage=1").validate(world_size=1)
     cfg_with("parallel.zero_stage=1", "parallel.pipeline_parallel=2", "model.num_layers=12").validate(world_size=2)
     cfg_with(*[f"optimizer.no_weight_decay=[{', '.join(PARAMETER_KINDS)}]"]).validate()
 
@@ -568,3 +569,67 @@ def test_shipped_json_accepted_by_deepspeed():
         parsed = DeepSpeedConfig(ds)  # raises on unknown zero_optimization / bf16 keys
         assert parsed.zero_optimization_stage == stage
         assert parsed.train_batch_size == 64 and parsed.gradient_accumulation_steps == 8
+
+
+# --------------------------------------------------------------------------------------------
+# precision x ZeRO rules and bf16's gradient dtype
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["train.precision=bf16"],
+     "train.precision bf16 at parallel.zero_stage 0: DeepSpeed accumulates and reduces bf16 gradients in fp32 "
+     "(train.grad_accum_dtype fp32, the default) only in its ZeRO optimizers; set parallel.zero_stage=1 (the weights "
+     "and gradients of ZeRO-0, the optimizer state partitioned over data-parallel ranks) or train.grad_accum_dtype=bf16"),
+    (["train.grad_accum_dtype=bf16"],
+     "train.grad_accum_dtype bf16 is for train.precision bf16 (this run is fp32: fp32 gradients are fp32, fp16's are "
+     "DeepSpeed's loss-scaled fp16)"),
+    (["train.precision=bf16", "parallel.zero_stage=1", "train.grad_accum_dtype=fp64"],
+     "train.grad_accum_dtype ('fp64') must be one of: fp32, bf16"),
+    (["train.precision=fp16"],
+     "train.precision fp16 at parallel.zero_stage 0: DeepSpeed 0.19's fp16 ZeRO-0 optimizer divides the gradients by "
+     "the loss scale although its engine never scaled the loss, so every update would see the gradient divided by "
+     "2**fp16.initial_scale_power; set parallel.zero_stage=1 (the weights and gradients of ZeRO-0, the optimizer "
+     "state partitioned over data-parallel ranks)"),
+    (["train.precision=bf16", "train.grad_accum_dtype=bf16", "parallel.pipeline_parallel=2", "model.num_layers=2"],
+     "train.precision bf16 with pipeline parallelism (2 stages) at parallel.zero_stage 0: DeepSpeed's bf16 pipeline "
+     "optimizer cannot resume its own ZeRO-0 checkpoints; set parallel.zero_stage=1 (the same memory at one "
+     "data-parallel rank, less at more)"),
+])
+def test_precision_combinations_deepspeed_cannot_run_are_named(overrides, expected):
+    with pytest.raises(ConfigError) as e:
+        cfg_with(*overrides).validate(world_size=2)
+    assert problems_of(e) == [expected]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["train.precision=bf16", "parallel.zero_stage=1"], ["train.precision=bf16", "parallel.zero_stage=3"],
+    ["train.precision=bf16", "train.grad_accum_dtype=bf16"], ["train.precision=fp16", "parallel.zero_stage=1"],
+    ["train.precision=bf16", "parallel.zero_stage=1", "parallel.pipeline_parallel=2", "model.num_layers=2"],
+])
+def test_precision_combinations_that_run(overrides):
+    cfg_with(*overrides).validate(world_size=2)
+
+
+def test_bf16_gradient_dtype_reaches_deepspeed(tmp_path):
+    """fp32 accumulation and reduction for bf16 by default, parsed by DeepSpeed's own config class;
+    fp32 and fp16 runs leave DeepSpeed's defaults; a user JSON may not contradict them."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    single = SimpleNamespace(get_data_parallel_world_size=lambda: 1, get_data_parallel_rank=lambda: 0,
+                             get_model_parallel_world_size=lambda: 1, get_model_parallel_rank=lambda: 0)
+    for dtype in ("fp32", "bf16"):
+        ds = build_deepspeed_config(cfg_with("train.precision=bf16", "parallel.zero_stage=1",
+                                             f"train.grad_accum_dtype={dtype}"), world_size=1)
+        parsed = DeepSpeedConfig(ds, mpu=single)
+        assert (parsed.grad_accum_dtype, str(parsed.communication_data_type)) == \
+            (dtype, {"fp32": "torch.float32", "bf16": "torch.bfloat16"}[dtype])
+    for precision in ("fp32", "fp16"):
+        ds = build_deepspeed_config(cfg_with(f"train.precision={precision}"), world_size=1)
+        assert "data_types" not in ds and "communication_data_type" not in ds
+    user = write(tmp_path / "ds.json", json.dumps({"communication_data_type": "bf16"}))
+    with pytest.raises(ConfigError) as e:
+        build_deepspeed_config(cfg_with("train.precision=bf16", "parallel.zero_stage=1",
+                                        f"train.deepspeed_config={user}"), world_size=1)
+    assert problems_of(e) == [f'{user}: communication_data_type="bf16" contradicts train.grad_accum_dtype=fp32; '
+                              "set train.grad_accum_dtype instead"]

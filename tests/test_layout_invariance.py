@@ -221,7 +221,7 @@ def test_bf16_pipeline_zero1_tracks_fp32(reference, tmp_path):
             assert a["loss"] == pytest.approx(b["loss"], rel=2e-3), f"{optimizer} step {step} loss"
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-2), f"{optimizer} step {step} grad norm"
         assert result[optimizer]["history"][-1]["loss"] != reference[optimizer]["history"][-1]["loss"]
-        assert {r["optimizer_wrapper"] for r in result[optimizer]["ranks"]} == {"DeepSpeedZeroOptimizer"}
+        assert {r["optimizer_wrapper"] for r in result[optimizer]["ranks"]} == {"BF16_Optimizer"}  # fp32 accumulation
         assert {r["parameter_dtypes"] for r in result[optimizer]["ranks"]} == {"torch.bfloat16"}
 
 

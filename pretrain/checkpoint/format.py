@@ -198,6 +198,9 @@ def layout_of(cfg: Config, parallel) -> dict:
         "data_parallel": parallel.dp_size,
         "zero_stage": cfg.parallel.zero_stage,
         "precision": cfg.train.precision,
+        # bf16's gradient dtype picks DeepSpeed's optimizer wrapper (ZeRO-1: BF16_Optimizer for fp32,
+        # DeepSpeedZeroOptimizer for bf16), whose files the other cannot load
+        "grad_accum_dtype": cfg.train.grad_accum_dtype if cfg.train.precision == "bf16" else None,
         "optimizer": cfg.optimizer.name,
     }
 
@@ -249,7 +252,8 @@ def config_of(meta: dict, tag_dir: str) -> Config:
 def layout_differences(meta: dict, cfg: Config, parallel) -> list[str]:
     ours = layout_of(cfg, parallel)
     return [f"{key}: checkpoint {meta['layout'].get(key)} vs run {ours[key]}"
-            for key in ("tensor_parallel", "pipeline_parallel", "data_parallel", "zero_stage", "precision", "optimizer")
+            for key in ("tensor_parallel", "pipeline_parallel", "data_parallel", "zero_stage", "precision",
+                        "grad_accum_dtype", "optimizer")
             if meta["layout"].get(key) != ours[key]]
 
 

@@ -9,6 +9,7 @@ PARAMETER_KINDS = ("weight", "bias", "layernorm", "embedding")
 OPTIMIZERS = ("lamb", "adamw")
 DECAYS = ("linear", "poly", "cosine", "inverse_sqrt", "constant")
 PRECISIONS = ("fp32", "bf16", "fp16")
+GRAD_ACCUM_DTYPES = ("fp32", "bf16")  # what bf16 gradients are accumulated and reduced in
 DATA_KINDS = ("synthetic", "indexed")
 SEGMENT_PAIRS = ("nsp", "sop", "none")
 MASKING_MODES = ("static", "dynamic")

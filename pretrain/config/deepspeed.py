@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .precision import deepspeed_precision
 from .schema import Config
 from .typed_yaml import ConfigError, deep_merge
 
@@ -16,17 +17,18 @@ _DS_STEPS_PER_PRINT = 2**31 - 1  # effectively never: the trainer does its own l
 
 
 def deepspeed_settings(global_batch_size: int, micro_batch_size: int, grad_accum_steps: int, grad_clip: float,
-                       zero_stage: int, precision: str, loss_scaling: dict[str, Any] | None = None) -> dict[str, Any]:
+                       zero_stage: int, precision: str, loss_scaling: dict[str, Any] | None = None,
+                       grad_accum_dtype: str = "fp32") -> dict[str, Any]:
     """The DeepSpeed config of the settings our configs own (batch sizes, clipping, ZeRO stage,
-    precision, fp16 loss scaling), as pretraining and fine-tuning both hand it to DeepSpeed."""
+    precision with bf16's gradient dtype, fp16 loss scaling), as pretraining and fine-tuning both
+    hand it to DeepSpeed."""
     ds: dict[str, Any] = {
         "train_batch_size": global_batch_size,
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": grad_accum_steps,
         "gradient_clipping": grad_clip,
         "zero_optimization": {"stage": zero_stage},
-        "bf16": {"enabled": precision == "bf16"},
-        "fp16": {"enabled": precision == "fp16"},
+        **deepspeed_precision(precision, grad_accum_dtype),
         "zero_allow_untested_optimizer": True,  # our LAMB/AdamW are client optimizers
         # Defaults a user JSON may change (DeepSpeed-only diagnostics with no counterpart here).
         "steps_per_print": _DS_STEPS_PER_PRINT,
@@ -44,7 +46,7 @@ def build_deepspeed_config(cfg: Config, world_size: int) -> dict:
     t = cfg.train
     accum = cfg.grad_accum_steps(world_size)
     ds = deepspeed_settings(t.global_batch_size, t.micro_batch_size, accum, cfg.optimizer.grad_clip,
-                            cfg.parallel.zero_stage, t.precision, cfg.fp16.deepspeed_block())
+                            cfg.parallel.zero_stage, t.precision, cfg.fp16.deepspeed_block(), t.grad_accum_dtype)
 
     if t.deepspeed_config is None:
         return ds
@@ -76,6 +78,8 @@ def build_deepspeed_config(cfg: Config, world_size: int) -> dict:
         (("fp16", "enabled"), precision, "train.precision"),
         *[(("fp16", key), f"fp16.{key}={value}", f"fp16.{key}")
           for key, value in cfg.fp16.deepspeed_block().items() if t.precision == "fp16"],
+        *[(path, f"train.grad_accum_dtype={t.grad_accum_dtype}", "train.grad_accum_dtype")
+          for path in (("data_types", "grad_accum_dtype"), ("communication_data_type",)) if t.precision == "bf16"],
         (("zero_allow_untested_optimizer",), "the trainer's required true (LAMB/AdamW are client optimizers)",
          None),
     ]

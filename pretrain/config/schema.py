@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .choices import DATA_KINDS, DECAYS, MASKING_MODES, OPTIMIZERS, PARAMETER_KINDS, PRECISIONS, RECOMPUTE, SEGMENT_PAIRS
+from .precision import precision_problems
 from .typed_yaml import ConfigError, check_tree, load_sections
 
 
@@ -237,6 +238,10 @@ class TrainConfig:
     train_steps: int = 1000  # optimizer steps
     seed: int = 42  # model init / dropout seed
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16"
+    # bf16 only: the dtype gradients are accumulated over micro-batches and reduced over data-parallel
+    # ranks in. "fp32" keeps what Megatron-LM keeps (DeepSpeed does it at ZeRO >= 1); "bf16" halves
+    # gradient memory and reduction traffic and rounds every addition to 8 significant bits
+    grad_accum_dtype: str = "fp32"
     log_interval: int = 10  # steps between log lines
     eval_interval: int = 0  # 0 = never
     eval_steps: int = 10  # batches per evaluation
@@ -271,11 +276,14 @@ class TrainConfig:
     # steps between the ranks' agreement on a SIGTERM (one collective and host sync each time);
     # keep interval x step time well inside the scheduler's grace period (SLURM: KillWait, 30 s)
     stop_check_interval: int = 5
-    # skip a step whose loss or gradients are NaN/Inf on any rank (weights and LR schedule left
-    # as they were; fp32/bf16 - fp16's loss scaler skips overflows itself); one collective and
-    # host sync per step
+    # skip a step whose loss or gradients are NaN/Inf on any rank (weights and LR schedule left as
+    # they were), by our own check: one collective and host sync per step. DeepSpeed's wrappers
+    # (ZeRO-1/2/3, bf16, fp16) skip such steps themselves whatever this says; only ZeRO-0 fp32
+    # then lets a NaN into the weights
     skip_nonfinite_steps: bool = True
-    max_consecutive_skips: int = 10  # this many skipped steps in a row stop the job with an error
+    # this many non-finite steps in a row stop the job with an error (fp16 loss-scale overflows
+    # count only once the dynamic scale has reached fp16.min_loss_scale)
+    max_consecutive_skips: int = 10
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -413,6 +421,8 @@ class Config:
             p.append(f"data.seq_length ({d.seq_length}) must be <= "
                      f"model.max_position_embeddings ({m.max_position_embeddings})")
         p += t.problems() + self._batch_problems(world_size)
+        if t.precision in PRECISIONS and par.zero_stage in (0, 1, 2, 3):
+            p += precision_problems(t.precision, t.grad_accum_dtype, par.zero_stage, par.pipeline_parallel)
         p += self.fp16.problems()
         if p:
             raise ConfigError(p)

@@ -244,6 +244,14 @@ def _accelerator_class():
         def on_accelerator(self, tensor):
             return tensor.device.type == DEVICE_TYPE
 
+        # A GPU computes fp16; the CPU kernels behind fakegpu do too (slowly), so DeepSpeed's fp16
+        # wrappers and loss scaling run here (the CPU accelerator has fp16 only with MKL-DNN's).
+        def is_fp16_supported(self):
+            return True
+
+        def supported_dtypes(self):
+            return [torch.float32, torch.bfloat16, torch.float16]
+
         BFloat16Tensor = property(lambda self: _TensorType(torch.bfloat16))
         ByteTensor = property(lambda self: _TensorType(torch.uint8))
         DoubleTensor = property(lambda self: _TensorType(torch.float64))

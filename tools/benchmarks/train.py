@@ -20,10 +20,11 @@ into the other and the two sides never compete for the cores. Per invocation:
    precision, ours then Hugging Face's:
    - ours: a one-rank gloo world (127.0.0.1, a free port), ``init_parallel(launch, 1, 1)``, the config
      from ``load_config`` with batch/precision/optimizer overrides (global = micro batch, no
-     gradient accumulation, ZeRO-0, constant LR), ``Trainer(cfg, parallel)``, timing
+     gradient accumulation, constant LR; ZeRO-0 for fp32, ZeRO-1 for bf16, the stage bf16's
+     default fp32 gradient accumulation needs), ``Trainer(cfg, parallel)``, timing
      ``trainer.train_step(batches)``: forward, loss, DeepSpeed backward and step (gradient
      clipping, optimizer), metric reduction. bf16 is DeepSpeed's: bf16 parameters and
-     activations, fp32 master weights and optimizer state.
+     activations, fp32 master weights, gradients and optimizer state.
    - Hugging Face: ``BertForPreTraining`` with SDPA attention, the same sizes and dropout, fed
      the SAME batches (input_ids, token_type_ids, attention_mask = padding mask, labels = -100
      except at masked positions, next_sentence_label), the optimizer our Trainer builds
@@ -89,7 +90,8 @@ def synchronize(device) -> None:
 
 
 def bench_config(name: str, batch: int, seq: int, precision: str, optimizer: str, steps: int):
-    """Our Config for a benchmark run: one step = one micro-batch of `batch`, constant LR, ZeRO-0."""
+    """Our Config for a benchmark run: one step = one micro-batch of `batch`, constant LR, ZeRO-0
+    (bf16: ZeRO-1, where DeepSpeed sums bf16 gradients in fp32, the trainer's default)."""
     from pretrain.config import load_config
 
     path, _ = CONFIGS[name]
@@ -98,7 +100,8 @@ def bench_config(name: str, batch: int, seq: int, precision: str, optimizer: str
         f"train.train_steps={steps}", "train.eval_interval=0", "train.save_interval=0",
         "train.save_dir=null", "train.load_dir=null", "train.tensorboard_dir=null",
         f"optimizer.name={optimizer}", "scheduler.warmup_steps=0", "scheduler.decay=constant",
-        "parallel.tensor_parallel=1", "parallel.pipeline_parallel=1", "parallel.zero_stage=0",
+        "parallel.tensor_parallel=1", "parallel.pipeline_parallel=1",
+        f"parallel.zero_stage={1 if precision == 'bf16' else 0}",
         f"data.seq_length={seq}",
     ]
     if seq != 128:  # Google BERT: 20 predictions at 128, 80 at 512 (~0.15 x seq, rounded up)
