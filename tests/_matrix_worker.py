@@ -1,8 +1,10 @@
 """Rank entry point of the precision x ZeRO x layout matrix (tests/test_precision_matrix.py).
 
-usage: python tests/_matrix_worker.py OUT.json TP PP CONFIG_JSON...
-CONFIG_JSON: {"name": ..., "overrides": [...], "runs": [RUN...]} on top of the tests' tiny config;
-each RUN is one of
+usage: python tests/_matrix_worker.py OUT.json CONFIG_JSON...
+CONFIG_JSON: {"world": LABEL, "tp": TP, "pp": PP, "name": ..., "overrides": [...], "runs": [RUN...]}
+on top of the tests' tiny config. One job runs every world it is given, one after the other: the
+process group stays, the TP/PP/DP groups are built anew for each world (init_parallel), so a device
+starts its processes once. Each RUN is one of
 - "straight": a NaN loss at step 3 (skipped, training goes on), checkpoints after steps 2 and 4,
   a NaN loss at step 5 and infinite gradients (the loss finite) at step 6 with
   train.max_consecutive_skips=2: the run stops at step 6 naming loss and gradients (fp16: its loss
@@ -135,19 +137,21 @@ def accumulation_error(cfg, parallel) -> dict:
 
 
 def main():
-    out_path, tp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    configs = [json.loads(arg) for arg in sys.argv[4:]]
+    out_path, configs = sys.argv[1], [json.loads(arg) for arg in sys.argv[2:]]
     launch = discover_launch_env()
     launch.export_to(os.environ)
-    parallel = init_parallel(launch, tp, pp, timeout_minutes=3)
-    layout = [f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}"]
-    last = parallel.world_size - 1  # a rank of the last stage: it computes the loss
     scratch = os.path.dirname(os.path.abspath(out_path))
-    results = {}
+    results, parallel, world = {}, None, None
     for config in configs:
-        name, overrides = config["name"], TINY + layout + BASE + config["overrides"]
-        ckpt = os.path.join(scratch, f"ckpt-{name}")
-        done = results[name] = {}
+        if (config["world"], config["tp"], config["pp"]) != world:
+            world = config["world"], config["tp"], config["pp"]
+            parallel = init_parallel(launch, config["tp"], config["pp"], timeout_minutes=3)
+        label, name = config["world"], config["name"]
+        layout = [f"parallel.tensor_parallel={config['tp']}", f"parallel.pipeline_parallel={config['pp']}"]
+        overrides = TINY + layout + BASE + config["overrides"]
+        last = parallel.world_size - 1  # a rank of the last stage: it computes the loss
+        ckpt = os.path.join(scratch, f"ckpt-{label}-{name}")
+        done = {}
         for run in config["runs"]:
             if run == "straight":
                 cfg = load_config(None, overrides + [f"train.save_dir={ckpt}", "train.save_interval=2",
@@ -171,6 +175,8 @@ def main():
                 done[run] = accumulation_error(cfg, parallel)
             else:
                 raise ValueError(f"unknown run {run!r}")
+        # the logging rank's view (the last pipeline stage's: it has the losses), kept by every rank
+        results.setdefault(label, {})[name] = device.all_gather_object(done)[parallel.logging_rank]
     finish(parallel, out_path, results)
 
 

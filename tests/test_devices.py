@@ -82,17 +82,17 @@ def cpu_reference(tmp_path_factory):
 
 
 # ----------------------------------------------------------------------------- pretraining steps
-LAYOUTS = [  # (label, tp, pp, world, overrides, on fakegpu too); one GPU per rank
-    ("tp2-dp2-zero1", 2, 1, 4, ["parallel.zero_stage=1"], True),
-    # 2-rank worlds on fakegpu: tests/test_precision_matrix.py, in every precision and ZeRO stage
-    ("dp2-zero3", 1, 1, 2, ZERO3, False),
-    ("pp2", 1, 2, 2, [], False),
+LAYOUTS = [  # (label, tp, pp, world, overrides); one GPU per rank. On fakegpu the TP, DP and PP
+    # groups run in tests/test_precision_matrix.py instead, in every precision and ZeRO stage
+    ("tp2-dp2-zero1", 2, 1, 4, ["parallel.zero_stage=1"]),
+    ("dp2-zero3", 1, 1, 2, ZERO3),
+    ("pp2", 1, 2, 2, []),
 ]
 
 
 @pytest.mark.parametrize("label,tp,pp,world,extra,device_type",
-                         [pytest.param(*layout[:5], *device.values, id=f"{device.id}-{layout[0]}", marks=device.marks)
-                          for layout in LAYOUTS for device in on_devices(layout[3], fakegpu=layout[5])])
+                         [pytest.param(*layout, *device.values, id=f"{device.id}-{layout[0]}", marks=device.marks)
+                          for layout in LAYOUTS for device in on_devices(layout[3], fakegpu=False)])
 def test_pretraining_layouts(cpu_reference, tmp_path, device_type, label, tp, pp, world, extra):
     env, backend = DEVICES[device_type]
     result = train(tmp_path, tp, pp, world, extra + ["train.tf32=false"], env)

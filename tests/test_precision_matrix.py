@@ -1,12 +1,12 @@
-"""What users run: fp32, bf16 and fp16 x ZeRO 0-3 x {TP1 (DP2), TP2, PP2}, wherever DeepSpeed allows
-the combination, on the CPU test mode's device (fakegpu: the CPU's kernels behind the GPU code path,
-DeepSpeed's CUDA-like accelerator and a collective backend that refuses tensors off the device), and
-on two GPUs in the GPU tier (marker gpu). The plain CPU runs the fp32 reference every configuration
-is compared with (2 ranks, DP2, ZeRO-0); its guard and resume are tests/test_run_controls.py's and
-tests/test_resume.py's.
+"""What users run: fp32 and bf16 (and fp16 where DeepSpeed has it: the CPU test mode's device and
+GPUs) x ZeRO 0-3 x {TP1 (DP2), TP2, PP2}, wherever DeepSpeed allows the combination, on the CPU, on
+the CPU test mode's device (fakegpu: the CPU's kernels behind the GPU code path, DeepSpeed's
+CUDA-like accelerator and a collective backend that refuses tensors off the device), and on two
+GPUs in the GPU tier (marker gpu).
 
-Each layout is one 2-rank job (tests/_matrix_worker.py) running every precision x ZeRO stage in
-turn, each through the run controls and numerics a cluster job depends on:
+Each device is one 2-rank job (tests/_matrix_worker.py) running every layout and every precision x
+ZeRO stage in turn (the TP/PP groups rebuilt for each layout), each through the run controls and
+numerics a cluster job depends on:
 - a NaN loss at step 3 skips the step on every rank (weights and learning rate held, the skip
   named "gradients and loss") and training goes on;
 - the gradient norm (logged, and the one clipping divides by; max norm 1.0, exceeded at steps 1-2)
@@ -36,8 +36,9 @@ WORLDS = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}  # (tp, pp), 2 ranks each
 DEVICES = {"cpu": ({"BERT_FAKE_GPU": "0", "CUDA_VISIBLE_DEVICES": ""}, "cpu", "gloo"),
            "fakegpu": ({"BERT_FAKE_GPU": "1"}, "fakegpu", "fakeccl"),
            "cuda": (gpu_env(BERT_FAKE_GPU="0"), "cuda", "nccl")}  # the GPU tier: 2 GPUs
-PRECISIONS = {"fakegpu": ("fp32", "bf16", "fp16"), "cuda": ("fp32", "bf16", "fp16")}
-REFERENCE = ("cpu", "dp2", "fp32-zero0")
+PRECISIONS = {"cpu": ("fp32", "bf16"), "fakegpu": ("fp32", "bf16", "fp16"),  # DeepSpeed has no CPU fp16
+              "cuda": ("fp32", "bf16", "fp16")}
+REFERENCE = ("cpu", "dp2", "fp32-zero0")  # every configuration's numerics are compared with this one
 # resuming repeats the straight run's steps to this (relative); cuBLAS and atomics need not be bitwise
 RESUME = {"cpu": 1e-6, "fakegpu": 1e-6, "cuda": 1e-4}
 RUNS = ["straight", "resumed"]
@@ -54,8 +55,6 @@ def stages(world: str) -> tuple[int, ...]:
 
 def configs(world: str, device: str) -> dict[str, list[str]]:
     """name -> overrides of every precision x ZeRO stage this world runs on this device."""
-    if device == "cpu":  # the reference only
-        return {REFERENCE[2]: ["train.precision=fp32", "parallel.zero_stage=0"]} if world == REFERENCE[1] else {}
     found = {}
     for precision in PRECISIONS[device]:
         for zero in stages(world):
@@ -86,22 +85,35 @@ def expected_wrapper(precision: str, zero: int, pipelined: bool) -> str:
     return "DeepSpeedZeroOptimizer"
 
 
+def job(name: str, overrides: list[str], runs: list[str], world: str = "dp2") -> str:
+    tp, pp = WORLDS[world]
+    return json.dumps({"world": world, "tp": tp, "pp": pp, "name": name, "overrides": overrides, "runs": runs})
+
+
+# the CPU's job also measures bf16 gradient accumulation (test_bf16_gradients_accumulate_and_reduce_in_fp32):
+# step 1 of a global batch of 64 = 16 micro-batches of 2 on each of 2 data-parallel ranks
+ACCUMULATION = {**{f"bf16-zero{zero}-{dtype}": [f"parallel.zero_stage={zero}", "train.precision=bf16",
+                                                 f"train.grad_accum_dtype={dtype}", "train.global_batch_size=64"]
+                   + (ZERO3 if zero == 3 else []) for zero in (1, 2, 3) for dtype in ("fp32", "bf16")},
+                "bf16-zero0-bf16": ["parallel.zero_stage=0", "train.precision=bf16", "train.grad_accum_dtype=bf16",
+                                    "train.global_batch_size=64"]}
+
+
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
-    """(device, world) -> {config: {run: result}}, each world started once."""
+    """device -> {world: {config: {run: result}}}, each device's processes started once."""
     cache = {}
 
-    def get(device: str, world: str) -> dict:
-        if (device, world) not in cache:
-            tp, pp = WORLDS[world]
-            runs = [json.dumps({"name": name, "overrides": overrides,
-                                "runs": RUNS + (["overflow"] if name.startswith("fp16") else [])})
-                    for name, overrides in configs(world, device).items()]
-            out = tmp_path_factory.mktemp(f"{device}-{world}") / "matrix.json"
-            run_ranks(["tests/_matrix_worker.py", str(out), str(tp), str(pp), *runs], 2, timeout=1500,
-                      env=DEVICES[device][0])
-            cache[device, world] = json.loads(out.read_text())
-        return cache[device, world]
+    def get(device: str) -> dict:
+        if device not in cache:
+            jobs = [job(name, overrides, RUNS + (["overflow"] if name.startswith("fp16") else []), world)
+                    for world in WORLDS for name, overrides in configs(world, device).items()]
+            if device == "cpu":
+                jobs += [job(f"accumulation-{name}", overrides, ["accumulation"]) for name, overrides in ACCUMULATION.items()]
+            out = tmp_path_factory.mktemp(device) / "matrix.json"
+            run_ranks(["tests/_matrix_worker.py", str(out), *jobs], 2, timeout=1800, env=DEVICES[device][0])
+            cache[device] = json.loads(out.read_text())
+        return cache[device]
 
     return get
 
@@ -121,7 +133,7 @@ def close(a: float, b: float, rel: float) -> bool:
 @pytest.mark.parametrize("device,world,name", list(cases()))
 def test_run_controls_and_numerics(matrix, device, world, name):
     precision, zero = name.split("-zero")[0], int(name.split("-zero")[1])
-    result, reference = matrix(device, world)[name], matrix(*REFERENCE[:2])[REFERENCE[2]]["straight"]
+    result, reference = matrix(device)[world][name], matrix(REFERENCE[0])[REFERENCE[1]][REFERENCE[2]]["straight"]
     tolerance = dict(TOLERANCE[precision])
     if device == "cuda":  # cuBLAS/cuDNN accumulation orders against the CPU's
         tolerance = {key: max(value, 1e-4) for key, value in tolerance.items()}
@@ -193,18 +205,10 @@ def overflowed(precision: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def accumulation(tmp_path_factory):
-    """Step 1 of a global batch of 64 = 16 micro-batches of 2 on each of 2 data-parallel ranks:
-    the gradient the optimizer receives against the float64 sum of the micro-batch gradients."""
-    runs = {f"bf16-zero{zero}-{dtype}": [f"parallel.zero_stage={zero}", "train.precision=bf16",
-                                          f"train.grad_accum_dtype={dtype}", "train.global_batch_size=64"]
-            + (ZERO3 if zero == 3 else []) for zero in (1, 2, 3) for dtype in ("fp32", "bf16")}
-    runs["bf16-zero0-bf16"] = ["parallel.zero_stage=0", "train.precision=bf16", "train.grad_accum_dtype=bf16",
-                               "train.global_batch_size=64"]
-    out = tmp_path_factory.mktemp("accumulation") / "accumulation.json"
-    args = [json.dumps({"name": name, "overrides": overrides, "runs": ["accumulation"]}) for name, overrides in runs.items()]
-    run_ranks(["tests/_matrix_worker.py", str(out), "1", "1", *args], 2, timeout=900, env=DEVICES["cpu"][0])
-    return {name: runs["accumulation"] for name, runs in json.loads(out.read_text()).items()}
+def accumulation(matrix):
+    """The gradient the optimizer receives at step 1 against the float64 sum of the micro-batch
+    gradients, per configuration of ACCUMULATION."""
+    return {name: matrix("cpu")["dp2"][f"accumulation-{name}"]["accumulation"] for name in ACCUMULATION}
 
 
 def test_bf16_gradients_accumulate_and_reduce_in_fp32(accumulation):
