@@ -3,7 +3,7 @@
 #
 #   launcher.sh [--launcher torchrun|deepspeed|mpirun|slurm] [--nproc-per-node K]
 #               [--hostfile FILE] [--nnodes N] [--node-rank R]
-#               [--master-addr ADDR] [--master-port PORT] [--dry-run]
+#               [--master-addr ADDR] [--master-port PORT] [--max-restarts N] [--dry-run]
 #               {pretrain|finetune|tool} ARGS...
 #
 #   pretrain --config configs/bert-base.yaml [section.key=value ...]
@@ -26,6 +26,13 @@
 # is printed ("+ ...") before it runs; --dry-run stops there. Environment such as
 # CUDA_VISIBLE_DEVICES, NCCL_*/GLOO_*/FI_*/UCX_* network settings, PYTORCH_CUDA_ALLOC_CONF,
 # LD_LIBRARY_PATH or OMP_NUM_THREADS reaches every rank, on every node, with every launcher.
+#
+# Signals and restarts (every launcher): SIGTERM to the job (scancel, a time limit, a preemption,
+# `kill` of this script or of its whole process group) makes the ranks save one checkpoint and stop;
+# the launch then exits 0. --max-restarts N (default 0) starts a failed job again, up to N times,
+# each run resuming from train.load_dir's latest checkpoint: a killed, crashed or hung rank (the
+# watchdog, train.hang_timeout_minutes) restarts; bad input and non-finite training do not, and
+# neither does a stop on SIGTERM. On several nodes give every node's launcher the same N.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -36,6 +43,7 @@ node_rank=""
 hostfile=""
 master_addr=""
 master_port=29500
+max_restarts=0
 dry_run=0
 # Variables every rank needs besides its launcher's own (exported explicitly where a launcher
 # does not pass the whole environment: Open MPI, and DeepSpeed's ssh mode).
@@ -54,6 +62,7 @@ while [[ $# -gt 0 ]]; do
     --hostfile) need_value "$@"; hostfile="$2"; shift 2 ;;
     --master-addr) need_value "$@"; master_addr="$2"; shift 2 ;;
     --master-port) need_value "$@"; master_port="$2"; shift 2 ;;
+    --max-restarts) need_value "$@"; max_restarts="$2"; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
     -h|--help) usage 0 ;;
     pretrain|finetune|tool) break ;;
@@ -63,7 +72,8 @@ done
 [[ $# -gt 0 ]] || { echo "launcher.sh: name a program: pretrain, finetune or tool" >&2; usage; }
 program="$1"; shift
 
-for pair in "--nproc-per-node:$nproc" "--nnodes:$nnodes" "--node-rank:$node_rank" "--master-port:$master_port"; do
+for pair in "--nproc-per-node:$nproc" "--nnodes:$nnodes" "--node-rank:$node_rank" "--master-port:$master_port" \
+            "--max-restarts:$max_restarts"; do
   [[ -z "${pair#*:}" || "${pair#*:}" =~ ^[0-9]+$ ]] || fail "${pair%%:*} must be a non-negative integer, got '${pair#*:}'"
 done
 
@@ -200,8 +210,83 @@ case "$launcher" in
 esac
 
 if [[ "$program" == pretrain ]]; then
-  python -m pretrain --check-config --world-size "$world" "$@"
+  restartable=()
+  (( max_restarts == 0 )) || restartable=(--restartable)
+  python -m pretrain --check-config --world-size "$world" "${restartable[@]}" "$@"
 fi
 printf '+'; printf ' %q' "${cmd[@]}"; printf '\n'
 (( dry_run == 0 )) || exit 0
-exec "${cmd[@]}"
+
+# --- run, restart, and answer signals ------------------------------------------------------------
+# The ranks write their pids and how they ended into this directory (pretrain/launch_status.py).
+status_dir="$(mktemp -d "${TMPDIR:-/tmp}/launcher-status.XXXXXX")"
+export BERT_LAUNCH_STATUS_DIR="$status_dir"
+child=""
+signalled=""
+trap 'rm -rf "$status_dir"' EXIT
+forward() {  # $1: TERM or INT, received by this script
+  signalled="$1"
+  # Ctrl-C reaches every process of the terminal's group by itself; a SIGTERM may have come to this
+  # script alone: it goes to the ranks (which save and stop), not to the tool between.
+  [[ "$1" == TERM ]] || return 0
+  local pidfile
+  for pidfile in "$status_dir"/pid-*; do
+    [[ -f "$pidfile" ]] && kill -TERM "$(cat "$pidfile")" 2>/dev/null || true
+  done
+  # srun and mpiexec deliver it to ranks on other nodes, whose pid files are not here
+  if [[ -n "$child" && ( "$launcher" == slurm || "$launcher" == mpirun ) ]]; then kill -TERM "$child" 2>/dev/null || true; fi
+}
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+
+wait_for_ranks() {  # a tool may end before its ranks (DeepSpeed's runner on SIGTERM): wait up to 60 s
+  local pidfile pid deadline=$((SECONDS + 60))
+  for pidfile in "$status_dir"/pid-*; do
+    [[ -f "$pidfile" ]] || continue
+    pid="$(cat "$pidfile")"
+    while kill -0 "$pid" 2>/dev/null && (( SECONDS < deadline )); do sleep 0.2; done
+  done
+}
+
+rank_outcome() {  # the first rank's line starting with $1 (stopped|failed), without the word
+  local line
+  line="$(grep -h "^$1 " "$status_dir"/rank-* 2>/dev/null | head -n 1 || true)"
+  echo "${line#"$1 "}"
+}
+
+attempt=0
+while :; do
+  rm -f "$status_dir"/pid-* "$status_dir"/rank-*
+  "${cmd[@]}" &
+  child=$!
+  while kill -0 "$child" 2>/dev/null; do wait "$child" || true; done  # a trapped signal ends wait early
+  code=0
+  wait "$child" || code=$?
+  child=""
+  (( code != 0 )) || exit 0
+  wait_for_ranks
+  stopped="$(rank_outcome stopped)"
+  if [[ -n "$stopped" ]]; then  # a complete checkpoint was saved before the stop
+    echo "launcher.sh: the job stopped ($stopped); launch it again to resume" >&2
+    exit 0
+  fi
+  if [[ -n "$signalled" ]]; then
+    echo "launcher.sh: SIG$signalled: the job ended (exit $code) without a checkpoint of this run" >&2
+    [[ "$signalled" == INT ]] && exit 130
+    exit 143
+  fi
+  failed="$(rank_outcome failed)"
+  if (( max_restarts > 0 )) && [[ -n "$failed" ]]; then
+    echo "launcher.sh: not restarting: a restart would fail the same way ($failed)" >&2
+    exit "$code"
+  fi
+  if (( attempt < max_restarts )); then
+    attempt=$((attempt + 1))
+    echo "launcher.sh: the job failed (exit $code); restart $attempt of $max_restarts, resuming from the latest checkpoint" >&2
+    continue
+  fi
+  if (( max_restarts > 0 )); then
+    echo "launcher.sh: the job failed (exit $code) and its $max_restarts restart(s) are spent (--max-restarts); see the ranks' errors above" >&2
+  fi
+  exit "$code"
+done

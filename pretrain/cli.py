@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -23,6 +24,16 @@ if TYPE_CHECKING:  # the real imports start torch: only run_distributed pays for
     from .parallel import LaunchEnv, Parallel
 
 INTERRUPTED = 130  # the shell's status for a process stopped by SIGINT
+TERMINATED = 143  # ... and by SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so that it unwinds as Ctrl-C does (temporary outputs
+    removed by their context managers)."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
 
 
 def accept_launcher_args(parser: argparse.ArgumentParser) -> None:
@@ -42,14 +53,16 @@ def run_command(parse: Callable[[Sequence[str] | None], argparse.Namespace],
     name: prefixes error lines ("NAME: error: ..."); None gives "error: ..." (the training commands).
     input_errors: further exception types this program reports like a UserError (exit 1), e.g.
         OSError for tools whose every OSError is an unreadable or unwritable file the user named.
-    interrupted: what Ctrl-C leaves behind ("interrupted; no output written"), printed as
-        "NAME: ..." with exit 130; None lets KeyboardInterrupt through as Python reports it.
+    interrupted: what Ctrl-C leaves behind ("no output written"), printed as "NAME: interrupted;
+        ..." with exit 130; None lets KeyboardInterrupt through as Python reports it. A
+        program that says it also treats SIGTERM so (a scheduler's kill, `timeout`): exit 143.
     Usage errors: argparse prints the usage and raises SystemExit(2) itself; it passes through
     unchanged, so `main` behaves as argparse always did.
     """
     hide_library_warnings()
     args = parse(argv)
     prefix = f"{name}: error: " if name else "error: "
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if interrupted is not None else None
     try:
         return body(args) or 0
     except UserError as error:
@@ -58,15 +71,20 @@ def run_command(parse: Callable[[Sequence[str] | None], argparse.Namespace],
     except input_errors as error:
         print(f"{prefix}{error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         if interrupted is None:
             raise
-        print(f"{name}: {interrupted}", file=sys.stderr)
-        return INTERRUPTED
+        terminated = isinstance(stop, Terminated)
+        print(f"{name}: {'terminated (SIGTERM)' if terminated else 'interrupted'}; {interrupted}", file=sys.stderr)
+        return TERMINATED if terminated else INTERRUPTED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def run_distributed(work: Callable[["Parallel"], int | None], tensor_parallel: int, pipeline_parallel: int = 1,
-                    timeout_minutes: float = 10.0, launch: "LaunchEnv | None" = None) -> int:
+                    timeout_minutes: float = 10.0, launch: "LaunchEnv | None" = None,
+                    rendezvous_timeout_minutes: float = 10.0) -> int:
     """Start the process groups, run `work(parallel)`, shut the groups down (also on error);
     returns work's exit status (None: 0).
 
@@ -74,20 +92,26 @@ def run_distributed(work: Callable[["Parallel"], int | None], tensor_parallel: i
     exported to os.environ first, because DeepSpeed (its engine, deepspeed.comm, PipelineModule)
     reads RANK, LOCAL_RANK and the master address from there, not from us. With tensor
     parallelism CUDA_DEVICE_MAX_CONNECTIONS=1 is set there too (unless the user set it), before
-    any CUDA context exists, whichever launcher started the rank (pretrain/device.py).
+    any CUDA context exists, whichever launcher started the rank (pretrain/device.py), and torch's
+    hang diagnostics are switched on (flight recorder; on NCCL dump on timeout, desync report).
     Every rank meets the same bad input: only the logging rank raises the UserError (for
-    run_command to print), the others return its status quietly, so it is printed once.
+    run_command to print), the others return its status quietly, so it is printed once; every
+    rank tells launcher.sh not to restart (pretrain/launch_status.py).
     """
-    from .device import prepare_cuda_environment
+    from . import launch_status
+    from .device import prepare_cuda_environment, prepare_hang_diagnostics
     from .parallel import discover_launch_env, init_parallel, shutdown_parallel
 
     launch = discover_launch_env() if launch is None else launch
     launch.export_to(os.environ)
+    launch_status.register(launch.rank)
     prepare_cuda_environment(tensor_parallel)  # before init_parallel makes this rank's CUDA context
-    parallel = init_parallel(launch, tensor_parallel, pipeline_parallel, timeout_minutes)
+    prepare_hang_diagnostics()
+    parallel = init_parallel(launch, tensor_parallel, pipeline_parallel, timeout_minutes, rendezvous_timeout_minutes)
     try:
         return work(parallel) or 0
     except UserError as error:
+        launch_status.failed(parallel.rank, str(error))  # a restart would meet it again
         if parallel.rank != parallel.logging_rank:
             return error.exit_status
         raise

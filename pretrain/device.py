@@ -127,6 +127,25 @@ def prepare_cuda_environment(tensor_parallel: int, environ=None) -> str | None:
     return None
 
 
+# What torch offers for hangs, on unless the user chose otherwise: the flight recorder (the last
+# collectives of every process group, for the watchdog's heartbeat: pretrain/watchdog.py, gloo and
+# NCCL), and on NCCL its dump to a file per rank when a collective times out, the desync report
+# naming the rank that did not join, and the monitor that ends a rank whose NCCL watchdog is stuck.
+HANG_DIAGNOSTICS_ENV = {
+    "TORCH_FR_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_NCCL_DESYNC_DEBUG": "1",
+    "TORCH_NCCL_ENABLE_MONITORING": "1",
+}
+
+
+def prepare_hang_diagnostics(environ=None) -> None:
+    """Before the process groups start (torch reads these once, at their creation)."""
+    env = os.environ if environ is None else environ
+    for name, value in HANG_DIAGNOSTICS_ENV.items():
+        env.setdefault(name, value)
+
+
 def describe(parallel) -> str:
     """One log line: where this job runs."""
     return (f"{parallel.world_size} rank(s) on {parallel.device.type} (this rank: {parallel.device}, backend "

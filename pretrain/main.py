@@ -6,6 +6,8 @@ The configuration is validated against the world size before any process group s
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 from .cli import accept_launcher_args, run_command, run_distributed
@@ -20,6 +22,9 @@ def parse_args(argv=None):
     parser.add_argument("--check-config", action="store_true",
                         help="validate the config for --world-size (or the launcher's) and exit")
     parser.add_argument("--world-size", type=int, default=None, help="with --check-config: ranks the job will have")
+    parser.add_argument("--restartable", action="store_true",
+                        help="with --check-config: the launcher restarts failed runs, so they must resume "
+                             "(train.save_dir and train.load_dir set)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.micro_batch_size=4")
     return parser.parse_args(argv)
 
@@ -43,6 +48,9 @@ def start(args: argparse.Namespace) -> int:
         from .samples.provider import data_file_problems
 
         problems = data_file_problems(cfg)
+        if args.restartable and not (cfg.train.save_dir and cfg.train.load_dir):
+            problems.append("launcher.sh --max-restarts: a restart resumes from train.load_dir's latest checkpoint; "
+                            "set train.save_dir and train.load_dir (usually the same directory)")
         if problems:
             raise ConfigError(problems)
     except ConfigError as error:
@@ -53,13 +61,38 @@ def start(args: argparse.Namespace) -> int:
         print(f"{args.config}: valid for {world_size} rank(s)")
         return 0
 
+    from . import launch_status
+    from .cli import INTERRUPTED
     from .trainer import Trainer
 
-    def train(parallel) -> None:
-        Trainer(cfg, parallel).train()
+    def train(parallel) -> int:
+        trainer = Trainer(cfg, parallel)
+        try:
+            trainer.train()
+        except KeyboardInterrupt:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this line short
+            print(f"rank {parallel.rank}: interrupted at step {trainer.step} (SIGINT); "
+                  f"{last_checkpoint(cfg.train.save_dir)}", file=sys.stderr, flush=True)
+            return INTERRUPTED
+        if trainer.stopped:
+            launch_status.stopped(parallel.rank, trainer.stopped)
+        return 0
 
     p, t = cfg.parallel, cfg.train
-    return run_distributed(train, p.tensor_parallel, p.pipeline_parallel, t.dist_timeout_minutes)
+    return run_distributed(train, p.tensor_parallel, p.pipeline_parallel, t.dist_timeout_minutes,
+                           rendezvous_timeout_minutes=t.rendezvous_timeout_minutes)
+
+
+def last_checkpoint(save_dir: str | None) -> str:
+    """What an interrupted run leaves to resume from, in words."""
+    if not save_dir:
+        return "nothing saved (no train.save_dir)"
+    try:
+        with open(os.path.join(save_dir, "latest"), encoding="utf-8") as f:
+            tag = f.read().strip()
+    except OSError:
+        return f"no checkpoint in {save_dir} yet"
+    return f"the last complete checkpoint is {os.path.join(save_dir, tag)}"
 
 
 if __name__ == "__main__":

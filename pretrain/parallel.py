@@ -8,6 +8,7 @@ that the two agree, because another order silently pairs the wrong ranks.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import re
 import socket
@@ -98,11 +99,6 @@ def discover_launch_env(environ=None) -> LaunchEnv:
     return LaunchEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), port, "single")
 
 
-def _url_host(address: str) -> str:
-    """An IPv6 address needs brackets inside a URL."""
-    return f"[{address}]" if ":" in address else address
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -166,6 +162,7 @@ class Parallel:
     topology: object  # deepspeed PipeModelDataParallelTopology
     device: torch.device
     backend: str
+    store_address: tuple[str, int] | None = None  # the job's TCPStore (rank 0's), for the watchdog's heartbeats
 
     @property
     def is_first_stage(self) -> bool:
@@ -190,10 +187,11 @@ def _ranks(group) -> list[int]:
 
 
 def init_parallel(launch: LaunchEnv, tensor_parallel: int, pipeline_parallel: int,
-                  timeout_minutes: float = 10.0) -> Parallel:
+                  timeout_minutes: float = 10.0, rendezvous_timeout_minutes: float = 10.0) -> Parallel:
     """Start torch.distributed (gloo on CPU, NCCL on GPU) and build the TP/PP/DP groups.
 
-    The rendezvous is `launch`'s; os.environ is left alone. Export `launch` first
+    The rendezvous is `launch`'s, bounded by rendezvous_timeout_minutes (pretrain/rendezvous.py
+    names the ranks that did not come); os.environ is left alone. Export `launch` first
     (LaunchEnv.export_to, as cli.run_distributed does): DeepSpeed reads LOCAL_RANK from the
     environment here on a GPU and later in its engine.
     """
@@ -201,18 +199,20 @@ def init_parallel(launch: LaunchEnv, tensor_parallel: int, pipeline_parallel: in
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
     from megatron.core import parallel_state
 
+    from .rendezvous import join
+
     device = select_device(launch.local_rank)
     backend = backend_for(device)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if not dist.is_initialized():
-        deepspeed.init_distributed(
-            dist_backend=backend,
-            auto_mpi_discovery=False,
-            timeout=timeout,
-            init_method=f"tcp://{_url_host(launch.master_addr)}:{launch.master_port}",
-            rank=launch.rank,
-            world_size=launch.world_size,
-        )
+        store = join(launch.master_addr, launch.master_port, launch.rank, launch.world_size,
+                     rendezvous_timeout_minutes)
+        # device_id as DeepSpeed gives it on CUDA: NCCL binds its communicators to this rank's GPU
+        bound = dict(device_id=device) if device.type == "cuda" and launch.world_size > 1 else {}
+        dist.init_process_group(backend, store=store, rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout, **bound)
+    # DeepSpeed's communication layer over the group just started (it starts none of its own)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     world = dist.get_world_size()
     model_parallel = tensor_parallel * pipeline_parallel
     if world % model_parallel:
@@ -225,7 +225,7 @@ def init_parallel(launch: LaunchEnv, tensor_parallel: int, pipeline_parallel: in
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
-        distributed_timeout_minutes=int(max(1, timeout_minutes)),
+        distributed_timeout_minutes=max(1, math.ceil(timeout_minutes)),
         order="tp-cp-ep-dp-pp",
         create_gloo_process_groups=False,
     )
@@ -262,6 +262,7 @@ def init_parallel(launch: LaunchEnv, tensor_parallel: int, pipeline_parallel: in
         topology=topology,
         device=device,
         backend=backend,
+        store_address=(launch.master_addr, launch.master_port),
     )
 
 

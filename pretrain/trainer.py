@@ -16,7 +16,7 @@ from . import device, internals
 from .config import Config, build_deepspeed_config
 from .console import duration, rank_printer
 from .samples.provider import pretraining_datasets
-from .samples.batches import MicroBatchIterator
+from .samples.batches import FixedMicroBatches, MicroBatchIterator
 from .checkpoint import exact as checkpoint_saving, load as checkpoint_loading
 from .checkpoint.format import CheckpointError
 from .model.bert import PretrainingLoss, build_model, init_weights
@@ -32,6 +32,7 @@ from .optim.norms import counted_once, exact_clipping_for
 from .parallel import Parallel
 from .profiling import step_profiler
 from .timers import NoTimers, PhaseTimers
+from .watchdog import Heartbeats, Watchdog, process_state
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -80,6 +81,7 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0
         self._stop_requested = False
+        self.stopped: str | None = None  # why train() stopped before train.train_steps, and what it saved
         self.steps_skipped = 0  # steps whose update was skipped (non-finite, or an fp16 overflow)
         self._bad_run: list[tuple[int, tuple[str, ...]]] = []  # the current run of non-finite steps, what was non-finite
         self._last_outcome: StepOutcome = APPLIED
@@ -107,6 +109,9 @@ class Trainer:
             cfg, is_builder=parallel.rank == 0, barrier=device.barrier, log=self.log)
         self.eval_results = EvalResults(cfg.train.eval_results) \
             if cfg.train.eval_results and parallel.rank == parallel.logging_rank else None
+        self._evaluation_batches: dict[int, FixedMicroBatches] = {}  # loaders kept across evaluations, by dataset
+        self._train_batches: MicroBatchIterator | None = None
+        self.watchdog = self._watchdog()
         self.writer = None
         if cfg.train.tensorboard_dir and parallel.rank == parallel.logging_rank:
             from torch.utils.tensorboard import SummaryWriter
@@ -187,12 +192,53 @@ class Trainer:
         timers.time_optimizer(internals.client_optimizer(self.engine))
         return timers
 
+    def _watchdog(self) -> Watchdog | None:
+        t, p = self.cfg.train, self.parallel
+        if not t.hang_timeout_minutes:
+            return None
+        heartbeats = Heartbeats(*p.store_address, p.rank, p.world_size) if p.store_address else None
+        return Watchdog(t.hang_timeout_minutes, p.rank, p.world_size, heartbeats, self._loader_report)
+
+    def _loader_report(self) -> list[str]:
+        """For the watchdog's dump: this rank's loader processes and what state each is in."""
+        loaders = [("training", self._train_batches)] + [("evaluation", b) for b in self._evaluation_batches.values()]
+        return [f"{name} loader process {pid}: {process_state(pid)}"
+                for name, batches in loaders if batches is not None for pid in batches.worker_pids()]
+
+    def _doing(self, phase: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.doing(phase, self.step)
+
+    def _progress(self, what: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.progress(what, self.step)
+
+    def _loader_workers(self) -> int:
+        p = self.parallel
+        # Middle pipeline stages never draw: no loader processes for them.
+        return self.cfg.data.num_workers if (p.is_first_stage or p.is_last_stage) else 0
+
     def data_iterator(self, dataset, consumed_samples: int) -> MicroBatchIterator:
         p = self.parallel
-        # Middle pipeline stages never draw from it: no loader processes for them.
-        workers = self.cfg.data.num_workers if (p.is_first_stage or p.is_last_stage) else 0
         return MicroBatchIterator(dataset, consumed_samples, self.cfg.train.micro_batch_size, p.dp_rank, p.dp_size,
-                                  p.device, num_workers=workers)
+                                  p.device, num_workers=self._loader_workers())
+
+    def evaluation_batches(self, dataset) -> FixedMicroBatches:
+        """The evaluation's micro-batches of `dataset`, its loader started once for every evaluation."""
+        batches = self._evaluation_batches.get(id(dataset))
+        if batches is None:
+            p = self.parallel
+            batches = self._evaluation_batches[id(dataset)] = FixedMicroBatches(
+                dataset, self.cfg.train.eval_steps * self.grad_accum, self.cfg.train.micro_batch_size, p.dp_rank,
+                p.dp_size, p.device, num_workers=self._loader_workers())
+        return batches
+
+    def close_loaders(self) -> None:
+        for batches in [self._train_batches, *self._evaluation_batches.values()]:
+            if batches is not None:
+                batches.close()
+        self._train_batches = None
+        self._evaluation_batches.clear()
 
     # ----------------------------------------------------------------------------- steps
     def train_step(self, data_iter) -> dict:
@@ -210,8 +256,11 @@ class Trainer:
         scale = internals.loss_scale(self.engine) if self.cfg.train.precision == "fp16" else None
         draws = not self.pipelined or p.is_first_stage or p.is_last_stage
         timers = self.timers
+        if draws:
+            self._doing(f"data: waiting for the loader (micro-batches from sample {data_iter.consumed_samples})")
         with timers.phase("data"):
             micro_batches = [next(data_iter) for _ in range(self.grad_accum)] if draws else []
+        self._doing(f"step {self.step + 1}: forward, backward, gradient reduction, optimizer")
         if not self.pipelined or p.is_last_stage:
             self._scale_loss_to_global_batch([labels for _, labels in micro_batches])
         if self.pipelined:
@@ -302,15 +351,17 @@ class Trainer:
         """Metrics over train.eval_steps global batches of `dataset` (default: the validation set),
         always its first ones: every evaluation sees the same samples."""
         self.engine.eval()
-        data_iter = self.data_iterator(self.valid_data if dataset is None else dataset, 0)
+        data_iter = self.evaluation_batches(self.valid_data if dataset is None else dataset).one_pass()
         self.loss_fn.drain(self.parallel.device)
-        for _ in range(self.cfg.train.eval_steps):
+        for eval_step in range(self.cfg.train.eval_steps):
+            self._doing(f"evaluation step {eval_step + 1}/{self.cfg.train.eval_steps}")
             if self.pipelined:
                 self.engine.eval_batch(data_iter, compute_loss=True, bcast_loss=False)
             else:
                 for _ in range(self.grad_accum):
                     inputs, labels = next(data_iter)
                     self.loss_fn(self.engine(inputs), labels)
+            self._progress(f"evaluation step {eval_step + 1}")
         self.engine.train()
         return self._metrics([self.loss_fn.drain(self.parallel.device)])[0]
 
@@ -347,9 +398,11 @@ class Trainer:
     def save(self) -> None:
         if not self.cfg.train.save_dir:
             return
+        self._doing(f"saving the checkpoint of step {self.step}")
         tag = checkpoint_saving.save_checkpoint(self.engine, self.cfg.train.save_dir, self.step, self.consumed_samples,
                                             self.cfg, self.parallel, self.tracker, self.cfg.train.keep_last)
         self.log(f"saved checkpoint {self.cfg.train.save_dir}/{tag}")
+        self._progress(f"the save of step {self.step}")
 
     def resume(self) -> None:
         t = self.cfg.train
@@ -377,8 +430,12 @@ class Trainer:
         """Run to train.train_steps; returns the per-step metrics (for tests and callers)."""
         cfg, t = self.cfg, self.cfg.train
         previous = signal.signal(signal.SIGTERM, self._on_sigterm) if _main_thread() else None
+        if self.watchdog is not None:
+            self.watchdog.start()
+        self._doing("resuming" if t.load_dir else "start-up")
         self.resume()
-        data_iter = self.data_iterator(self.train_data, self.consumed_samples)
+        self._progress("start-up")
+        data_iter = self._train_batches = self.data_iterator(self.train_data, self.consumed_samples)
         history, flops = [], model_flops_per_sample(cfg)
         last_step = t.train_steps if not t.exit_after_steps else min(t.train_steps, self.step + t.exit_after_steps)
         window_start, window = time.perf_counter(), []  # the steps since the last log line
@@ -400,6 +457,7 @@ class Trainer:
                     memory = None
                 profiler.after_step(self.step)
                 self.consumed_samples += t.global_batch_size
+                self._progress(f"step {self.step}")
                 self._count_skip()
                 if data_iter.consumed_samples != self.consumed_samples:
                     raise RuntimeError(f"rank {self.parallel.rank}: data position {data_iter.consumed_samples} "
@@ -408,7 +466,9 @@ class Trainer:
                 # another's work; their average over the window is exact (the log line syncs)
                 window.append((step_metrics, {"iteration_time": time.perf_counter() - started,
                                               "learning_rate": learning_rate, "skipped_steps": self.steps_skipped}))
+                self._doing("agreeing on a stop (SIGTERM, time limit) with the other ranks")
                 stop = self._stop_agreed()
+                self._doing("reducing and logging metrics")
                 if self.step % t.log_interval == 0 or self.step == last_step or stop:
                     reduced = self._metrics([sums for (sums, _), _ in window], [norm for (_, norm), _ in window])
                     history.extend(dict(metrics, **host) for metrics, (_, host) in zip(reduced, window))
@@ -426,6 +486,7 @@ class Trainer:
                     self.log(f"{stop}: saving at step {self.step} and stopping; launch again to resume")
                     if not saved:  # the same checkpoint twice would double the time a preemption waits
                         self.save()
+                    self.stopped = f"{stop}: saved step {self.step} in {t.save_dir}" if t.save_dir else stop
                     break
             else:
                 if not (t.save_interval and self.step % t.save_interval == 0):
@@ -434,6 +495,9 @@ class Trainer:
                     self._log_eval("test", self.evaluate(self.test_data))  # once, at the end of training
         finally:
             profiler.close()
+            self.close_loaders()
+            if self.watchdog is not None:
+                self.watchdog.stop()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
             if self.writer is not None:

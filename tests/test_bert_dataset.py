@@ -240,6 +240,26 @@ def test_same_samples_across_runs_workers_and_layouts(corpus, vocab, tmp_path):
     assert torch.equal(torch.cat(global_batches(2, 0, consumed=8, steps=5)), reference[8:88])
 
 
+def test_dataset_pickles_as_file_references(corpus, vocab, tmp_path):
+    """What a loader process receives: file names and settings, the token store, segment table and
+    blend mapped again on arrival, never copied into the pickle."""
+    import pickle
+
+    prefix, _ = corpus
+    other = tmp_path / "second"
+    write_corpus(other, vocab, 50, seed=2)
+    blended = make_dataset([prefix, other], vocab, tmp_path, num_samples=3000, weights=[0.7, 0.3])
+    data = pickle.dumps(blended)
+    arrays = sum(a.nbytes for a in (blended.blend, *(s.table for s in blended.splits),
+                                    *(s.store.lengths for s in blended.splits)))
+    assert len(data) < 10_000 < arrays, (len(data), arrays)  # the vocabulary and settings only
+    copy = pickle.loads(data)
+    assert isinstance(copy.blend, np.memmap) and isinstance(copy.splits[0].table, np.memmap)
+    for i in (0, 5, 1234, 2999):
+        for key, value in blended[i].items():
+            assert np.array_equal(value, copy[i][key]), (i, key)
+
+
 def test_epochs_reorder_and_dynamic_masking_redraws(corpus, vocab, tmp_path):
     prefix, _ = corpus
     static = make_dataset([prefix], vocab, tmp_path, num_samples=10**6)

@@ -4,6 +4,7 @@ next-sentence head. hf -> native TP2 -> hf (tools/convert_checkpoint.py) gives b
 tensors under the same names, the same outputs, and a tokenizer that encodes identically."""
 import json
 import os
+import signal
 
 import pytest
 import torch
@@ -193,3 +194,26 @@ def test_tokenizer_that_cannot_be_carried_is_named(tmp_path, capsys, tokenizer, 
     from pretrain.checkpoint.hf import read_hf
 
     assert read_hf(str(source)).vocab_dir == str(source)
+
+
+def test_sigterm_during_conversion_leaves_nothing_behind(tmp_path, capsys, signum=signal.SIGTERM):
+    """A scheduler's SIGTERM in the middle of writing the native checkpoint: the temporary output
+    directory is removed, exit 143, one line saying so (as Ctrl-C: exit 130)."""
+    source = save_directory(tmp_path / "hf", tiny_model(BertForPreTraining), lowercase=False)
+    original, written = torch.save, []
+
+    def save_then_signal(obj, f, *args, **kwargs):
+        original(obj, f, *args, **kwargs)
+        written.append(f)
+        if len(written) == 2:  # some files of the output are on disk
+            os.kill(os.getpid(), signum)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "save", save_then_signal)
+        code = convert("hf-to-native", "--input", source, "--output", tmp_path / "native", "--tp", 2, "--pp", 1)
+    assert len(written) == 2 and code == (143 if signum == signal.SIGTERM else 130)
+    err = capsys.readouterr().err  # the save_pretrained progress bar, then our one line
+    assert err.strip().splitlines()[-1] == ("convert_checkpoint: " + ("terminated (SIGTERM)" if signum == signal.SIGTERM
+                                                                      else "interrupted") + "; no output written"), err
+    assert sorted(os.listdir(tmp_path)) == ["hf", "hf-vocab.txt"]  # neither the output nor a .tmp-<pid> directory
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler was the program's own, for its run

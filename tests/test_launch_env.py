@@ -119,6 +119,9 @@ base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "
 procs = [subprocess.Popen(args, env=dict(base, SLURM_PROCID=str(t), SLURM_LOCALID=str(t), SLURM_NODEID="0",
                                          SLURM_NTASKS=str(tasks), SLURM_JOB_NUM_NODES="1",
                                          SLURM_JOB_NODELIST="localhost")) for t in range(tasks)]
+import signal  # srun forwards SIGINT and SIGTERM to every task and keeps waiting for them
+for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda number, frame: [p.send_signal(number) for p in procs if p.poll() is None])
 sys.exit(max(p.wait() for p in procs))
 """
 

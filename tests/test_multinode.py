@@ -5,30 +5,35 @@ venv's MPICH, started on node 0, reaching node 1 through an ssh stand-in that en
 namespace; ranks from mpi4py). Its losses equal
 the same job on one node with 4 processes. Ranks reach each other only over the veth pair, so
 GLOO_SOCKET_IFNAME must pass through the launcher to every rank for the job to run at all.
-A rank killed on node 1 makes both nodes' launchers exit non-zero within 2 minutes."""
+A rank killed on node 1 makes both nodes' launchers exit non-zero within 2 minutes; with
+--max-restarts both launchers start the job again, it resumes from its last checkpoint and ends with
+the weights of the straight run (1e-6)."""
 import os
 import subprocess
 import time
 
 import psutil
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from distributed import REPO, free_port, wait_or_kill
 from netns import IFNAME, two_nodes
+from pretrain.checkpoint.logical import read_native
 
 # skipped with the reason where namespaces cannot be made; failed instead under REQUIRE_NETNS=1 (conftest.py)
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
-STEPS = 4
+STEPS = 12
 TAGS = ["train/loss", "train/lm_loss", "train/nsp_loss", "train/grad_norm", "train/params_norm"]
 
 
-def job_args(logdir, steps=STEPS):
+def job_args(logdir, steps=STEPS, ckpt=None):
+    saves = [f"train.save_dir={ckpt}", f"train.load_dir={ckpt}", "train.save_interval=2"] if ckpt else []
     return ["pretrain", "--config", "configs/bert-tiny.yaml", "model.vocab_size=1000", "parallel.tensor_parallel=2",
             "parallel.zero_stage=1", f"train.train_steps={steps}", "scheduler.warmup_steps=1", "train.log_interval=1",
             "train.global_batch_size=8", "train.micro_batch_size=2", "train.dist_timeout_minutes=0.5",
-            f"train.tensorboard_dir={logdir}"]
+            f"train.tensorboard_dir={logdir}", *saves]
 
 
 def launch_env(**extra):
@@ -54,10 +59,10 @@ def single_node(tmp_path_factory):
     log = root / "node.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(["bash", "launcher.sh", "--nproc-per-node", "4", "--master-port", str(free_port()),
-                                 *job_args(root / "tb")], cwd=REPO, env=launch_env(), stdout=out,
+                                 *job_args(root / "tb", ckpt=root / "ckpt")], cwd=REPO, env=launch_env(), stdout=out,
                                 stderr=subprocess.STDOUT)
     wait_all([proc], [log])
-    return scalars(root / "tb")
+    return scalars(root / "tb") | {"weights": read_native(str(root / "ckpt")).weights}
 
 
 def node_launch_options(launcher, rank, nodes, hostfile):
@@ -126,29 +131,43 @@ def test_mpirun_two_nodes_equal_one_node(single_node, tmp_path):
         assert [v for _, v in got[tag]] == pytest.approx([v for _, v in single_node[tag]], rel=1e-6), tag
 
 
-def test_rank_killed_on_one_node_ends_the_job_on_both(tmp_path):
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_rank_killed_on_one_node(tmp_path, single_node, restarts):
+    """Without restarts both nodes' launchers exit non-zero; with one allowed the job heals."""
+    steps, ckpt = (100000, None) if restarts == 0 else (STEPS, tmp_path / "ckpt")
     with two_nodes() as nodes:
         procs, logs = [], []
         for rank, node in enumerate(nodes):
             logs.append(tmp_path / f"node{rank}.log")
             command = ["bash", "launcher.sh", *node_launch_options("torchrun", rank, nodes, None),
-                       *job_args(tmp_path / "tb", steps=100000)]
+                       "--max-restarts", str(restarts), *job_args(tmp_path / "tb", steps=steps, ckpt=ckpt)]
             with open(logs[-1], "w") as out:
                 procs.append(subprocess.Popen(node.command(command), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                               env=launch_env(GLOO_SOCKET_IFNAME=IFNAME)))
         try:
             deadline = time.monotonic() + 300
-            while "step 2/" not in logs[0].read_text():
+            ready = "step 2/" if restarts == 0 else "saved checkpoint"  # the restart has one to resume from
+            while ready not in logs[0].read_text():
                 assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs[0].read_text()
-                time.sleep(0.5)
+                time.sleep(0.1)
             victim = next(c for c in psutil.Process(procs[1].pid).children(recursive=True)
                           if "pretrain" in c.cmdline() and c.environ().get("RANK") == "3")
             victim.kill()
             started = time.monotonic()
-            wait_or_kill(procs, 120)
+            wait_or_kill(procs, 120 if restarts == 0 else 400)
             elapsed = time.monotonic() - started
             print(f"both nodes' launchers exited {elapsed:.1f} s after the kill")
         finally:
             wait_or_kill(procs, 1)
-    assert [p.returncode != 0 for p in procs] == [True, True], [log.read_text()[-2000:] for log in logs]
-    assert elapsed < 120
+    outputs = [log.read_text()[-3000:] for log in logs]
+    if restarts == 0:
+        assert [p.returncode != 0 for p in procs] == [True, True], outputs
+        assert elapsed < 120
+        return
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    for text in outputs:
+        assert "restart 1 of 1, resuming from the latest checkpoint" in text, text
+    assert "resumed from" in logs[0].read_text() and f"step {STEPS}/{STEPS}" in outputs[0], outputs[0]
+    weights = read_native(str(ckpt)).weights
+    for name, tensor in single_node["weights"].items():
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-6, atol=1e-6, msg=name)

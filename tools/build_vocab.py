@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     # ValueError: the options the vocabulary builder refuses (build_vocab lists them in one message)
     return run_command(parse_args, build, argv, name="build_vocab", input_errors=(ValueError, OSError),
-                       interrupted="interrupted; no output written")
+                       interrupted="no output written")
 
 
 def build(args: argparse.Namespace) -> None:

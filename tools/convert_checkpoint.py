@@ -103,7 +103,7 @@ def run(args) -> list[str]:
 
 def main(argv=None) -> int:
     return run_command(parse_args, convert, argv, name="convert_checkpoint", input_errors=(OSError,),
-                       interrupted="interrupted; no output written")
+                       interrupted="no output written")
 
 
 def convert(args: argparse.Namespace) -> None:

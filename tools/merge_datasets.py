@@ -26,7 +26,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     return run_command(parse_args, merge, argv, name="merge_datasets", input_errors=(OSError,),
-                       interrupted="interrupted; no output written")
+                       interrupted="no output written")
 
 
 def merge(args: argparse.Namespace) -> None:

@@ -76,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    return run_command(parse_args, run, argv, name="preprocess_data", interrupted="interrupted; no output written")
+    return run_command(parse_args, run, argv, name="preprocess_data", interrupted="no output written")
 
 
 def run(args: argparse.Namespace) -> int | None:

@@ -268,6 +268,12 @@ class TrainConfig:
     eval_results: str | None = None
     deepspeed_config: str | None = None  # path to a user DeepSpeed JSON adding DeepSpeed-only options
     dist_timeout_minutes: float = 10.0  # collective timeout: a dead/hung rank makes the others exit
+    # no training step, evaluation step or save finished for this long: every rank writes what it was
+    # doing, which rank is stuck and every thread's stack, and ends (exit 124). 0 = no watchdog
+    hang_timeout_minutes: float = 15.0
+    # every rank must have joined the job's rendezvous within this long; else the ones that did
+    # end, naming the ranks that did not
+    rendezvous_timeout_minutes: float = 10.0
     exit_after_steps: int = 0  # stop (saving a checkpoint) after this many steps of this run; 0 = run to train_steps
     # save and exit 0 once this many minutes have passed since the trainer started (checked every
     # stop_check_interval steps), ahead of a scheduler's time limit; the relaunch resumes. 0 = no limit
@@ -288,9 +294,11 @@ class TrainConfig:
     def problems(self) -> list[str]:
         p: list[str] = []
         for name in ("global_batch_size", "micro_batch_size", "train_steps", "log_interval",
-                     "eval_steps", "dist_timeout_minutes", "stop_check_interval", "max_consecutive_skips"):
+                     "eval_steps", "dist_timeout_minutes", "stop_check_interval", "max_consecutive_skips",
+                     "rendezvous_timeout_minutes"):
             _positive(p, f"train.{name}", getattr(self, name))
-        for name in ("seed", "eval_interval", "save_interval", "keep_last", "exit_after_steps", "exit_duration_minutes"):
+        for name in ("seed", "eval_interval", "save_interval", "keep_last", "exit_after_steps", "exit_duration_minutes",
+                     "hang_timeout_minutes"):
             _non_negative(p, f"train.{name}", getattr(self, name))
         _one_of(p, "train.precision", self.precision, PRECISIONS)
         if self.profile_steps:

@@ -7,6 +7,8 @@ does not depend on the layout and a resumed run continues it exactly.
 """
 from __future__ import annotations
 
+import multiprocessing
+import signal
 import time
 from typing import Iterator, Protocol
 
@@ -53,30 +55,131 @@ def micro_batch_indices(consumed_samples: int, micro_batch_size: int, dp_rank: i
 
 
 class _RankMicroBatches:
-    """Index lists of this rank's micro-batches, endlessly, from a consumed-samples position
-    (the batch sampler of the DataLoader)."""
+    """Index lists of this rank's micro-batches from a consumed-samples position (the batch
+    sampler of the DataLoader): endlessly, or the first `count` of them."""
 
-    def __init__(self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, dataset_size: int):
+    def __init__(self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, dataset_size: int,
+                 count: int | None = None):
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.dataset_size = dataset_size
+        self.count = count
+
+    def __len__(self) -> int:
+        if self.count is None:
+            raise TypeError("an endless sampler has no length")
+        return self.count
+
+    def at(self, micro_step: int) -> list[int]:
+        """Sample indices of the micro_step-th micro-batch from the start position."""
+        consumed = self.consumed_samples + micro_step * self.micro_batch_size * self.dp_size
+        indices = micro_batch_indices(consumed, self.micro_batch_size, self.dp_rank, self.dp_size)
+        return [i % self.dataset_size for i in indices]
 
     def __iter__(self) -> Iterator[list[int]]:
-        consumed = self.consumed_samples
-        while True:
-            indices = micro_batch_indices(consumed, self.micro_batch_size, self.dp_rank, self.dp_size)
-            yield [i % self.dataset_size for i in indices]
-            consumed += self.micro_batch_size * self.dp_size
+        micro_step = 0
+        while self.count is None or micro_step < self.count:
+            yield self.at(micro_step)
+            micro_step += 1
+
+
+class LoaderError(RuntimeError):
+    """A loader process failed (raised, or died) building a micro-batch: names the samples."""
+
+
+# Loader processes start from a fresh forkserver process, never forked from a rank: a rank runs
+# communication threads (gloo's, NCCL's, DeepSpeed's) and os.fork() of a threaded process can
+# deadlock in the child on a lock one of those threads held.
+LOADER_START_METHOD = "forkserver"
+# What the forkserver imports once, so that each loader process it forks starts with them loaded
+# (a loader process importing torch itself takes seconds); and signals left to the rank.
+FORKSERVER_PRELOAD = ["pretrain.samples._forkserver_init", "torch", "torch.utils.data", "numpy",
+                      "pretrain.samples.bert_dataset", "pretrain.samples.synthetic"]
+
+
+def _loader_context(num_workers: int):
+    if not num_workers:
+        return None
+    context = multiprocessing.get_context(LOADER_START_METHOD)
+    if LOADER_START_METHOD == "forkserver":
+        context.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the server starts (once per process)
+    return context
+
+
+def _loader_process_init(worker_id: int) -> None:
+    # Signals are the rank's: SIGTERM/SIGINT sent to the whole job must not kill a loader under a
+    # rank that is about to save; the rank stops its loaders when it is done.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _describe(dataset) -> str:
+    return getattr(dataset, "description", type(dataset).__name__)
+
+
+class _Batches:
+    """One DataLoader over `sampler`'s micro-batches, in order, with loader processes started
+    from the forkserver (or none: batches built inline)."""
+
+    def __init__(self, dataset: PretrainingDataset, sampler: _RankMicroBatches, device: torch.device,
+                 num_workers: int, prefetch_factor: int, persistent: bool):
+        self.dataset = dataset
+        self.sampler = sampler
+        self.device = device
+        self.loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
+            prefetch_factor=prefetch_factor if num_workers else None, pin_memory=device.type == "cuda",
+            persistent_workers=persistent and num_workers > 0,
+            multiprocessing_context=_loader_context(num_workers),
+            worker_init_fn=_loader_process_init if num_workers else None,
+            # The loader draws a base seed for its workers; from its own generator, not the global
+            # one the dropout streams and exact resume depend on (our samples need no torch RNG).
+            generator=torch.Generator(device="cpu").manual_seed(0),
+        )
+        self.iterator = None
+        self.drawn = 0  # micro-batches taken from the current pass
+
+    def start_pass(self) -> None:
+        self.iterator = iter(self.loader)
+        self.drawn = 0
+
+    def next(self):
+        """The next micro-batch (inputs, labels) on the device; LoaderError naming its samples if
+        a loader process raised or died building it."""
+        if self.iterator is None:
+            self.start_pass()
+        try:
+            batch = next(self.iterator)
+        except StopIteration:
+            raise
+        except Exception as error:
+            indices = self.sampler.at(self.drawn)
+            raise LoaderError(f"loader failed building samples {indices[0]}..{indices[-1]} of {_describe(self.dataset)} "
+                              f"(micro-batch {self.drawn} from sample {self.sampler.consumed_samples}): "
+                              f"{type(error).__name__}: {error}") from error
+        self.drawn += 1
+        return split_inputs_labels(batch, self.device)
+
+    def worker_pids(self) -> list[int]:
+        workers = getattr(self.iterator, "_workers", None) or []
+        return [w.pid for w in workers if w.pid is not None]
+
+    def close(self) -> None:
+        """Stop the loader processes now (they also stop when this object is collected)."""
+        shutdown = getattr(self.iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self.iterator = None
 
 
 class MicroBatchIterator:
     """Endless iterator over this rank's micro-batches, starting at a consumed-samples position.
 
     With num_workers > 0, that many loader processes build batches ahead of the trainer (torch's
-    DataLoader, in order); `wait_seconds` accumulates the time the trainer spent waiting for
-    one, the figure that shows whether data keeps up.
+    DataLoader, in order), started once at the first draw; `wait_seconds` accumulates the time the
+    trainer spent waiting for one, the figure that shows whether data keeps up.
     """
 
     def __init__(self, dataset: PretrainingDataset, consumed_samples: int, micro_batch_size: int,
@@ -88,26 +191,14 @@ class MicroBatchIterator:
         self.device = device
         self.wait_seconds = 0.0
         self._dataset = dataset
-        self._loader_options = dict(num_workers=num_workers, prefetch_factor=prefetch_factor if num_workers else None,
-                                    pin_memory=device.type == "cuda")
-        self._batches = None  # the loader starts at the first draw, from the position then
-
-    def _start_loader(self):
-        batches = _RankMicroBatches(self.consumed_samples, self.micro_batch_size, self.dp_rank, self.dp_size,
-                                    len(self._dataset))
-        loader = torch.utils.data.DataLoader(
-            self._dataset, batch_sampler=batches, collate_fn=collate, **self._loader_options,
-            # The loader draws a base seed for its workers; from its own generator, not the global
-            # one the dropout streams and exact resume depend on (our samples need no torch RNG).
-            generator=torch.Generator(device="cpu").manual_seed(0),
-        )
-        return iter(loader)
+        self._loader_options = dict(num_workers=num_workers, prefetch_factor=prefetch_factor)
+        self._batches: _Batches | None = None  # the loader starts at the first draw, from the position then
 
     def skip(self, micro_batches: int) -> None:
         """Advance the position without building batches (for ranks that never draw: the middle
         stages of a pipeline); a later draw starts from the new position."""
         self.consumed_samples += micro_batches * self.micro_batch_size * self.dp_size
-        self._batches = None
+        self.close()
 
     def __iter__(self) -> Iterator:
         return self
@@ -115,8 +206,41 @@ class MicroBatchIterator:
     def __next__(self):
         started = time.perf_counter()
         if self._batches is None:
-            self._batches = self._start_loader()
-        batch = next(self._batches)
+            sampler = _RankMicroBatches(self.consumed_samples, self.micro_batch_size, self.dp_rank, self.dp_size,
+                                        len(self._dataset))
+            self._batches = _Batches(self._dataset, sampler, self.device, persistent=False, **self._loader_options)
+        batch = self._batches.next()
         self.wait_seconds += time.perf_counter() - started
         self.consumed_samples += self.micro_batch_size * self.dp_size
-        return split_inputs_labels(batch, self.device)
+        return batch
+
+    def worker_pids(self) -> list[int]:
+        return self._batches.worker_pids() if self._batches is not None else []
+
+    def close(self) -> None:
+        if self._batches is not None:
+            self._batches.close()
+        self._batches = None
+
+
+class FixedMicroBatches:
+    """This rank's first `count` micro-batches from sample 0, the same at every pass (evaluation:
+    every evaluation sees the same samples). The loader processes start at the first pass and are
+    kept for the next ones, not started again per evaluation."""
+
+    def __init__(self, dataset: PretrainingDataset, count: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                 device: torch.device, num_workers: int = 0, prefetch_factor: int = 4):
+        sampler = _RankMicroBatches(0, micro_batch_size, dp_rank, dp_size, len(dataset), count=count)
+        self._batches = _Batches(dataset, sampler, device, num_workers, prefetch_factor, persistent=True)
+
+    def one_pass(self) -> Iterator:
+        """The `count` micro-batches, in order."""
+        self._batches.start_pass()
+        for _ in range(len(self._batches.sampler)):
+            yield self._batches.next()
+
+    def worker_pids(self) -> list[int]:
+        return self._batches.worker_pids()
+
+    def close(self) -> None:
+        self._batches.close()

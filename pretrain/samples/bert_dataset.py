@@ -22,7 +22,9 @@ from typing import Callable
 
 import numpy as np
 
-from .index_cache import cached_index, file_fingerprint
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from .index_cache import cached_index, file_fingerprint, mapped_state, from_mapped_state
 from ..preprocess.indexed import DataError, open_indexed_dataset
 from .masking import MaskingConfig, mask_tokens
 from .batches import SAMPLE_FIELDS
@@ -47,22 +49,41 @@ class SampleSettings:
 
 
 class TokenStore:
-    """Token ids of one indexed dataset: sentence s is tokens[offsets[s]:offsets[s] + lengths[s]]."""
+    """Token ids of one indexed dataset: sentence s is tokens[offsets(s):offsets(s) + lengths[s]].
 
-    def __init__(self, prefix: str):
+    Everything is a read-only view of the `.bin`/`.idx` mappings, never a copy: N ranks and their
+    loader processes share one copy in the page cache. Pickled (for a loader process) it is its
+    prefix alone, and the worker maps the files again.
+    """
+
+    def __init__(self, prefix: str, contiguous: bool | None = None, multimodal: bool = False):
         self.prefix = prefix
-        dataset = open_indexed_dataset(prefix)
-        # Copies: the dataset's arrays are views of its .idx mapping, unmapped when it is collected.
-        self.lengths = np.array(dataset.sequence_lengths, dtype=np.int64)
-        self.document_bounds = np.array(dataset.document_indices, dtype=np.int64)
-        dtype = np.dtype(dataset.index.dtype)
-        pointers = np.asarray(dataset.index.sequence_pointers, dtype=np.int64)
-        self.offsets = pointers // dtype.itemsize
+        # Kept alive: the arrays below are views of its .idx mapping, which it unmaps when collected.
+        # Validated (a pass over the index) where first opened; a loader process maps it directly.
+        self._index = open_indexed_dataset(prefix) if contiguous is None else \
+            IndexedDataset(prefix, multimodal=multimodal, mmap=True)
+        self.lengths = self._index.sequence_lengths  # int32 view
+        self.document_bounds = self._index.document_indices  # int64 view
+        self._pointers = self._index.index.sequence_pointers  # byte offsets into .bin, int64 view
+        dtype = np.dtype(self._index.index.dtype)
+        self._itemsize = dtype.itemsize
         # a plain ndarray view of the mapping: slicing a np.memmap costs a subclass round trip
         self.tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r").view(np.ndarray)
         # Items written in order (every writer we know) are contiguous: a range of sentences
-        # is then one slice of the file.
-        self.contiguous = bool(np.array_equal(self.offsets[1:], self.offsets[:-1] + self.lengths[:-1]))
+        # is then one slice of the file. Checked once (a pass over the index), then passed on.
+        if contiguous is None:
+            contiguous = bool(np.array_equal(self._pointers[1:] // self._itemsize,
+                                             self._pointers[:-1] // self._itemsize + self.lengths[:-1]))
+        self.contiguous = contiguous
+
+    def __getstate__(self):
+        return {"prefix": self.prefix, "contiguous": self.contiguous, "multimodal": self._index.multimodal}
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+    def offset(self, sentence: int) -> int:
+        return int(self._pointers[sentence]) // self._itemsize
 
     @property
     def num_documents(self) -> int:
@@ -72,8 +93,8 @@ class TokenStore:
         if begin >= end:
             return np.zeros(0, dtype=np.int64)
         if self.contiguous:
-            return self.tokens[self.offsets[begin]:self.offsets[end - 1] + self.lengths[end - 1]].astype(np.int64)
-        return np.concatenate([self.tokens[self.offsets[s]:self.offsets[s] + self.lengths[s]]
+            return self.tokens[self.offset(begin):self.offset(end - 1) + int(self.lengths[end - 1])].astype(np.int64)
+        return np.concatenate([self.tokens[self.offset(s):self.offset(s) + int(self.lengths[s])]
                                for s in range(begin, end)]).astype(np.int64)
 
     def largest_token_id(self, first_doc: int, last_doc: int) -> int:
@@ -113,6 +134,12 @@ class CorpusSplit:
         self.seed = seed
         self._orders: dict[int, FeistelPermutation] = {}
 
+    def __getstate__(self):  # the cached table travels as its file name (index_cache.mapped_state)
+        return dict(self.__dict__, table=mapped_state(self.table), _orders={})
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, table=from_mapped_state(state["table"]))
+
     def __len__(self) -> int:
         return int(self.table.shape[0])
 
@@ -143,6 +170,17 @@ class BertPretrainingDataset:
         self.masking = MaskingConfig(settings.masked_lm_prob, settings.max_predictions, settings.whole_word_masking,
                                      settings.max_ngram, vocab.mask_id, vocab.replacement_ids())
         self.max_tokens = SegmentSettings(settings.segment_pairs, settings.seq_length, 0.0, 0).max_num_tokens
+
+    def __getstate__(self):
+        return dict(self.__dict__, blend=mapped_state(self.blend))
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, blend=from_mapped_state(state["blend"]))
+
+    @property
+    def description(self) -> str:
+        """What the samples are drawn from, for messages about them."""
+        return ", ".join(f"{split.store.prefix}.bin" for split in self.splits)
 
     def __len__(self) -> int:
         return self.num_samples

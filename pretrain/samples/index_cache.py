@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -70,3 +72,23 @@ def _build_and_store(array_path: Path, info_path: Path, description: dict, build
     os.replace(tmp_array, array_path)
     os.replace(tmp_info, info_path)  # last: its presence means the array is complete
     log(f"built index {array_path.name}: {counts}")
+
+
+@dataclass(frozen=True)
+class MappedNpy:
+    """A cached array as it travels to a loader process: its file, mapped again on arrival
+    (np.memmap itself pickles as a full copy of its data)."""
+
+    path: str
+
+
+def mapped_state(array):
+    """`array` for pickling: a whole-file mapping from `cached_index` by its file name, anything
+    else (None, an in-memory array) as it is."""
+    if isinstance(array, np.memmap) and isinstance(array.base, mmap.mmap) and array.filename:
+        return MappedNpy(array.filename)
+    return array
+
+
+def from_mapped_state(state):
+    return np.load(state.path, mmap_mode="r") if isinstance(state, MappedNpy) else state

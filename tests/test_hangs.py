@@ -1,0 +1,104 @@
+"""A frozen process ends the job within train.hang_timeout_minutes plus a minute, at the default
+collective timeout (10 minutes), with a diagnosis: the watchdog's line naming the stuck rank, the
+loader process states, and every thread's stack (faulthandler's format) of each rank that can still
+write. Two DP2 jobs at the default data.num_workers, side by side:
+- frozen-worker: one loader process of rank 1 stopped with SIGSTOP (a fork deadlock looks like that
+  from outside): rank 1 waits for its batch, rank 0 for rank 1 in the gradient all-reduce;
+- frozen-rank: rank 1 itself stopped: rank 0 waits in a collective, rank 1 writes nothing.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+
+from distributed import REPO, free_port
+from _train_worker import TINY
+
+pytestmark = pytest.mark.slow
+
+HANG_MINUTES = 0.25
+STACK_HEADER = "most recent call first"  # faulthandler: "Thread 0x... (most recent call first):"
+
+
+def start_job(tmp_path, name):
+    port = free_port()
+    overrides = TINY + ["train.train_steps=100000", "scheduler.warmup_steps=1", "train.log_interval=1",
+                        "train.dist_timeout_minutes=10", f"train.hang_timeout_minutes={HANG_MINUTES}"]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        log = open(tmp_path / f"{name}-rank{rank}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, "-m", "pretrain", "--config", "configs/bert-tiny.yaml",
+                                       *overrides], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def loader_processes(rank_proc) -> list[psutil.Process]:
+    """The loader processes of a rank: children of its forkserver (itself a child of the rank)."""
+    return [worker for server in psutil.Process(rank_proc.pid).children()
+            for worker in server.children()]
+
+
+def freeze_and_wait(tmp_path, name):
+    """Start a job, freeze its target at step 3, return (seconds until every live rank ended, exit
+    codes, the two logs)."""
+    procs = start_job(tmp_path, name)
+    logs = [tmp_path / f"{name}-rank{r}.log" for r in range(2)]
+    frozen = None
+    try:
+        deadline = time.monotonic() + 300
+        while "step 3/" not in logs[0].read_text():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
+            time.sleep(0.2)
+        if name == "frozen-worker":
+            workers = loader_processes(procs[1])
+            assert len(workers) == 2, [w.cmdline() for w in workers]  # the default data.num_workers
+            frozen = workers[0]
+        else:
+            frozen = psutil.Process(procs[1].pid)
+        frozen.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        waiting = procs if name == "frozen-worker" else procs[:1]
+        limit = HANG_MINUTES * 60 + 60
+        for p in waiting:
+            p.wait(timeout=max(1, limit - (time.monotonic() - started)))
+        return time.monotonic() - started, [p.returncode for p in waiting], [log.read_text() for log in logs], frozen.pid
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(scope="module")
+def frozen_jobs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hangs")
+    with ThreadPoolExecutor(2) as pool:  # a 2-rank job keeps 2 cores about half busy
+        runs = {name: pool.submit(freeze_and_wait, tmp, name) for name in ("frozen-worker", "frozen-rank")}
+        return {name: run.result() for name, run in runs.items()}
+
+
+def test_frozen_loader_process_ends_the_job_naming_rank_and_wait(frozen_jobs):
+    seconds, codes, (log0, log1), worker_pid = frozen_jobs["frozen-worker"]
+    assert seconds < HANG_MINUTES * 60 + 60 and codes == [124, 124], (codes, log1[-3000:])
+    # rank 1 says what it waits for, and which of its loader processes is stopped
+    assert "watchdog: rank 1" in log1 and "data: waiting for the loader" in log1, log1[-3000:]
+    assert f"loader process {worker_pid}: T (stopped)" in log1, log1[-3000:]
+    assert STACK_HEADER in log1 and "_get_data" in log1, log1[-3000:]  # the DataLoader wait, in its stack
+    assert "stuck rank(s): 1" in log1, log1[-3000:]
+    # the other rank names rank 1 as the one it waits for (behind in the collectives)
+    assert "stuck rank(s): 1" in log0 and STACK_HEADER in log0, log0[-3000:]
+    assert "behind the others" in log0 and "last collective" in log0, log0[-3000:]
+
+
+def test_frozen_rank_ends_the_job_naming_it(frozen_jobs):
+    seconds, codes, (log0, _), _ = frozen_jobs["frozen-rank"]
+    assert seconds < HANG_MINUTES * 60 + 60 and codes == [124], (codes, log0[-3000:])
+    assert "stuck rank(s): 1" in log0 and "heartbeat stopped" in log0, log0[-3000:]
+    assert STACK_HEADER in log0 and "watchdog: rank 0" in log0, log0[-3000:]

@@ -1,0 +1,103 @@
+"""Signals as a cluster sends them, through launcher.sh at the default data.num_workers (loader
+processes running): SIGTERM to every process of the job (scancel, a SLURM time limit, a
+preemption, `kill -- -PGID`) under torchrun, the DeepSpeed launcher and the SLURM stand-in, and
+SIGTERM to the launcher alone, each saves one complete checkpoint and exits 0; the relaunch
+finishes with the weights of a straight run (1e-6). The jobs run side by side (a 2-rank job
+keeps 2 cores about half busy)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from distributed import REPO, free_port
+from _train_worker import TINY
+from pretrain.checkpoint.logical import read_native
+from test_launch_env import FAKE_SRUN
+
+pytestmark = pytest.mark.slow
+
+STEPS = 20
+CASES = [("torchrun", "group"), ("deepspeed", "group"), ("slurm", "group"), ("torchrun", "launcher")]
+
+
+def job(launcher, ckpt, steps, bin_dir):
+    args = TINY + [f"train.train_steps={steps}", "scheduler.warmup_steps=1", "train.log_interval=1",
+                   "train.save_interval=100000", f"train.save_dir={ckpt}", f"train.load_dir={ckpt}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return ["bash", "launcher.sh", "--launcher", launcher, "--nproc-per-node", "2", "--master-port",
+            str(free_port()), "pretrain", "--config", "configs/bert-tiny.yaml", *args], env
+
+
+def run(launcher, ckpt, steps, bin_dir, log):
+    command, env = job(launcher, ckpt, steps, bin_dir)
+    with open(log, "w") as out:
+        code = subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600).returncode
+    return code, log.read_text()
+
+
+def stop_and_relaunch(tmp, launcher, whom, bin_dir):
+    """Start the job of STEPS steps, SIGTERM it (its process group, or the launcher alone) after
+    step 6 (it stops at the next stop check, train.stop_check_interval: step 10), then relaunch it. Returns (first exit status, first log, saved tag, second exit status, log)."""
+    name = f"{launcher}-{whom}"
+    ckpt, first_log = tmp / name, tmp / f"{name}-first.log"
+    command, env = job(launcher, ckpt, STEPS, bin_dir)
+    with open(first_log, "w") as out:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own process group, as a batch job has
+    try:
+        deadline = time.monotonic() + 400
+        while "step 6/" not in first_log.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, first_log.read_text()[-3000:]
+            time.sleep(0.2)
+        if whom == "group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
+        first = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    saved = (ckpt / "latest").read_text().strip() if (ckpt / "latest").exists() else None
+    second, second_log = run(launcher, ckpt, STEPS, bin_dir, tmp / f"{name}-second.log")
+    return first, first_log.read_text(), saved, second, second_log
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("signals")
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    srun = bin_dir / "srun"
+    srun.write_text(FAKE_SRUN.replace("#!/usr/bin/env python3", f"#!{sys.executable}"))
+    srun.chmod(0o755)
+    with ThreadPoolExecutor(len(CASES) + 1) as pool:
+        straight = pool.submit(run, "torchrun", tmp / "straight", STEPS, bin_dir, tmp / "straight.log")
+        stopped = {case: pool.submit(stop_and_relaunch, tmp, *case, bin_dir) for case in CASES}
+        code, log = straight.result()
+        assert code == 0, log[-3000:]
+        return read_native(str(tmp / "straight")).weights, {case: f.result() for case, f in stopped.items()}
+
+
+@pytest.mark.parametrize("launcher,whom", CASES)
+def test_sigterm_saves_exits_0_and_the_relaunch_equals_a_straight_run(runs, launcher, whom):
+    straight, stopped = runs
+    first, first_log, saved, second, second_log = stopped[(launcher, whom)]
+    assert first == 0, first_log[-4000:]
+    assert saved is not None and "SIGTERM received: saving at step" in first_log, first_log[-4000:]
+    assert int(saved.split("_")[-1]) < STEPS
+    assert first_log.count("saved checkpoint") == 1, first_log[-4000:]  # one complete checkpoint
+    assert "DataLoader worker" not in first_log  # the loader processes left the signal to their rank
+    step = int(saved.split("_")[-1])
+    assert second == 0 and f"resumed from" in second_log and f"at step {step} " in second_log, second_log[-3000:]
+    assert f"step {step}/" not in second_log  # nothing before the checkpoint was trained again
+    weights = read_native(str(REPO / second_log.split("saved checkpoint ")[-1].split("\n")[0].strip())).weights
+    assert weights.keys() == straight.keys()
+    for name, tensor in straight.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-6, atol=1e-6, msg=name)
