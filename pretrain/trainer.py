@@ -257,7 +257,9 @@ class Trainer:
         draws = not self.pipelined or p.is_first_stage or p.is_last_stage
         timers = self.timers
         if draws:
-            self._doing(f"data: waiting for the loader (micro-batches from sample {data_iter.consumed_samples})")
+            position = getattr(data_iter, "consumed_samples", None)
+            self._doing("data: waiting for the loader" + (f" (micro-batches from sample {position})"
+                                                          if position is not None else ""))
         with timers.phase("data"):
             micro_batches = [next(data_iter) for _ in range(self.grad_accum)] if draws else []
         self._doing(f"step {self.step + 1}: forward, backward, gradient reduction, optimizer")

@@ -23,10 +23,9 @@ from distributed import run_ranks
 
 pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
 
-# data.num_workers=0: no loader processes are forked after training (the evaluation's loader
-# once deadlocked inside os.fork() in a worker of this rank's gloo-threaded process; see
-# docs/troubleshooting.md); the loader-process path is covered by test_bert_dataset.py.
-FOUR_LAYERS = ["model.num_layers=4", "train.eval_steps=2", "data.num_workers=0"]
+# at the default data.num_workers: loader processes started from the forkserver, for training
+# and once for the evaluations (pretrain/samples/batches.py)
+FOUR_LAYERS = ["model.num_layers=4", "train.eval_steps=2"]
 # AdamW also leaves the embeddings undecayed: "embeddings as configured" is checked both ways.
 RUNS = [{"name": "lamb", "overrides": ["optimizer.name=lamb"], "evaluate": True},
         {"name": "adamw", "overrides": ["optimizer.name=adamw", "optimizer.no_weight_decay=[bias,layernorm,embedding]"],

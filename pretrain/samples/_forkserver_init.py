@@ -4,9 +4,15 @@ nothing else: importing it makes this process ignore SIGTERM and SIGINT.
 A SIGTERM or Ctrl-C sent to the whole job reaches every process of it. The rank answers it by
 saving and stopping (pretrain/trainer.py), which takes some steps; a forkserver killed meanwhile
 takes its loader processes with it (they end when their parent does) and the rank fails mid-way.
-The forkserver ends by itself when its rank does, and its loader processes inherit this setting.
+Its loader processes inherit this setting; the rank stops them itself (SIGKILL where a graceful
+stop does not do, pretrain/samples/batches.py). And a rank that dies (SIGKILL, the OOM killer)
+takes this forkserver with it (the kernel's parent-death signal), and the forkserver its loader
+processes, so that nothing outlives the job holding memory or its log's pipe.
 """
 import signal
 
+from pretrain.samples.batches import die_with_parent
+
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 signal.signal(signal.SIGINT, signal.SIG_IGN)
+die_with_parent()

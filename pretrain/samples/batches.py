@@ -7,9 +7,13 @@ does not depend on the layout and a resumed run continues it exactly.
 """
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
+import os
 import signal
+import sys
 import time
+import weakref
 from typing import Iterator, Protocol
 
 import numpy as np
@@ -108,11 +112,36 @@ def _loader_context(num_workers: int):
     return context
 
 
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent ends (prctl PR_SET_PDEATHSIG); elsewhere
+    nothing (torch's loader processes also watch their parent's pid)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+
+
 def _loader_process_init(worker_id: int) -> None:
     # Signals are the rank's: SIGTERM/SIGINT sent to the whole job must not kill a loader under a
-    # rank that is about to save; the rank stops its loaders when it is done.
+    # rank that is about to save; the rank stops its loaders when it is done (_stop_workers).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()  # the forkserver
+
+
+def _stop_workers(state: dict) -> None:
+    """Stop a loader's processes: torch's shutdown (a sentinel, then a join of a few seconds), then
+    SIGKILL for any left (they ignore SIGTERM, which torch's shutdown and multiprocessing's exit
+    handler would send and then wait for forever). Also run at interpreter exit (weakref.finalize),
+    before multiprocessing's own exit handler."""
+    iterator, state["iterator"] = state.get("iterator"), None
+    workers = list(getattr(iterator, "_workers", None) or [])
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+    for worker in workers:
+        if worker.is_alive():
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.join()
 
 
 def _describe(dataset) -> str:
@@ -138,11 +167,16 @@ class _Batches:
             # one the dropout streams and exact resume depend on (our samples need no torch RNG).
             generator=torch.Generator(device="cpu").manual_seed(0),
         )
-        self.iterator = None
+        self._state: dict = {"iterator": None}  # for _stop_workers, also at interpreter exit
+        weakref.finalize(self, _stop_workers, self._state)
         self.drawn = 0  # micro-batches taken from the current pass
 
+    @property
+    def iterator(self):
+        return self._state["iterator"]
+
     def start_pass(self) -> None:
-        self.iterator = iter(self.loader)
+        self._state["iterator"] = iter(self.loader)
         self.drawn = 0
 
     def next(self):
@@ -168,10 +202,7 @@ class _Batches:
 
     def close(self) -> None:
         """Stop the loader processes now (they also stop when this object is collected)."""
-        shutdown = getattr(self.iterator, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-        self.iterator = None
+        _stop_workers(self._state)
 
 
 class MicroBatchIterator:
