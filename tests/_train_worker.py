@@ -28,6 +28,9 @@ TINY = [
     "train.global_batch_size=8", "train.micro_batch_size=2", "train.train_steps=5", "train.log_interval=1",
     "train.seed=7", "scheduler.warmup_steps=2", "scheduler.decay=linear", "optimizer.lr=0.01",
     "optimizer.grad_clip=1.0", "train.dist_timeout_minutes=3",
+    # batches built inline: the loader processes' own tests (layouts, signals, hangs, failures,
+    # test_bert_dataset) set data.num_workers=2, the default; everywhere else they only cost start-up
+    "data.num_workers=0",
 ]
 
 

@@ -4,6 +4,9 @@ The corpora are written with megatron-core's own IndexedDatasetBuilder (so this 
 files made by Megatron's tooling are read by our dataset) from a small made-up vocabulary in
 which words have '##' continuations.
 """
+import os
+import signal
+
 import numpy as np
 import pytest
 import torch
@@ -375,3 +378,43 @@ def test_index_is_built_once_and_keyed_by_its_inputs(corpus, vocab, tmp_path):
     assert len(logged) == 2, "another setting is another index"
     assert len(list((tmp_path / "cache").glob("segments-*.npy"))) == 2
     assert not list((tmp_path / "cache").glob("*.tmp-*"))
+
+
+class FailingDataset(torch.utils.data.Dataset):
+    """Synthetic samples, except that sample `bad` raises (what a corrupt record does)."""
+
+    description = "a test corpus"
+
+    def __init__(self, bad: int):
+        from pretrain.samples.synthetic import SyntheticDataset
+
+        self.inner, self.bad = SyntheticDataset(200, 32, 5, 1000, seed=1), bad
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        if index == self.bad:
+            raise ValueError(f"record {index} is corrupt")
+        return self.inner[index]
+
+
+def test_loader_process_that_raises_or_dies_names_the_samples():
+    from pretrain.samples.batches import LoaderError
+
+    raising = MicroBatchIterator(FailingDataset(bad=9), 0, 2, 0, 1, torch.device("cpu"), num_workers=2)
+    for _ in range(4):
+        next(raising)  # samples 0..7
+    with pytest.raises(LoaderError, match=r"(?s)samples 8\.\.9 of a test corpus \(micro-batch 4 from sample 0\): "
+                                          r"ValueError: .*record 9 is corrupt"):
+        next(raising)
+    raising.close()
+    dying = MicroBatchIterator(FailingDataset(bad=-1), 0, 2, 0, 1, torch.device("cpu"), num_workers=1,
+                               prefetch_factor=1)
+    next(dying)
+    os.kill(dying.worker_pids()[0], signal.SIGKILL)
+    with pytest.raises(LoaderError, match=r"(?s)loader failed building samples \d+\.\.\d+ of a test corpus .*exited "
+                                          r"unexpectedly"):
+        for _ in range(10):
+            next(dying)
+    dying.close()

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 def launch_job(tmp_path, launcher, overrides, log_name, restarts):
     """launcher.sh pretraining with 2 ranks (TP2), checkpointing every 2 steps into tmp_path/ckpt."""
     ckpt = tmp_path / "ckpt"
-    overrides = TINY + ["parallel.tensor_parallel=2", "train.save_interval=2", f"train.save_dir={ckpt}",
+    overrides = TINY + ["data.num_workers=2", "parallel.tensor_parallel=2", "train.save_interval=2", f"train.save_dir={ckpt}",
                         f"train.load_dir={ckpt}", "train.dist_timeout_minutes=0.5", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     log = open(tmp_path / log_name, "w")

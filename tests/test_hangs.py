@@ -27,7 +27,7 @@ STACK_HEADER = "most recent call first"  # faulthandler: "Thread 0x... (most rec
 
 def start_job(tmp_path, name):
     port = free_port()
-    overrides = TINY + ["train.train_steps=100000", "scheduler.warmup_steps=1", "train.log_interval=1",
+    overrides = TINY + ["data.num_workers=2", "train.train_steps=100000", "scheduler.warmup_steps=1", "train.log_interval=1",
                         "train.dist_timeout_minutes=10", f"train.hang_timeout_minutes={HANG_MINUTES}"]
     procs = []
     for rank in range(2):

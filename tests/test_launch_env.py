@@ -145,14 +145,3 @@ def test_mpirun_two_ranks():
     assert "step 2/2" in result.stdout
 
 
-@pytest.mark.slow
-def test_slurm_two_tasks(tmp_path):
-    """launcher.sh --launcher slurm runs srun; ranks and the master come from SLURM_* variables."""
-    srun = tmp_path / "bin" / "srun"
-    srun.parent.mkdir()
-    srun.write_text(FAKE_SRUN.replace("#!/usr/bin/env python3", f"#!{sys.executable}"))
-    srun.chmod(0o755)
-    result = launch("slurm", {"PATH": f"{srun.parent}{os.pathsep}{os.environ['PATH']}"})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "+ srun --mpi=none --nodes 1 --ntasks-per-node 2 --kill-on-bad-exit=1 python -m pretrain" in result.stdout
-    assert "step 2/2" in result.stdout

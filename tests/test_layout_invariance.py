@@ -18,6 +18,7 @@ import json
 
 import pytest
 import torch
+from concurrent.futures import ThreadPoolExecutor
 
 from distributed import run_ranks
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast ti
 
 # at the default data.num_workers: loader processes started from the forkserver, for training
 # and once for the evaluations (pretrain/samples/batches.py)
-FOUR_LAYERS = ["model.num_layers=4", "train.eval_steps=2"]
+FOUR_LAYERS = ["model.num_layers=4", "train.eval_steps=2", "data.num_workers=2"]
 # AdamW also leaves the embeddings undecayed: "embeddings as configured" is checked both ways.
 RUNS = [{"name": "lamb", "overrides": ["optimizer.name=lamb"], "evaluate": True},
         {"name": "adamw", "overrides": ["optimizer.name=adamw", "optimizer.no_weight_decay=[bias,layernorm,embedding]"],
@@ -82,8 +83,20 @@ def weight_errors(ours: dict, reference: dict) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return train_layout(tmp_path_factory.mktemp("single"), 1, 1, 1, [])
+def layout_runs(tmp_path_factory):
+    """The reference and every layout's runs, two jobs at a time (a job keeps 2 cores about half
+    busy), the largest first; each test waits for its own (a failed job fails its test only)."""
+    pool = ThreadPoolExecutor(2)
+    runs = {"reference": pool.submit(train_layout, tmp_path_factory.mktemp("single"), 1, 1, 1, [])}
+    for label, tp, pp, world, extra, _ in sorted(LAYOUTS, key=lambda layout: -layout[3]):
+        runs[label] = pool.submit(train_layout, tmp_path_factory.mktemp(label), tp, pp, world, extra)
+    yield runs
+    pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def reference(layout_runs):
+    return layout_runs["reference"].result()
 
 
 def assert_close(actual, expected, what, rel=TOLERANCE):
@@ -141,8 +154,8 @@ def assert_groups_by_name(run: dict, reference_run: dict, label: str, embeddings
 
 
 @pytest.mark.parametrize("label,tp,pp,world,extra,wrapper", LAYOUTS, ids=[l[0] for l in LAYOUTS])
-def test_layout_matches_single_process(reference, tmp_path, label, tp, pp, world, extra, wrapper):
-    result = train_layout(tmp_path, tp, pp, world, extra)
+def test_layout_matches_single_process(reference, layout_runs, label, tp, pp, world, extra, wrapper):
+    result = layout_runs[label].result()
     for optimizer, client in (("lamb", "Lamb"), ("adamw", "AdamW")):
         ours, ref = result[optimizer]["history"], reference[optimizer]["history"]
         assert len(ours) == len(ref) == 5

@@ -1,14 +1,9 @@
 """Invariant 4: N steps + save + resume N steps equals 2N steps straight; bad resumes fail clearly."""
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
-from distributed import REPO, free_port, run_ranks
+from distributed import run_ranks
 
 pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
 
@@ -63,42 +58,3 @@ def test_checkpoint_of_other_model_shape_is_refused(tmp_path):
     assert not out.exists()
 
 
-def test_sigterm_saves_and_resume_continues(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    config = tmp_path / "tiny.yaml"
-    sys.path.insert(0, str(REPO / "tests"))
-    from _train_worker import TINY
-
-    overrides = TINY + ["train.train_steps=100000", "scheduler.warmup_steps=10", f"train.save_dir={ckpt}",
-                        f"train.load_dir={ckpt}"]
-    config.write_text("train:\n  train_steps: 100000\n")
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-m", "pretrain", "--config", str(config), *overrides], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    deadline = time.monotonic() + 300
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("step 3/"):
-            proc.send_signal(signal.SIGTERM)
-            break
-        assert time.monotonic() < deadline, "".join(lines)
-    rest, _ = proc.communicate(timeout=120)
-    log = "".join(lines) + rest
-    assert proc.returncode == 0, log
-    assert "SIGTERM received: saving at step" in log
-    tag = (ckpt / "latest").read_text()
-    step = int(tag.split("_")[1])
-    assert step >= 3 and (ckpt / tag / "meta.json").exists()
-    meta = json.loads((ckpt / tag / "meta.json").read_text())
-    assert meta["consumed_samples"] == step * 8
-
-    # Launching again resumes from that checkpoint.
-    env["MASTER_PORT"] = str(free_port())
-    again = subprocess.run([sys.executable, "-m", "pretrain", "--config", str(config), *overrides,
-                            "train.exit_after_steps=1"], cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=300)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert f"resumed from {ckpt} at step {step}" in again.stdout
-    assert (ckpt / "latest").read_text() == f"iter_{step + 1:07d}"

@@ -26,7 +26,7 @@ CASES = [("torchrun", "group"), ("deepspeed", "group"), ("slurm", "group"), ("to
 
 
 def job(launcher, ckpt, steps, bin_dir):
-    args = TINY + [f"train.train_steps={steps}", "scheduler.warmup_steps=1", "train.log_interval=1",
+    args = TINY + ["data.num_workers=2", f"train.train_steps={steps}", "scheduler.warmup_steps=1", "train.log_interval=1",
                    "train.save_interval=100000", f"train.save_dir={ckpt}", f"train.load_dir={ckpt}"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
