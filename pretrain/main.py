@@ -34,9 +34,12 @@ def main(argv=None) -> int:
 
 
 def start(args: argparse.Namespace) -> int:
-    from .parallel import discover_launch_env
+    if args.world_size:
+        world_size = args.world_size
+    else:
+        from .parallel import discover_launch_env  # torch and DeepSpeed: not for the launcher's check
 
-    world_size = args.world_size or discover_launch_env().world_size
+        world_size = discover_launch_env().world_size
     try:
         cfg = load_config(args.config, args.overrides)
         cfg.validate(world_size=world_size)

@@ -4,11 +4,13 @@ gloo process group runs live collectives, as a rank's evaluation loaders once di
 usage: python tests/_loader_stress_worker.py STARTS START_METHOD
 On rank 0, each of STARTS rounds builds a loader with 2 worker processes started by START_METHOD (forkserver:
 ours, pretrain/samples/batches.py; fork: the old path, for comparison), draws every micro-batch of
-an evaluation pass and stops its workers, while a second thread keeps all-reducing on its own
+an evaluation pass and stops its workers (asserting they are not the rank's own children: forked
+from the forkserver, not from the rank), while a second thread keeps all-reducing on its own
 process group with the other ranks (gloo's threads busy, as the gradient reduction keeps them).
 Prints one line:
 "STARTS starts in S s; collectives N" when done.
 """
+import os
 import sys
 import threading
 import time
@@ -19,6 +21,11 @@ import torch.distributed as dist
 from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
 from pretrain.samples import batches
 from pretrain.samples.synthetic import SyntheticDataset
+
+
+def parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state
 
 
 def main() -> None:
@@ -51,6 +58,8 @@ def main() -> None:
                                                num_workers=2)
         drawn = sum(1 for _ in evaluation.one_pass())
         assert drawn == 4 and len(evaluation.worker_pids()) == 2, (round_, drawn)
+        parents = {parent_pid(pid) for pid in evaluation.worker_pids()}
+        assert os.getpid() not in parents, f"loader processes forked from the rank ({method})"
         evaluation.close()
     seconds = time.monotonic() - began
     stop.set()  # rank 1 at once: the thread keeps going until rank 0 is done too

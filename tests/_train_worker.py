@@ -2,8 +2,10 @@
 
 usage: python tests/_train_worker.py OUT.json TP PP RUN_JSON...
 Each RUN_JSON is {"name": ..., "overrides": [...]} applied on top of tests' tiny config, with
-optional "evaluate": true (evaluation metrics after training) and "per_shard_lamb": true (the
-negative control: LAMB trust ratios of whatever tensor each rank steps, not of whole parameters).
+optional "evaluate": true (evaluation metrics after training), "per_shard_lamb": true (the
+negative control: LAMB trust ratios of whatever tensor each rank steps, not of whole parameters)
+and "tp"/"pp" (this run's layout instead of TP PP: the process group stays, the TP/PP/DP groups
+are built anew, so one job runs several layouts of its world size and starts its processes once).
 The logging rank writes, per run: the per-step metrics, the params norm, where it ran, what
 every rank reports of its layout and optimizer groups (what proves the layout took effect), and
 the lines the trainer logged.
@@ -12,14 +14,9 @@ import json
 import os
 import sys
 
-from pretrain.quiet import hide_library_warnings
-
-hide_library_warnings()  # the known noise only: anything new shows up in the test run
-
-from pretrain import device, internals  # noqa: E402
-from pretrain.config import load_config  # noqa: E402
-from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
-from pretrain.trainer import Trainer  # noqa: E402
+# The heavy imports are inside the functions: a loader process started from the forkserver runs
+# the main script again (multiprocessing's preparation of __main__), which must stay cheap.
+# `python -m pretrain` is exempt (a package's __main__ is not run again).
 
 TINY = [
     "model.vocab_size=200", "model.hidden_size=64", "model.num_layers=2", "model.num_attention_heads=4",
@@ -37,6 +34,7 @@ TINY = [
 def where_it_ran(trainer, parallel) -> dict:
     """What proves the device took effect: the rank's device and backend, and where the model's
     parameters (ZeRO-3: their partitions) and the optimizer's tensors actually live."""
+    from pretrain import internals
     from pretrain.optim.layout import layout_for_deepspeed
 
     params = [internals.zero3_partition(p) if internals.is_zero3_param(p) else p for p in trainer.model.parameters()]
@@ -51,6 +49,7 @@ def layout_report(trainer, parallel) -> dict:
     sizes megatron-core and DeepSpeed work with, what the rank holds, the optimizer wrapper."""
     from megatron.core import parallel_state as ps
 
+    from pretrain import internals
     from pretrain.model.names import logical_parameters
     from pretrain.optim.norms import counted_once
 
@@ -107,13 +106,23 @@ def use_per_shard_trust_ratios(trainer) -> None:
 
 
 def main():
-    out_path, tp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    from pretrain.quiet import hide_library_warnings
+
+    hide_library_warnings()  # the known noise only: anything new shows up in the test run
+    from pretrain import device
+    from pretrain.config import load_config
+    from pretrain.parallel import discover_launch_env, init_parallel
+    from pretrain.trainer import Trainer
+
+    out_path, job_tp, job_pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     runs = [json.loads(arg) for arg in sys.argv[4:]]
     launch = discover_launch_env()
     launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
-    parallel = init_parallel(launch, tp, pp, timeout_minutes=3)
-    results = {}
+    results, parallel, layout = {}, None, None
     for run in runs:
+        tp, pp = run.get("tp", job_tp), run.get("pp", job_pp)
+        if (tp, pp) != layout:
+            parallel, layout = init_parallel(launch, tp, pp, timeout_minutes=3), (tp, pp)
         cfg = load_config(None, TINY + [f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}"] + run["overrides"])
         cfg.validate(world_size=parallel.world_size)
         lines = []
@@ -127,11 +136,14 @@ def main():
                                 "log": lines}
         if run.get("evaluate"):
             results[run["name"]]["evaluation"] = trainer.evaluate()
+        trainer.close_loaders()  # the evaluation's loader processes (training closed its own)
     finish(parallel, out_path, results)
 
 
 def finish(parallel, out_path: str, results: dict) -> None:
     """The logging rank writes the results; every rank leaves the process groups."""
+    from pretrain.parallel import shutdown_parallel
+
     if parallel.rank == parallel.logging_rank:
         with open(out_path, "w") as f:
             json.dump(results, f)

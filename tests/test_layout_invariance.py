@@ -1,7 +1,7 @@
 """Invariant 1: the same initial weights and data give the same per-step losses in every layout.
 
-Each layout is one multi-process job training the tiny BERT (4 layers, so that 4 pipeline
-stages fit) twice, LAMB then AdamW, for 5 optimizer steps with gradient accumulation and
+Each layout trains the tiny BERT (4 layers, so that 4 pipeline stages fit) twice, LAMB then
+AdamW, at the default data.num_workers, for 5 optimizer steps with gradient accumulation and
 clipping on, dropout off, fp32, then evaluating. Losses, gradient norms, the final parameter
 norm, every final weight tensor (read back from the checkpoint) and the evaluation metrics must
 equal the single-process run within 1e-5 relative.
@@ -53,19 +53,42 @@ LAYOUTS = [
 TOLERANCE = 1e-5
 
 
-def train_layout(tmp_path, tp, pp, world, extra, runs=RUNS):
-    """Each run's results, with its final weights read back from the checkpoint it saved (whole
-    tensors by Hugging Face name, whatever the layout)."""
+# Beside the layouts, in the same jobs: the negative control, bf16 and the micro-batch split.
+PER_SHARD_LAYOUT = ("tp2-per-shard", 2, 1, 2, [], [PER_SHARD])
+BF16_LAYOUT = ("bf16-pp2-dp2-zero1", 1, 2, 4, ["parallel.zero_stage=1", "train.precision=bf16"], RUNS)
+MICRO_8_LAYOUT = ("micro-8", 1, 1, 1, ["train.micro_batch_size=8"], RUNS)
+
+
+def jobs() -> dict[int, list]:
+    """world size -> (label, tp, pp, extra overrides, runs) of everything one job of that size
+    trains: a job runs its layouts one after the other, its processes (and their loader
+    forkservers) started once."""
+    by_world = {}
+    everything = [("reference", 1, 1, 1, [], RUNS), *[layout[:5] + (RUNS,) for layout in LAYOUTS],
+                  PER_SHARD_LAYOUT, BF16_LAYOUT, MICRO_8_LAYOUT]
+    for label, tp, pp, world, extra, runs in everything:
+        by_world.setdefault(world, []).append((label, tp, pp, extra, runs))
+    return by_world
+
+
+def train_layouts(tmp_path, world, layouts) -> dict:
+    """{label: {run name: result}} of one job, each run's final weights read back from the
+    checkpoint it saved (whole tensors by Hugging Face name, whatever the layout)."""
     from pretrain.checkpoint.logical import read_native
 
-    out = tmp_path / f"result-{tp}-{pp}-{world}.json"
-    saves = {run["name"]: tmp_path / f"ckpt-{tp}-{pp}-{world}-{run['name']}" for run in runs}
-    runs = [json.dumps(dict(run, overrides=run["overrides"] + FOUR_LAYERS + extra + [f"train.save_dir={saves[run['name']]}"]))
-            for run in runs]
-    run_ranks(["tests/_train_worker.py", str(out), str(tp), str(pp), *runs], world, timeout=900)
-    results = json.loads(out.read_text())
-    for name, path in saves.items():
-        results[name]["weights"] = read_native(str(path), with_optimizer=False).weights
+    out, runs, saves = tmp_path / "result.json", [], {}
+    for label, tp, pp, extra, layout_runs in layouts:
+        for run in layout_runs:
+            name = f"{label}/{run['name']}"
+            saves[name] = tmp_path / f"ckpt-{label}-{run['name']}"
+            overrides = run["overrides"] + FOUR_LAYERS + extra + [f"train.save_dir={saves[name]}"]
+            runs.append(json.dumps(dict(run, name=name, tp=tp, pp=pp, overrides=overrides)))
+    run_ranks(["tests/_train_worker.py", str(out), "1", "1", *runs], world, timeout=1200)
+    results = {}
+    for name, result in json.loads(out.read_text()).items():
+        result["weights"] = read_native(str(saves[name]), with_optimizer=False).weights
+        label, run = name.split("/")
+        results.setdefault(label, {})[run] = result
     return results
 
 
@@ -84,19 +107,20 @@ def weight_errors(ours: dict, reference: dict) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory):
-    """The reference and every layout's runs, two jobs at a time (a job keeps 2 cores about half
-    busy), the largest first; each test waits for its own (a failed job fails its test only)."""
+    """label -> that layout's runs. One job per world size, two jobs at a time (a job keeps 2
+    cores about half busy), the largest first; each test waits for its own job (a failed job
+    fails its tests only)."""
     pool = ThreadPoolExecutor(2)
-    runs = {"reference": pool.submit(train_layout, tmp_path_factory.mktemp("single"), 1, 1, 1, [])}
-    for label, tp, pp, world, extra, _ in sorted(LAYOUTS, key=lambda layout: -layout[3]):
-        runs[label] = pool.submit(train_layout, tmp_path_factory.mktemp(label), tp, pp, world, extra)
-    yield runs
+    by_world = {world: pool.submit(train_layouts, tmp_path_factory.mktemp(f"world{world}"), world, layouts)
+                for world, layouts in sorted(jobs().items(), reverse=True)}
+    labels = {layout[0]: world for world, layouts in jobs().items() for layout in layouts}
+    yield lambda label: by_world[labels[label]].result()[label]
     pool.shutdown(wait=True)
 
 
 @pytest.fixture(scope="module")
 def reference(layout_runs):
-    return layout_runs["reference"].result()
+    return layout_runs("reference")
 
 
 def assert_close(actual, expected, what, rel=TOLERANCE):
@@ -155,7 +179,7 @@ def assert_groups_by_name(run: dict, reference_run: dict, label: str, embeddings
 
 @pytest.mark.parametrize("label,tp,pp,world,extra,wrapper", LAYOUTS, ids=[l[0] for l in LAYOUTS])
 def test_layout_matches_single_process(reference, layout_runs, label, tp, pp, world, extra, wrapper):
-    result = layout_runs[label].result()
+    result = layout_runs(label)
     for optimizer, client in (("lamb", "Lamb"), ("adamw", "AdamW")):
         ours, ref = result[optimizer]["history"], reference[optimizer]["history"]
         assert len(ours) == len(ref) == 5
@@ -206,11 +230,11 @@ def test_reference_learns_and_optimizers_differ(reference):
     assert len(names) == 5 + 4 * 16 + 9  # embeddings, 16 per layer, heads (the decoder is tied)
 
 
-def test_per_shard_trust_ratios_are_caught(reference, tmp_path):
+def test_per_shard_trust_ratios_are_caught(reference, layout_runs):
     """Negative control: TP2 with each rank's shard taken for a whole parameter (what a LAMB
     unaware of TP computes) must miss the reference by far more than the tolerance, or the
     tolerance could not tell a right layout from a wrong one."""
-    result = train_layout(tmp_path, 2, 1, 2, [], runs=[PER_SHARD])["lamb-per-shard"]
+    result = layout_runs(PER_SHARD_LAYOUT[0])["lamb-per-shard"]
     ours, ref = result["history"], reference["lamb"]["history"]
     assert ours[0]["loss"] == pytest.approx(ref[0]["loss"], rel=TOLERANCE)  # the first loss precedes any step
     # The losses alone move by less than the tolerance in 5 steps (a shard's norms are close to
@@ -220,14 +244,14 @@ def test_per_shard_trust_ratios_are_caught(reference, tmp_path):
     assert caught, f"per-shard trust ratios stay within {100 * TOLERANCE} of the reference: {errors}"
 
 
-def test_bf16_pipeline_zero1_tracks_fp32(reference, tmp_path):
+def test_bf16_pipeline_zero1_tracks_fp32(reference, layout_runs):
     """bf16 (DeepSpeed bf16: bf16 weights and activations, fp32 master weights) in a PP2 x DP2
     ZeRO-1 layout follows the fp32 single-process run closely (not exactly: bf16 rounds).
 
     Tolerances from bf16's 8-bit significand (relative rounding 2**-9 = 0.2%): losses are fp32
     reductions of bf16 activations, ~0.1% off; gradient norms sum squares of bf16 gradients,
     each ~0.4% off at most, and the errors partly cancel."""
-    result = train_layout(tmp_path, 1, 2, 4, ["parallel.zero_stage=1", "train.precision=bf16"])
+    result = layout_runs(BF16_LAYOUT[0])
     for optimizer in ("lamb", "adamw"):
         for step, (a, b) in enumerate(zip(result[optimizer]["history"], reference[optimizer]["history"]), start=1):
             assert a["loss"] == pytest.approx(b["loss"], rel=2e-3), f"{optimizer} step {step} loss"
@@ -237,7 +261,7 @@ def test_bf16_pipeline_zero1_tracks_fp32(reference, tmp_path):
         assert {r["parameter_dtypes"] for r in result[optimizer]["ranks"]} == {"torch.bfloat16"}
 
 
-def test_micro_batch_split_does_not_change_the_step(reference, tmp_path):
+def test_micro_batch_split_does_not_change_the_step(reference, layout_runs):
     """Gradient accumulation: the MLM loss of a step is one mean over every masked token of the
     global batch (PretrainingLoss), so global batch 8 as one micro-batch of 8 gives the step that
     4 micro-batches of 2 give, although those hold different numbers of masked tokens (checked
@@ -246,7 +270,7 @@ def test_micro_batch_split_does_not_change_the_step(reference, tmp_path):
 
     masked = [int(labels[1][i:i + 2].sum()) for _, labels in global_batches(FOUR_LAYERS) for i in range(0, 8, 2)]
     assert len(set(masked)) > 1, masked
-    result = train_layout(tmp_path, 1, 1, 1, ["train.micro_batch_size=8"])
+    result = layout_runs(MICRO_8_LAYOUT[0])
     for optimizer in ("lamb", "adamw"):
         for step, (a, b) in enumerate(zip(result[optimizer]["history"], reference[optimizer]["history"]), start=1):
             for key in ("loss", "lm_loss", "nsp_loss", "grad_norm"):

@@ -1,9 +1,10 @@
 """Signals as a cluster sends them, through launcher.sh at the default data.num_workers (loader
 processes running): SIGTERM to every process of the job (scancel, a SLURM time limit, a
 preemption, `kill -- -PGID`) under torchrun, the DeepSpeed launcher and the SLURM stand-in, and
-SIGTERM to the launcher alone, each saves one complete checkpoint and exits 0; the relaunch
-finishes with the weights of a straight run (1e-6). The jobs run side by side (a 2-rank job
-keeps 2 cores about half busy)."""
+SIGTERM to the launcher alone, each saves one complete checkpoint, holding the weights a straight
+run has at that step (1e-6), and exits 0; relaunched (once: resuming does not depend on the
+launcher), the job finishes with the straight run's final weights. The jobs run side by side (a
+2-rank job keeps 2 cores about half busy)."""
 import os
 import signal
 import subprocess
@@ -23,19 +24,22 @@ pytestmark = pytest.mark.slow
 
 STEPS = 20
 CASES = [("torchrun", "group"), ("deepspeed", "group"), ("slurm", "group"), ("torchrun", "launcher")]
+RELAUNCHED = CASES[0]
+STRAIGHT_SAVES = 10  # the straight run saves every 10 steps: at the step the signalled jobs stop at
 
 
-def job(launcher, ckpt, steps, bin_dir):
+def job(launcher, ckpt, steps, bin_dir, save_interval=100000):
     args = TINY + ["data.num_workers=2", f"train.train_steps={steps}", "scheduler.warmup_steps=1", "train.log_interval=1",
-                   "train.save_interval=100000", f"train.save_dir={ckpt}", f"train.load_dir={ckpt}"]
+                   f"train.save_interval={save_interval}", "train.keep_last=0", f"train.save_dir={ckpt}",
+                   f"train.load_dir={ckpt}"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     return ["bash", "launcher.sh", "--launcher", launcher, "--nproc-per-node", "2", "--master-port",
             str(free_port()), "pretrain", "--config", "configs/bert-tiny.yaml", *args], env
 
 
-def run(launcher, ckpt, steps, bin_dir, log):
-    command, env = job(launcher, ckpt, steps, bin_dir)
+def run(launcher, ckpt, steps, bin_dir, log, save_interval=100000):
+    command, env = job(launcher, ckpt, steps, bin_dir, save_interval)
     with open(log, "w") as out:
         code = subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600).returncode
     return code, log.read_text()
@@ -43,7 +47,9 @@ def run(launcher, ckpt, steps, bin_dir, log):
 
 def stop_and_relaunch(tmp, launcher, whom, bin_dir):
     """Start the job of STEPS steps, SIGTERM it (its process group, or the launcher alone) after
-    step 6 (it stops at the next stop check, train.stop_check_interval: step 10), then relaunch it. Returns (first exit status, first log, saved tag, second exit status, log)."""
+    step 6 (it stops at the next stop check, train.stop_check_interval: step 10), then relaunch the
+    RELAUNCHED case. Returns (first exit status, first log, saved tag, second exit status and log,
+    or None)."""
     name = f"{launcher}-{whom}"
     ckpt, first_log = tmp / name, tmp / f"{name}-first.log"
     command, env = job(launcher, ckpt, STEPS, bin_dir)
@@ -65,6 +71,8 @@ def stop_and_relaunch(tmp, launcher, whom, bin_dir):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     saved = (ckpt / "latest").read_text().strip() if (ckpt / "latest").exists() else None
+    if (launcher, whom) != RELAUNCHED:
+        return first, first_log.read_text(), saved, None, None
     second, second_log = run(launcher, ckpt, STEPS, bin_dir, tmp / f"{name}-second.log")
     return first, first_log.read_text(), saved, second, second_log
 
@@ -78,16 +86,22 @@ def runs(tmp_path_factory):
     srun.write_text(FAKE_SRUN.replace("#!/usr/bin/env python3", f"#!{sys.executable}"))
     srun.chmod(0o755)
     with ThreadPoolExecutor(len(CASES) + 1) as pool:
-        straight = pool.submit(run, "torchrun", tmp / "straight", STEPS, bin_dir, tmp / "straight.log")
+        straight = pool.submit(run, "torchrun", tmp / "straight", STEPS, bin_dir, tmp / "straight.log", STRAIGHT_SAVES)
         stopped = {case: pool.submit(stop_and_relaunch, tmp, *case, bin_dir) for case in CASES}
         code, log = straight.result()
         assert code == 0, log[-3000:]
-        return read_native(str(tmp / "straight")).weights, {case: f.result() for case, f in stopped.items()}
+        return tmp / "straight", {case: f.result() for case, f in stopped.items()}
+
+
+def assert_same_weights(ours: dict, straight: dict) -> None:
+    assert ours.keys() == straight.keys()
+    for name, tensor in straight.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-6, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("launcher,whom", CASES)
 def test_sigterm_saves_exits_0_and_the_relaunch_equals_a_straight_run(runs, launcher, whom):
-    straight, stopped = runs
+    straight_dir, stopped = runs
     first, first_log, saved, second, second_log = stopped[(launcher, whom)]
     assert first == 0, first_log[-4000:]
     assert saved is not None and "SIGTERM received: saving at step" in first_log, first_log[-4000:]
@@ -95,9 +109,12 @@ def test_sigterm_saves_exits_0_and_the_relaunch_equals_a_straight_run(runs, laun
     assert first_log.count("saved checkpoint") == 1, first_log[-4000:]  # one complete checkpoint
     assert "DataLoader worker" not in first_log  # the loader processes left the signal to their rank
     step = int(saved.split("_")[-1])
+    assert step % STRAIGHT_SAVES == 0, saved  # stopped at a stop check
+    ckpt = REPO / first_log.split("saved checkpoint ")[-1].split("\n")[0].strip()
+    assert_same_weights(read_native(str(ckpt)).weights, read_native(str(straight_dir / saved)).weights)
+    if (launcher, whom) != RELAUNCHED:
+        return
     assert second == 0 and f"resumed from" in second_log and f"at step {step} " in second_log, second_log[-3000:]
     assert f"step {step}/" not in second_log  # nothing before the checkpoint was trained again
-    weights = read_native(str(REPO / second_log.split("saved checkpoint ")[-1].split("\n")[0].strip())).weights
-    assert weights.keys() == straight.keys()
-    for name, tensor in straight.items():
-        torch.testing.assert_close(weights[name], tensor, rtol=1e-6, atol=1e-6, msg=name)
+    final = REPO / second_log.split("saved checkpoint ")[-1].split("\n")[0].strip()
+    assert_same_weights(read_native(str(final)).weights, read_native(str(straight_dir)).weights)

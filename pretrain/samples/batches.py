@@ -98,17 +98,19 @@ class LoaderError(RuntimeError):
 # deadlock in the child on a lock one of those threads held.
 LOADER_START_METHOD = "forkserver"
 # What the forkserver imports once, so that each loader process it forks starts with them loaded
-# (a loader process importing torch itself takes seconds); and signals left to the rank.
-FORKSERVER_PRELOAD = ["pretrain.samples._forkserver_init", "torch", "torch.utils.data", "numpy",
-                      "pretrain.samples.bert_dataset", "pretrain.samples.synthetic"]
+# (a loader process importing torch itself takes seconds); and signals left to the rank. The
+# dataset's own module is added: a corpus's (bert_dataset) brings megatron-core's indexed dataset,
+# 3 s of imports a synthetic dataset does not need.
+FORKSERVER_PRELOAD = ["pretrain.samples._forkserver_init", "torch", "torch.utils.data", "numpy"]
 
 
-def _loader_context(num_workers: int):
+def _loader_context(num_workers: int, dataset):
     if not num_workers:
         return None
     context = multiprocessing.get_context(LOADER_START_METHOD)
     if LOADER_START_METHOD == "forkserver":
-        context.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the server starts (once per process)
+        # read when the server starts: once per process, by the first loader
+        context.set_forkserver_preload(FORKSERVER_PRELOAD + [type(dataset).__module__])
     return context
 
 
@@ -161,7 +163,7 @@ class _Batches:
             dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
             prefetch_factor=prefetch_factor if num_workers else None, pin_memory=device.type == "cuda",
             persistent_workers=persistent and num_workers > 0,
-            multiprocessing_context=_loader_context(num_workers),
+            multiprocessing_context=_loader_context(num_workers, dataset),
             worker_init_fn=_loader_process_init if num_workers else None,
             # The loader draws a base seed for its workers; from its own generator, not the global
             # one the dropout streams and exact resume depend on (our samples need no torch RNG).

@@ -5,9 +5,6 @@ import os
 from typing import Callable
 
 from ..config import Config
-from .bert_dataset import CorpusSpec, SampleSettings, build_split_dataset
-from ..preprocess.indexed import DataError
-from .synthetic import SyntheticDataset
 from .token_ids import VocabError, WordPieceVocab
 
 
@@ -46,11 +43,18 @@ def pretraining_datasets(cfg: Config, is_builder: bool, barrier: Callable[[], No
     """
     d, t = cfg.data, cfg.train
     if d.kind == "synthetic":
+        from .synthetic import SyntheticDataset
+
         train = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions_per_seq, d.num_samples, d.seed,
                                  d.masked_lm_prob)
         valid = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions_per_seq, d.num_samples,
                                  d.seed + 1, d.masked_lm_prob)
         return train, valid, None
+    # here, not at the top: the configuration check (data_file_problems) must not wait for
+    # torch's and megatron-core's imports
+    from ..preprocess.indexed import DataError
+    from .bert_dataset import CorpusSpec, SampleSettings, build_split_dataset
+
     try:
         vocab = WordPieceVocab.from_file(d.vocab_file)
     except VocabError as err:
