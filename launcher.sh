@@ -32,7 +32,8 @@
 # the launch then exits 0. --max-restarts N (default 0) starts a failed job again, up to N times,
 # each run resuming from train.load_dir's latest checkpoint: a killed, crashed or hung rank (the
 # watchdog, train.hang_timeout_minutes) restarts; bad input and non-finite training do not, and
-# neither does a stop on SIGTERM. On several nodes give every node's launcher the same N.
+# neither does a stop on SIGTERM. On several nodes give every node's launcher the same N; restart k
+# rendezvous at --master-port + k, so keep those ports free too.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -254,10 +255,25 @@ rank_outcome() {  # the first rank's line starting with $1 (stopped|failed), wit
   echo "${line#"$1 "}"
 }
 
+# Restart k rendezvous at --master-port + k: on several nodes each node's launcher restarts on its
+# own, and one that restarts first must not join the previous attempt's store, still served until
+# node 0's tool has ended (it would start its ranks with that attempt's stale rendezvous).
+for_attempt() {  # $1: the attempt; sets run_cmd and MASTER_PORT
+  local port=$((master_port + $1)) previous="" arg
+  run_cmd=()
+  for arg in "${cmd[@]}"; do
+    [[ "$previous" != --master-port && "$previous" != --master_port ]] || arg="$port"
+    run_cmd+=("$arg")
+    previous="$arg"
+  done
+  export MASTER_PORT="$port"
+}
+
 attempt=0
 while :; do
   rm -f "$status_dir"/pid-* "$status_dir"/rank-*
-  "${cmd[@]}" &
+  for_attempt "$attempt"
+  "${run_cmd[@]}" &
   child=$!
   while kill -0 "$child" 2>/dev/null; do wait "$child" || true; done  # a trapped signal ends wait early
   code=0
@@ -270,9 +286,12 @@ while :; do
     echo "launcher.sh: the job stopped ($stopped); launch it again to resume" >&2
     exit 0
   fi
+  if [[ "$signalled" == INT ]]; then  # Ctrl-C: stop now, without a save
+    echo "launcher.sh: interrupted (SIGINT); a relaunch resumes from the last complete checkpoint the ranks named" >&2
+    exit 130
+  fi
   if [[ -n "$signalled" ]]; then
-    echo "launcher.sh: SIG$signalled: the job ended (exit $code) without a checkpoint of this run" >&2
-    [[ "$signalled" == INT ]] && exit 130
+    echo "launcher.sh: SIGTERM: the job ended (exit $code) before it could save" >&2
     exit 143
   fi
   failed="$(rank_outcome failed)"
@@ -282,7 +301,7 @@ while :; do
   fi
   if (( attempt < max_restarts )); then
     attempt=$((attempt + 1))
-    echo "launcher.sh: the job failed (exit $code); restart $attempt of $max_restarts, resuming from the latest checkpoint" >&2
+    echo "launcher.sh: the job failed (exit $code); restart $attempt of $max_restarts, resuming from the latest checkpoint (rendezvous port $((master_port + attempt)))" >&2
     continue
   fi
   if (( max_restarts > 0 )); then

@@ -101,9 +101,14 @@ class TrainSection:
     log_interval: int = 20
     progress: bool = True  # tqdm bars on the logging rank
     tf32: bool = True  # TF32 tensor cores for fp32 matrix products on GPUs (Ampere and later); no effect on CPU
+    # no training step, evaluation batch or save finished for this long: every rank writes what it was
+    # doing, which rank is stuck and every thread's stack, and ends (exit 124). 0 = no watchdog
+    hang_timeout_minutes: float = 15.0
 
     def problems(self) -> list[str]:
         p = []
+        if self.hang_timeout_minutes < 0:
+            p.append(f"train.hang_timeout_minutes ({self.hang_timeout_minutes}) must be >= 0 (0 turns the watchdog off)")
         if self.precision not in ("fp32", "bf16"):
             p.append(f"train.precision {self.precision!r} must be fp32 or bf16")
         if self.epochs <= 0 or self.lr <= 0 or not 0 <= self.warmup_ratio < 1:

@@ -39,6 +39,7 @@ from pretrain.optim import make_lr_scheduler
 from pretrain.optim.groups import group_by_kind
 from pretrain.optim.guard import wrap_optimizer_step
 from pretrain.optim.norms import exact_clipping_for
+from pretrain.watchdog import Watchdog
 
 from .config import FinetuneConfig
 from .inputs import Batches
@@ -108,6 +109,7 @@ class Finetuner:
             if self.train_features is not None else 0
         self.total_steps = max(1, math.ceil(t.epochs * self.steps_per_epoch))
         self.engine = self._build_engine()
+        self.watchdog = Watchdog.for_job(t.hang_timeout_minutes, parallel)
         self.writer = None
         if parallel.rank == parallel.logging_rank:
             os.makedirs(t.output_dir, exist_ok=True)
@@ -205,6 +207,13 @@ class Finetuner:
             yield [order[i] for i in micro_batch_indices(consumed, t.micro_batch_size, p.dp_rank, p.dp_size)]
 
     def train(self) -> dict:
+        self.watchdog.start()
+        try:
+            return self._train()
+        finally:
+            self.watchdog.stop()
+
+    def _train(self) -> dict:
         t = self.cfg.train
         history, best, self.train_losses = [], None, []
         if t.eval_only:
@@ -220,6 +229,7 @@ class Finetuner:
             steps_this_epoch = min(self.steps_per_epoch, self.total_steps - step)
             for s in range(steps_this_epoch):
                 lr = self.engine.get_lr()[0]
+                self.watchdog.doing(f"step {step + 1}: forward, backward, gradient reduction, optimizer", step)
                 losses = []
                 for indices in self._micro_batches(order, s):
                     inputs, labels = self.train_features.batch(indices, self.parallel.device)
@@ -228,6 +238,7 @@ class Finetuner:
                     self.engine.step()
                     losses.append(loss.detach())
                 step += 1
+                self.watchdog.progress(f"step {step}", step)
                 loss_value = self._mean_over_dp(torch.stack(losses).mean())
                 self.train_losses.append(loss_value)
                 progress.update(1)
@@ -279,8 +290,10 @@ class Finetuner:
         p, size = self.parallel, self.cfg.train.eval_batch_size
         self.engine.eval()
         mine = list(range(p.dp_rank, len(features), p.dp_size))
-        local = [self.engine(*features.batch(mine[i:i + size], p.device)[0]).float().cpu()
-                 for i in range(0, len(mine), size)]
+        local = []
+        for i in range(0, len(mine), size):
+            local.append(self.engine(*features.batch(mine[i:i + size], p.device)[0]).float().cpu())
+            self.watchdog.progress(f"evaluation batch {i // size + 1}")
         local = torch.cat(local).numpy() if local else None
         gathered = all_gather_object((mine, local), p.dp_group)
         shape = next(logits.shape[1:] for _, logits in gathered if logits is not None)
@@ -296,6 +309,7 @@ class Finetuner:
         caller knows whether this epoch is the best (`write_predictions`)."""
         metrics, self._pending_files = {}, {}
         for dev in self.dev_sets:
+            self.watchdog.doing(f"evaluating {dev.name} after epoch {epoch}")
             evaluation = self.task.evaluate(dev, self.outputs(dev.features), self.cfg.task)
             self._pending_files.update(evaluation.files)
             prefix = f"{dev.name}/" if len(self.dev_sets) > 1 else ""
@@ -315,6 +329,7 @@ class Finetuner:
 
     def predict_tests(self) -> None:
         for test in self.test_sets:
+            self.watchdog.doing(f"predicting {test.name}")
             files = self.task.submission_files(test, self.outputs(test.features), self.cfg.task)
             if self.parallel.rank == self.parallel.logging_rank:
                 write_files(os.path.join(self.cfg.train.output_dir, "submission"), files)
@@ -326,6 +341,7 @@ class Finetuner:
         from pretrain.checkpoint.hf import write_hf
 
         p = self.parallel
+        self.watchdog.doing(f"saving the epoch-{result['epoch']} weights")
         weights = {}
         for lp in logical_parameters(self.model.bert):
             local = lp.param.detach().float()  # on the model's device: the TP gather runs there
@@ -347,6 +363,7 @@ class Finetuner:
             json.dump(result, f, indent=2)
         shutil.rmtree(target, ignore_errors=True)
         os.replace(fresh, target)
+        self.watchdog.progress(f"the save of the epoch-{result['epoch']} weights")
         self.log(f"saved the epoch-{result['epoch']} weights to {target}")
 
 

@@ -32,7 +32,7 @@ from .optim.norms import counted_once, exact_clipping_for
 from .parallel import Parallel
 from .profiling import step_profiler
 from .timers import NoTimers, PhaseTimers
-from .watchdog import Heartbeats, Watchdog, process_state
+from .watchdog import Watchdog, process_state
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -111,7 +111,7 @@ class Trainer:
             if cfg.train.eval_results and parallel.rank == parallel.logging_rank else None
         self._evaluation_batches: dict[int, FixedMicroBatches] = {}  # loaders kept across evaluations, by dataset
         self._train_batches: MicroBatchIterator | None = None
-        self.watchdog = self._watchdog()
+        self.watchdog = Watchdog.for_job(cfg.train.hang_timeout_minutes, parallel, self._loader_report)
         self.writer = None
         if cfg.train.tensorboard_dir and parallel.rank == parallel.logging_rank:
             from torch.utils.tensorboard import SummaryWriter
@@ -192,13 +192,6 @@ class Trainer:
         timers.time_optimizer(internals.client_optimizer(self.engine))
         return timers
 
-    def _watchdog(self) -> Watchdog | None:
-        t, p = self.cfg.train, self.parallel
-        if not t.hang_timeout_minutes:
-            return None
-        heartbeats = Heartbeats(*p.store_address, p.rank, p.world_size) if p.store_address else None
-        return Watchdog(t.hang_timeout_minutes, p.rank, p.world_size, heartbeats, self._loader_report)
-
     def _loader_report(self) -> list[str]:
         """For the watchdog's dump: this rank's loader processes and what state each is in."""
         loaders = [("training", self._train_batches)] + [("evaluation", b) for b in self._evaluation_batches.values()]
@@ -206,12 +199,10 @@ class Trainer:
                 for name, batches in loaders if batches is not None for pid in batches.worker_pids()]
 
     def _doing(self, phase: str) -> None:
-        if self.watchdog is not None:
-            self.watchdog.doing(phase, self.step)
+        self.watchdog.doing(phase, self.step)
 
     def _progress(self, what: str) -> None:
-        if self.watchdog is not None:
-            self.watchdog.progress(what, self.step)
+        self.watchdog.progress(what, self.step)
 
     def _loader_workers(self) -> int:
         p = self.parallel
@@ -432,8 +423,7 @@ class Trainer:
         """Run to train.train_steps; returns the per-step metrics (for tests and callers)."""
         cfg, t = self.cfg, self.cfg.train
         previous = signal.signal(signal.SIGTERM, self._on_sigterm) if _main_thread() else None
-        if self.watchdog is not None:
-            self.watchdog.start()
+        self.watchdog.start()
         self._doing("resuming" if t.load_dir else "start-up")
         self.resume()
         self._progress("start-up")
@@ -498,8 +488,7 @@ class Trainer:
         finally:
             profiler.close()
             self.close_loaders()
-            if self.watchdog is not None:
-                self.watchdog.stop()
+            self.watchdog.stop()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
             if self.writer is not None:

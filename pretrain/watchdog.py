@@ -143,7 +143,8 @@ def process_state(pid: int) -> str:
 
 
 class Watchdog:
-    """One per rank; `start()` runs its thread, `stop()` ends it.
+    """One per rank; `start()` runs its thread, `stop()` ends it. A timeout of 0 turns it off:
+    `doing()` and `progress()` are then plain attribute writes and no thread starts.
 
     local_report: extra lines about this rank at the dump (its loader processes).
     """
@@ -164,19 +165,31 @@ class Watchdog:
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @classmethod
+    def for_job(cls, timeout_minutes: float, parallel, local_report: Callable[[], list[str]] = lambda: []) -> "Watchdog":
+        """The watchdog of this rank of a job started by init_parallel: heartbeats on the job's
+        store (when it has one) so that the ranks can name the stuck one."""
+        heartbeats = None
+        if timeout_minutes and parallel.store_address:
+            heartbeats = Heartbeats(*parallel.store_address, parallel.rank, parallel.world_size)
+        return cls(timeout_minutes, parallel.rank, parallel.world_size, heartbeats, local_report)
+
     # called by the trainer (main thread); plain attribute writes, read by the watchdog thread
     def doing(self, phase: str, step: int | None = None) -> None:
         self._activity.phase = phase
         if step is not None:
             self._activity.step = step
 
-    def progress(self, what: str, step: int) -> None:
+    def progress(self, what: str, step: int | None = None) -> None:
         self._activity.what_finished = what
-        self._activity.step = step
+        if step is not None:
+            self._activity.step = step
         self._activity.last_progress = time.monotonic()
 
     def start(self) -> "Watchdog":
         self._activity.last_progress = time.monotonic()
+        if not self.timeout:
+            return self
         self._stopped.clear()
         self._thread = threading.Thread(target=self._run, name="bert-watchdog", daemon=True)
         self._thread.start()
@@ -213,6 +226,7 @@ class Watchdog:
         return record
 
     def _run(self) -> None:
+        self._publish()  # at once: a rank frozen before its first interval is still known to have started
         while not self._stopped.wait(self.interval):
             self._publish()
             if time.monotonic() - self._activity.last_progress > self.timeout:

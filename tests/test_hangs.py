@@ -1,10 +1,11 @@
 """A frozen process ends the job within train.hang_timeout_minutes plus a minute, at the default
 collective timeout (10 minutes), with a diagnosis: the watchdog's line naming the stuck rank, the
 loader process states, and every thread's stack (faulthandler's format) of each rank that can still
-write. Two DP2 jobs at the default data.num_workers, side by side:
+write. Three DP2 jobs side by side, the pretraining ones at the default data.num_workers:
 - frozen-worker: one loader process of rank 1 stopped with SIGSTOP (a fork deadlock looks like that
   from outside): rank 1 waits for its batch, rank 0 for rank 1 in the gradient all-reduce;
-- frozen-rank: rank 1 itself stopped: rank 0 waits in a collective, rank 1 writes nothing.
+- frozen-rank: rank 1 itself stopped: rank 0 waits in a collective, rank 1 writes nothing;
+- frozen-finetuning: the same in fine-tuning (python -m finetune), which has its own watchdog.
 """
 import os
 import signal
@@ -18,6 +19,7 @@ import pytest
 
 from distributed import REPO, free_port
 from _train_worker import TINY
+from test_finetune_tasks import QUIET, repeat_task, tiny_bert
 
 pytestmark = pytest.mark.slow
 
@@ -27,15 +29,23 @@ STACK_HEADER = "most recent call first"  # faulthandler: "Thread 0x... (most rec
 
 def start_job(tmp_path, name):
     port = free_port()
-    overrides = TINY + ["data.num_workers=2", "train.train_steps=100000", "scheduler.warmup_steps=1", "train.log_interval=1",
-                        "train.dist_timeout_minutes=10", f"train.hang_timeout_minutes={HANG_MINUTES}"]
+    if name == "frozen-finetuning":  # 300 epochs of a small task, evaluated after each
+        files = repeat_task(tmp_path, train=64, dev=16)
+        command = ["-m", "finetune", "rte", *QUIET, f"model.init_from={tiny_bert(tmp_path)}", "train.epochs=300",
+                   f"task.train_file={files['train']}", f"task.dev_files=[{files['dev']}]", "train.global_batch_size=16",
+                   "train.micro_batch_size=8", f"train.output_dir={tmp_path / 'finetuned'}", "train.keep_best=false",
+                   "task.max_seq_length=12", f"train.hang_timeout_minutes={HANG_MINUTES}"]
+    else:
+        command = ["-m", "pretrain", "--config", "configs/bert-tiny.yaml", *TINY, "data.num_workers=2",
+                   "train.train_steps=100000", "scheduler.warmup_steps=1", "train.log_interval=1",
+                   "train.dist_timeout_minutes=10", f"train.hang_timeout_minutes={HANG_MINUTES}"]
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         log = open(tmp_path / f"{name}-rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "pretrain", "--config", "configs/bert-tiny.yaml",
-                                       *overrides], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen([sys.executable, *command], cwd=REPO, env=env, stdout=log,
+                                      stderr=subprocess.STDOUT))
     return procs
 
 
@@ -46,14 +56,15 @@ def loader_processes(rank_proc) -> list[psutil.Process]:
 
 
 def freeze_and_wait(tmp_path, name):
-    """Start a job, freeze its target at step 3, return (seconds until every live rank ended, exit
-    codes, the two logs)."""
+    """Start a job, freeze its target at step 3 (fine-tuning: after epoch 2), return (seconds until
+    every live rank ended, exit codes, the two logs)."""
     procs = start_job(tmp_path, name)
     logs = [tmp_path / f"{name}-rank{r}.log" for r in range(2)]
     frozen = None
+    started_training = "epoch 2 |" if name == "frozen-finetuning" else "step 3/"
     try:
         deadline = time.monotonic() + 300
-        while "step 3/" not in logs[0].read_text():
+        while started_training not in logs[0].read_text():
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
             time.sleep(0.2)
         if name == "frozen-worker":
@@ -79,8 +90,11 @@ def freeze_and_wait(tmp_path, name):
 @pytest.fixture(scope="module")
 def frozen_jobs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hangs")
-    with ThreadPoolExecutor(2) as pool:  # a 2-rank job keeps 2 cores about half busy
-        runs = {name: pool.submit(freeze_and_wait, tmp, name) for name in ("frozen-worker", "frozen-rank")}
+    for name in ("frozen-worker", "frozen-rank", "frozen-finetuning"):
+        (tmp / name).mkdir()
+    with ThreadPoolExecutor(3) as pool:  # a 2-rank job keeps 2 cores about half busy; a frozen one idles
+        runs = {name: pool.submit(freeze_and_wait, tmp / name, name)
+                for name in ("frozen-worker", "frozen-rank", "frozen-finetuning")}
         return {name: run.result() for name, run in runs.items()}
 
 
@@ -102,3 +116,12 @@ def test_frozen_rank_ends_the_job_naming_it(frozen_jobs):
     assert seconds < HANG_MINUTES * 60 + 60 and codes == [124], (codes, log0[-3000:])
     assert "stuck rank(s): 1" in log0 and "heartbeat stopped" in log0, log0[-3000:]
     assert STACK_HEADER in log0 and "watchdog: rank 0" in log0, log0[-3000:]
+
+
+def test_frozen_rank_in_fine_tuning_ends_the_job_naming_it(frozen_jobs):
+    seconds, codes, (log0, _), _ = frozen_jobs["frozen-finetuning"]
+    assert seconds < HANG_MINUTES * 60 + 60 and codes == [124], (codes, log0[-3000:])
+    assert "stuck rank(s): 1" in log0 and "heartbeat stopped" in log0, log0[-3000:]
+    assert STACK_HEADER in log0 and "watchdog: rank 0" in log0, log0[-3000:]
+    # where it waited: a step's gradient all-reduce, or the gather of an evaluation
+    assert "forward, backward, gradient reduction" in log0 or "evaluating" in log0, log0[-3000:]

@@ -1,0 +1,60 @@
+"""The watchdog in one process (pretrain/watchdog.py): no progress for the timeout gives the rank's
+account (step, phase, what last finished), every thread's stack and exit status 124; progress keeps
+it quiet; a timeout of 0 starts no thread. The trainers' use of it, end to end: test_hangs.py."""
+import io
+import threading
+import time
+
+import pytest
+
+from pretrain.watchdog import HUNG_EXIT_STATUS, Watchdog
+
+TIMEOUT_MINUTES = 0.01  # 0.6 s
+
+
+def watchdog(stream, ended):
+    return Watchdog(TIMEOUT_MINUTES, rank=3, world_size=1, heartbeats=None, stream=stream, end=ended.append,
+                    interval=0.05, local_report=lambda: ["loader process 42: S (sleeping)"])
+
+
+def wait_until(condition, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_no_progress_ends_the_process_with_the_ranks_account_and_stacks(tmp_path):
+    # a real file: faulthandler writes to a file descriptor, as the rank's stderr is
+    stream, ended = open(tmp_path / "rank3.log", "w+"), []
+    dog = watchdog(stream, ended).start()
+    dog.progress("step 2", 2)
+    dog.doing("step 3: forward, backward, gradient reduction, optimizer", 2)
+    wait_until(lambda: ended)
+    dog.stop()
+    stream.seek(0)
+    out = stream.read()
+    assert ended == [HUNG_EXIT_STATUS]
+    assert "watchdog: rank 3" in out and "made no progress" in out, out
+    assert "at step 2, step 3: forward, backward, gradient reduction, optimizer; last finished: step 2" in out, out
+    assert "watchdog: rank 3: loader process 42: S (sleeping)" in out, out
+    assert "most recent call first" in out and "test_no_progress_ends_the_process" in out, out  # this thread's stack
+    assert out.rstrip().endswith(f"ending the process (exit {HUNG_EXIT_STATUS})"), out
+
+
+def test_progress_keeps_it_quiet():
+    stream, ended = io.StringIO(), []
+    dog = watchdog(stream, ended).start()
+    for step in range(30):  # 1.5 s, 2.5 timeouts, progress every 0.05 s
+        dog.progress(f"step {step}", step)
+        time.sleep(0.05)
+    dog.stop()
+    assert ended == [] and stream.getvalue() == ""
+
+
+def test_a_timeout_of_0_starts_no_thread():
+    dog = Watchdog(0, rank=0, world_size=1, heartbeats=None, end=lambda status: pytest.fail("ended")).start()
+    dog.doing("anything", 1)
+    dog.progress("anything", 1)
+    assert not [t for t in threading.enumerate() if t.name == "bert-watchdog"]
+    dog.stop()
