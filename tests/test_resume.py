@@ -20,12 +20,23 @@ def train(tmp_path, name, tp, pp, world, overrides):
 
 
 def resume_matches_straight(tmp_path, tp, pp, world, extra):
+    """One job (its processes started once) runs the first half with a save, then the straight
+    run, then the resumed second half: the straight run in between leaves every random generator
+    of the process far from where the first half left it, so only a resume that restores them
+    draws the straight run's dropout masks."""
     ckpt = str(tmp_path / "ckpt")
-    straight = train(tmp_path, "straight", tp, pp, world, extra)
-    first = train(tmp_path, "first", tp, pp, world, extra + [f"train.save_dir={ckpt}", "train.exit_after_steps=3"])
-    assert (tmp_path / "ckpt" / "latest").read_text() == "iter_0000003"
-    second = train(tmp_path, "second", tp, pp, world, extra + [f"train.save_dir={ckpt}", f"train.load_dir={ckpt}"])
+    out = tmp_path / "runs.json"
+    runs = {"first": extra + [f"train.save_dir={ckpt}", "train.exit_after_steps=3"], "straight": extra,
+            "second": extra + [f"train.save_dir={ckpt}", f"train.load_dir={ckpt}"]}
+    run_ranks(["tests/_train_worker.py", str(out), str(tp), str(pp),
+               *[json.dumps({"name": name, "overrides": COMMON + overrides}) for name, overrides in runs.items()]],
+              world, timeout=600)
+    results = json.loads(out.read_text())
+    first, straight, second = results["first"], results["straight"], results["second"]
+    assert (tmp_path / "ckpt" / "latest").read_text() == "iter_0000006"  # the second half saved at its end
+    assert (tmp_path / "ckpt" / "iter_0000003").is_dir()
     assert len(first["history"]) == 3 and len(second["history"]) == 3
+    assert any("resumed from" in line and "at step 3" in line for line in second["log"]), second["log"]
     return straight, first["history"] + second["history"], second
 
 
