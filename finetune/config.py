@@ -9,9 +9,8 @@ from typing import Any, Sequence
 from pretrain.config import ConfigError, load_sections
 from pretrain.config.precision import precision_problems
 
+from .task_names import TASK_NAMES
 from .tasks import TASKS
-
-TASK_NAMES = tuple(TASKS)
 
 
 @dataclass

@@ -13,9 +13,8 @@ import os
 import sys
 
 from pretrain.cli import accept_launcher_args, run_command, run_distributed
-from pretrain.config import ConfigError
 
-from .config import TASK_NAMES, load_finetune_config
+from .task_names import TASK_NAMES  # torch-free: the tasks themselves are imported by start()
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,7 +38,10 @@ def main(argv=None) -> int:
 
 
 def start(args: argparse.Namespace) -> int:
+    from pretrain.config import ConfigError
     from pretrain.parallel import discover_launch_env
+
+    from .config import load_finetune_config
 
     launch = discover_launch_env()
     config = args.config or os.path.join(REPO, "configs", "finetune", f"{args.task}.yaml")

@@ -62,6 +62,17 @@ def write_files(directory: str, files: dict[str, str]) -> None:
                 f.write(content)
 
 
+# Pretraining heads fine-tuning never runs: that a checkpoint lacks them (a BertModel directory)
+# and they were initialised on reading is no news to a fine-tuning user. The pooler is: the task
+# heads read the pooled [CLS].
+UNUSED_PRETRAINING_HEADS = ("next-sentence head", "MLM head")
+
+
+def notes_that_matter(notes: list[str]) -> list[str]:
+    """The checkpoint reader's notes worth a fine-tuning log line."""
+    return [note for note in notes if not any(f" has no {head}:" in note for head in UNUSED_PRETRAINING_HEADS)]
+
+
 class Finetuner:
     def __init__(self, cfg: FinetuneConfig, parallel, log=None):
         self.cfg, self.parallel = cfg, parallel
@@ -74,7 +85,7 @@ class Finetuner:
             self.ckpt = read_any(cfg.model.init_from, with_optimizer=False)
         except CheckpointError as e:
             raise FinetuneError(str(e)) from None
-        for note in self.ckpt.notes:
+        for note in notes_that_matter(self.ckpt.notes):
             self.log(note)
         m = self.ckpt.config.model
         self.model_cfg = replace(m, hidden_dropout=m.hidden_dropout if cfg.model.hidden_dropout is None

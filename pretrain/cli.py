@@ -36,6 +36,18 @@ def _raise_terminated(signum, frame):
     raise Terminated()
 
 
+def positive_int(text: str) -> int:
+    """argparse type of counts and sizes (--tp, --batch-size, ...): 0 or less is bad usage (exit 2,
+    argparse's message naming the option), not an error deep in the program."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def accept_launcher_args(parser: argparse.ArgumentParser) -> None:
     """The deepspeed launcher appends --local_rank=N to every program's arguments; the rank is
     read from the environment (LOCAL_RANK), so the flag is accepted and ignored."""

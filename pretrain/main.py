@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 
-from .cli import accept_launcher_args, run_command, run_distributed
+from .cli import accept_launcher_args, positive_int, run_command, run_distributed
 from .config import ConfigError, load_config
 
 
@@ -21,7 +21,7 @@ def parse_args(argv=None):
     parser.add_argument("--config", required=True, help="YAML config (see configs/)")
     parser.add_argument("--check-config", action="store_true",
                         help="validate the config for --world-size (or the launcher's) and exit")
-    parser.add_argument("--world-size", type=int, default=None, help="with --check-config: ranks the job will have")
+    parser.add_argument("--world-size", type=positive_int, default=None, help="with --check-config: ranks the job will have")
     parser.add_argument("--restartable", action="store_true",
                         help="with --check-config: the launcher restarts failed runs, so they must resume "
                              "(train.save_dir and train.load_dir set)")
@@ -42,15 +42,20 @@ def start(args: argparse.Namespace) -> int:
         world_size = discover_launch_env().world_size
     try:
         cfg = load_config(args.config, args.overrides)
-        cfg.validate(world_size=world_size)
+        # every rule the file breaks, and every missing file, in one report: not one round per kind
+        problems = []
+        try:
+            cfg.validate(world_size=world_size)
+        except ConfigError as error:
+            problems += error.problems
         if cfg.train.precision == "fp16" and not args.check_config:
             import torch
 
             if not torch.cuda.is_available():
-                raise ConfigError("train.precision=fp16 needs a GPU (DeepSpeed has no fp16 on CPU); use bf16 or fp32")
+                problems.append("train.precision=fp16 needs a GPU (DeepSpeed has no fp16 on CPU); use bf16 or fp32")
         from .samples.provider import data_file_problems
 
-        problems = data_file_problems(cfg)
+        problems += data_file_problems(cfg)
         if args.restartable and not (cfg.train.save_dir and cfg.train.load_dir):
             problems.append("launcher.sh --max-restarts: a restart resumes from train.load_dir's latest checkpoint; "
                             "set train.save_dir and train.load_dir (usually the same directory)")

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .device import backend_for, select_device
+from .quiet import without_noise_lines
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,8 @@ def init_parallel(launch: LaunchEnv, tensor_parallel: int, pipeline_parallel: in
         dist.init_process_group(backend, store=store, rank=launch.rank, world_size=launch.world_size,
                                 timeout=timeout, **bound)
     # DeepSpeed's communication layer over the group just started (it starts none of its own)
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
+    with without_noise_lines():  # its CPU communication op's "built successfully", per rank
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     world = dist.get_world_size()
     model_parallel = tensor_parallel * pipeline_parallel
     if world % model_parallel:

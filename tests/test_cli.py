@@ -211,3 +211,69 @@ def test_one_base_for_the_users_errors():
 
     # a CPU tensor on an NCCL group is our bug: its traceback must stay
     assert not issubclass(DevicePlacementError, UserError)
+
+
+def load_tool(name):
+    """A tools/ script as a module (its main() does not run)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("program,argv,option", [
+    ("fill_mask", ["--checkpoint", "c", "--tp", "0"], "--tp"),
+    ("extract_features", ["--tp", "-1"], "--tp"),
+    ("convert_checkpoint", ["reshard", "--input", "a", "--output", "b", "--tp", "2", "--pp", "0"], "--pp"),
+    ("build_vocab", ["--input", "x", "--output-dir", "y", "--vocab-size", "0"], "--vocab-size"),
+    ("preprocess_data", ["--input", "x", "--output-prefix", "y", "--vocab-file", "z", "--workers", "0"], "--workers"),
+    ("pretrain", ["--check-config", "--world-size", "0", "--config", "c.yaml"], "--world-size"),
+])
+def test_sizes_below_1_are_bad_usage(program, argv, option, capsys):
+    """--tp 0 and the like: argparse's exit status 2 and a line naming the option (the README's
+    promise for bad usage), not an error from deep inside."""
+    if program == "pretrain":
+        from pretrain.main import parse_args
+    else:
+        parse_args = load_tool(program).parse_args
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {option}: must be a positive integer" in capsys.readouterr().err
+
+
+def test_hf_to_native_defaults_to_one_process():
+    args = load_tool("convert_checkpoint").parse_args(["hf-to-native", "--input", "hf", "--output", "out"])
+    assert (args.tp, args.pp) == (1, 1)
+    with pytest.raises(SystemExit):  # reshard exists to change the layout: it asks
+        load_tool("convert_checkpoint").parse_args(["reshard", "--input", "a", "--output", "b"])
+
+
+def test_finetune_help_answers_without_torch():
+    """`python -m finetune --help` (and a misspelt task) parse with the torch-free task names, which
+    are the tasks' own names in their order."""
+    from finetune.task_names import TASK_NAMES
+    from finetune.tasks import TASKS
+
+    assert TASK_NAMES == tuple(TASKS)
+    probe = ("import sys\nfrom finetune.main import parse_args\ntry:\n    parse_args(['--help'])\n"
+             "except SystemExit:\n    pass\nprint('torch loaded' if 'torch' in sys.modules else 'no torch')")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip().endswith("no torch"), done.stdout[-2000:] + done.stderr[-2000:]
+    assert "conll2003" in done.stdout
+
+
+def test_config_check_reports_every_problem_in_one_round(capsys):
+    """A rule the file breaks (the schedule) and a missing data file come in one report, not the
+    second only once the first is fixed (docs/training.md: every violated rule, one line each)."""
+    from pretrain.main import main
+
+    status = main(["--check-config", "--world-size", "1", "--config", str(REPO / "configs" / "bert-tiny.yaml"),
+                   "train.train_steps=10", "data.kind=indexed", "data.paths=[/nonexistent/corpus]",
+                   "data.vocab_file=/nonexistent/vocab.txt"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "scheduler.warmup_steps (100) must be <= train.train_steps (10)" in err, err
+    assert "data.paths: /nonexistent/corpus.bin does not exist" in err, err

@@ -180,3 +180,24 @@ def test_evaluate_squad_tool_is_a_drop_in(tmp_path):
     assert json.loads(out.stdout) == pytest.approx({"exact_match": 50.0, "f1": 100 * (1 + 2 / 3) / 2})
     bad = subprocess.run(tool + [str(tmp_path / "v1.json"), str(tmp_path / "missing.json")], capture_output=True, text=True)
     assert bad.returncode == 1 and "prediction file" in bad.stderr and "missing.json" in bad.stderr
+
+
+def test_fine_tuning_logs_only_the_heads_it_uses(tmp_path):
+    """Reading a BertModel directory initialises the next-sentence and MLM heads (pretraining's):
+    fine-tuning never runs them, so it does not log them; a missing pooler (BertForMaskedLM) it
+    reads the [CLS] through, so that note stays."""
+    from transformers import BertConfig, BertForMaskedLM, BertModel
+
+    from finetune.trainer import notes_that_matter
+    from pretrain.checkpoint.load import read_any
+
+    config = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=16)
+    BertModel(config).save_pretrained(tmp_path / "model")
+    BertForMaskedLM(config).save_pretrained(tmp_path / "mlm")
+    notes = read_any(str(tmp_path / "model"), with_optimizer=False).notes
+    assert any("has no next-sentence head" in n for n in notes) and any("has no MLM head" in n for n in notes), notes
+    kept = notes_that_matter(notes)
+    assert not any("next-sentence head" in n or "MLM head" in n for n in kept) and kept, kept  # "read BertModel ..." stays
+    mlm_notes = notes_that_matter(read_any(str(tmp_path / "mlm"), with_optimizer=False).notes)
+    assert any("has no pooler" in n for n in mlm_notes), mlm_notes

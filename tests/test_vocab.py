@@ -197,3 +197,36 @@ def test_cli(tmp_path):
     assert run.returncode == 1
     assert f"input glob '{tmp_path}/nope*.jsonl' matches no file" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_nothing_read_is_an_error_and_writes_nothing(tmp_path):
+    """A plain-text corpus read as JSON lines (the default), a wrong --json-keys, an empty input:
+    one error naming the file, the skips and the likely fix; nothing written (a 5-entry vocabulary
+    of special tokens only used to be written, exit 0)."""
+    text = tmp_path / "emma.txt"
+    text.write_text("\n".join(documents(30, seed=5)) + "\n")
+    out = str(tmp_path / "v.txt")
+    with pytest.raises(CorpusError, match=r"no text read from .*emma.txt \(--input-format jsonl, --json-keys text\): "
+                                          r"30 line\(s\) skipped \(bad JSON 30\).*needs --input-format text-lines"):
+        build_vocab([str(text)], "jsonl", ["text"], VocabOptions(vocab_size=300), out, None)
+    keyed = write_jsonl(str(tmp_path / "c.jsonl"), documents(10, seed=6))
+    with pytest.raises(CorpusError, match=r"missing key 10\).*--json-keys names the key"):
+        build_vocab([keyed], "jsonl", ["body"], VocabOptions(vocab_size=300), out, None)
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(CorpusError, match=r"the input is empty"):
+        build_vocab([str(tmp_path / "empty.txt")], "text-lines", ["text"], VocabOptions(vocab_size=300), out, None)
+    assert sorted(os.listdir(tmp_path)) == ["c.jsonl", "emma.txt", "empty.txt"]
+
+
+def test_a_vocabulary_is_not_replaced_by_a_smaller_one_unless_asked(tmp_path):
+    corpus = write_jsonl(str(tmp_path / "c.jsonl"), documents(100, seed=4))
+    tiny = write_jsonl(str(tmp_path / "tiny.jsonl"), ["a b a b"])
+    out = str(tmp_path / "vocab.txt")
+    size = build_vocab([corpus], "jsonl", ["text"], VocabOptions(vocab_size=300), out, None).vocab_size
+    before = open(out).read()
+    with pytest.raises(CorpusError, match=rf"vocab.txt holds {size} entries and this corpus gives 7 .*not replaced"):
+        build_vocab([tiny], "jsonl", ["text"], VocabOptions(vocab_size=300), out, None)
+    assert open(out).read() == before
+    report = build_vocab([tiny], "jsonl", ["text"], VocabOptions(vocab_size=300), out, None, replace_larger=True)
+    assert sum(1 for _ in open(out)) == report.vocab_size == 7
+    build_vocab([corpus], "jsonl", ["text"], VocabOptions(vocab_size=300), out, None)  # as large again: replaced

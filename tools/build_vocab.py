@@ -3,12 +3,14 @@
 usage: python tools/build_vocab.py --input FILE|GLOB [...] --output-dir DIR
            [--input-format jsonl|text-lines|text-blank-lines] [--json-keys text ...]
            [--lowercase | --cased] [--vocab-size 30522] [--min-frequency 2] [--limit-alphabet 1000]
-           [--strict]
+           [--strict] [--force]
 
 Writes DIR/vocab.txt (Google BERT's format: one token per line, id = line number - 1, [PAD] = 0,
 then [UNK] [CLS] [SEP] [MASK]) and DIR/tokenizer.json (the complete Hugging Face tokenizer:
 BertNormalizer, BertPreTokenizer, WordPiece, WordPiece decoder, [CLS]/[SEP] template), each under
-a temporary name renamed when complete. Exit status: 0 done, 1 error, 2 bad usage.
+a temporary name renamed when complete. No text read (a plain-text corpus read as JSON lines, a
+wrong --json-keys, an empty input) is an error, and an existing vocab.txt is not replaced by a
+smaller vocabulary without --force. Exit status: 0 done, 1 error, 2 bad usage.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import os
 import sys
 import time
 
-from pretrain.cli import run_command
+from pretrain.cli import positive_int, run_command
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,12 +35,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     case.add_argument("--lowercase", dest="lowercase", action="store_true", default=True,
                       help="lowercase and strip accents (uncased BERT; the default)")
     case.add_argument("--cased", dest="lowercase", action="store_false", help="keep case and accents (cased BERT)")
-    parser.add_argument("--vocab-size", type=int, default=30522, help="entries, special tokens included (default 30522)")
-    parser.add_argument("--min-frequency", type=int, default=2, help="minimum count of a merged pair (default 2)")
-    parser.add_argument("--limit-alphabet", type=int, default=1000,
+    parser.add_argument("--vocab-size", type=positive_int, default=30522, help="entries, special tokens included (default 30522)")
+    parser.add_argument("--min-frequency", type=positive_int, default=2, help="minimum count of a merged pair (default 2)")
+    parser.add_argument("--limit-alphabet", type=positive_int, default=1000,
                         help="keep the N most frequent characters; rarer ones become [UNK] (default 1000)")
     parser.add_argument("--output-dir", required=True, help="directory for vocab.txt and tokenizer.json")
     parser.add_argument("--strict", action="store_true", help="a malformed input line is an error, not a counted skip")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing vocab.txt in --output-dir even by a smaller vocabulary")
     return parser.parse_args(argv)
 
 
@@ -57,7 +61,8 @@ def build(args: argparse.Namespace) -> None:
     os.makedirs(args.output_dir, exist_ok=True)
     report = build_vocab(args.input, args.input_format, args.json_keys, options,
                          vocab_path=os.path.join(args.output_dir, "vocab.txt"),
-                         tokenizer_json_path=os.path.join(args.output_dir, "tokenizer.json"), strict=args.strict)
+                         tokenizer_json_path=os.path.join(args.output_dir, "tokenizer.json"), strict=args.strict,
+                         replace_larger=args.force)
     malformed = sum(report.problem_counts.values())
     print(f"read {report.files} file{'s' if report.files != 1 else ''}: {report.documents:,} documents, "
           f"{report.text_chars / 1e6:,.1f} M characters")

@@ -1,7 +1,7 @@
 """Convert BERT checkpoints between Hugging Face format and our native (DeepSpeed) layouts.
 
 usage:
-  python tools/convert_checkpoint.py hf-to-native --input HF_DIR --output DIR --tp T --pp P
+  python tools/convert_checkpoint.py hf-to-native --input HF_DIR --output DIR [--tp T] [--pp P]  (default TP1 x PP1)
   python tools/convert_checkpoint.py native-to-hf --input DIR --output HF_DIR [--vocab-file vocab.txt]
                                                 [--architecture BertForPreTraining|BertForMaskedLM|BertModel]
   python tools/convert_checkpoint.py reshard --input DIR --output DIR --tp T --pp P [--no-optimizer]
@@ -34,7 +34,7 @@ import os
 import sys
 import time
 
-from pretrain.cli import accept_launcher_args, run_command
+from pretrain.cli import accept_launcher_args, positive_int, run_command
 
 # pretrain.checkpoint.hf's tuple (a test checks): importing it here would make --help wait for torch
 PRETRAINING_ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel")
@@ -51,9 +51,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         accept_launcher_args(sub)
         sub.add_argument("--input", required=True)
         sub.add_argument("--output", required=True, help="new (or empty) directory")
-    for sub in (to_native, reshard):
-        sub.add_argument("--tp", type=int, required=True, help="tensor-parallel size of the output")
-        sub.add_argument("--pp", type=int, required=True, help="pipeline-parallel size of the output")
+    # hf-to-native: a Hugging Face model becomes a one-process checkpoint unless told otherwise;
+    # reshard exists to change the layout, so it asks
+    for sub, default in ((to_native, 1), (reshard, None)):
+        sub.add_argument("--tp", type=positive_int, default=default, required=default is None,
+                         help="tensor-parallel size of the output" + (f" (default {default})" if default else ""))
+        sub.add_argument("--pp", type=positive_int, default=default, required=default is None,
+                         help="pipeline-parallel size of the output" + (f" (default {default})" if default else ""))
     to_native.add_argument("--seed", type=int, default=1234, help="seed for initialising missing heads")
     reshard.add_argument("--no-optimizer", action="store_true", help="write the model weights only")
     to_hf.add_argument("--vocab-file", help="vocab.txt to ship, when the checkpoint carries none "

@@ -15,7 +15,7 @@ import argparse
 import sys
 import time
 
-from pretrain.cli import accept_launcher_args, run_command, run_distributed
+from pretrain.cli import accept_launcher_args, positive_int, run_command, run_distributed
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -25,10 +25,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--input-file", required=True)
     parser.add_argument("--output-file", required=True)
     parser.add_argument("--layers", default="-1,-2,-3,-4", help="comma-separated layer indexes; write --layers=-1,-2 (negative values need the =)")
-    parser.add_argument("--max-seq-length", type=int, default=128)
+    parser.add_argument("--max-seq-length", type=positive_int, default=128)
     parser.add_argument("--vocab-file", help="default: the checkpoint's own vocab.txt")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the world size when launched)")
+    parser.add_argument("--batch-size", type=positive_int, default=32)
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (the world size when launched)")
     accept_launcher_args(parser)
     args = parser.parse_args(argv)
     try:

@@ -28,7 +28,7 @@ import json
 import os
 import sys
 
-from pretrain.cli import accept_launcher_args, run_command, run_distributed
+from pretrain.cli import accept_launcher_args, positive_int, run_command, run_distributed
 from pretrain.errors import UsageError, UserError
 
 MASK = "[MASK]"
@@ -44,11 +44,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("sentences", nargs="*", metavar="SENTENCE", help=f"text with one or more {MASK}")
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--input-file", help="one sentence per line, instead of SENTENCE arguments")
-    parser.add_argument("--top-k", type=int, default=5, help="predictions per [MASK] (default 5)")
+    parser.add_argument("--top-k", type=positive_int, default=5, help="predictions per [MASK] (default 5)")
     parser.add_argument("--vocab-file", help="vocab.txt or tokenizer.json; default: the checkpoint's own")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the world size when launched)")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (the world size when launched)")
     parser.add_argument("--json", action="store_true", help="one JSON object per sentence")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=positive_int, default=32)
     accept_launcher_args(parser)
     args = parser.parse_args(argv)
     if bool(args.sentences) == bool(args.input_file):

@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from pretrain.cli import INTERRUPTED, run_command
+from pretrain.cli import INTERRUPTED, positive_int, run_command
 from pretrain.errors import UserError
 
 # Library imports happen inside run(): worker processes start by re-importing this file, and
@@ -61,15 +61,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument("--dtype", default="auto", choices=("auto", "uint16", "int32", "int64"),
                        help="token dtype; auto: uint16 below 65500 vocabulary entries, else int32")
     group = parser.add_argument_group("runtime")
-    group.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+    group.add_argument("--workers", type=positive_int, default=len(os.sched_getaffinity(0)),
                        help="worker processes (default: the CPUs available)")
-    group.add_argument("--partitions", type=int, default=1,
+    group.add_argument("--partitions", type=positive_int, default=1,
                        help="write the input in N consecutive parts to separate files, then merge them "
                             "(document order kept; the output is the same)")
     group.add_argument("--keep-sequential-samples", action="store_true",
                        help="accepted for Megatron compatibility; partitions always keep the input order")
-    group.add_argument("--log-interval", type=int, default=1000, help="documents between progress updates")
-    group.add_argument("--chunk-bytes", type=int, default=1 << 20,
+    group.add_argument("--log-interval", type=positive_int, default=1000, help="documents between progress updates")
+    group.add_argument("--chunk-bytes", type=positive_int, default=1 << 20,
                        help="input bytes per work unit (default 1 MiB)")
     group.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser.parse_args(argv)

@@ -103,9 +103,11 @@ def write_vocab(tokenizer: Tokenizer, vocab_path: str, tokenizer_json_path: str 
 
 def build_vocab(inputs: Sequence[str], input_format: str, json_keys: Sequence[str], options: VocabOptions,
                 vocab_path: str, tokenizer_json_path: str | None, strict: bool = False,
-                max_reported: int = 5) -> VocabReport:
+                max_reported: int = 5, replace_larger: bool = False) -> VocabReport:
     """Train on the documents of ``inputs`` and write the files; malformed lines are skipped and
-    counted (an error under ``strict``)."""
+    counted (an error under ``strict``). No text read is an error (CorpusError naming the files,
+    the skips and the likely cause), and so is replacing an existing vocab.txt by a smaller
+    vocabulary, unless ``replace_larger``: nothing is written then."""
     problems = options.problems()
     if problems:
         raise ValueError("; ".join(problems))
@@ -133,10 +135,44 @@ def build_vocab(inputs: Sequence[str], input_format: str, json_keys: Sequence[st
 
     tokenizer = train_wordpiece(texts(), options)
     report.problem_counts = {k: report.problem_counts[k] for k in PROBLEM_KINDS if k in report.problem_counts}
-    write_vocab(tokenizer, vocab_path, tokenizer_json_path)
+    if report.text_chars == 0:
+        raise CorpusError(_nothing_read(paths, input_format, json_keys, report))
     report.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    existing = _entries(vocab_path)
+    if existing is not None and existing > report.vocab_size and not replace_larger:
+        raise CorpusError(f"{vocab_path} holds {existing:,} entries and this corpus gives {report.vocab_size:,} "
+                          f"({report.documents:,} documents, {report.text_chars:,} characters): not replaced "
+                          "(--force replaces it; or choose another --output-dir)")
+    write_vocab(tokenizer, vocab_path, tokenizer_json_path)
     report.outputs = [vocab_path] + ([tokenizer_json_path] if tokenizer_json_path else [])
     return report
+
+
+def _nothing_read(paths: Sequence[str], input_format: str, json_keys: Sequence[str], report: VocabReport) -> str:
+    named = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    skipped = sum(report.problem_counts.values())
+    message = f"no text read from {named} (--input-format {input_format}"
+    message += f", --json-keys {' '.join(json_keys)})" if input_format == "jsonl" else ")"
+    if skipped:
+        kinds = ", ".join(f"{kind} {count:,}" for kind, count in report.problem_counts.items())
+        message += f": {skipped:,} line(s) skipped ({kinds}), the first {report.problems[0]}" if report.problems \
+            else f": {skipped:,} line(s) skipped ({kinds})"
+    if input_format == "jsonl" and report.problem_counts.get("bad JSON"):
+        message += "; a plain-text corpus needs --input-format text-lines or text-blank-lines"
+    elif input_format == "jsonl" and report.problem_counts.get("missing key"):
+        message += "; --json-keys names the key holding the text"
+    elif not skipped:
+        message += ": the input is empty"
+    return message
+
+
+def _entries(vocab_path: str) -> int | None:
+    """Lines of an existing vocabulary file, or None."""
+    try:
+        with open(vocab_path, "rb") as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return None
 
 
 def _located(path: str, line_base: int, problem: Problem) -> str:
