@@ -155,8 +155,9 @@ def _nothing_read(paths: Sequence[str], input_format: str, json_keys: Sequence[s
     message += f", --json-keys {' '.join(json_keys)})" if input_format == "jsonl" else ")"
     if skipped:
         kinds = ", ".join(f"{kind} {count:,}" for kind, count in report.problem_counts.items())
-        message += f": {skipped:,} line(s) skipped ({kinds}), the first {report.problems[0]}" if report.problems \
-            else f": {skipped:,} line(s) skipped ({kinds})"
+        message += f": {skipped:,} line(s) skipped ({kinds})"
+        if report.problems:
+            message += f", the first {report.problems[0]}"
     if input_format == "jsonl" and report.problem_counts.get("bad JSON"):
         message += "; a plain-text corpus needs --input-format text-lines or text-blank-lines"
     elif input_format == "jsonl" and report.problem_counts.get("missing key"):

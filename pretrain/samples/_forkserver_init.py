@@ -9,10 +9,6 @@ stop does not do, pretrain/samples/batches.py). And a rank that dies (SIGKILL, t
 takes this forkserver with it (the kernel's parent-death signal), and the forkserver its loader
 processes, so that nothing outlives the job holding memory or its log's pipe.
 """
-import signal
+from pretrain.samples.batches import leave_signals_to_the_rank
 
-from pretrain.samples.batches import die_with_parent
-
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-signal.signal(signal.SIGINT, signal.SIG_IGN)
-die_with_parent()
+leave_signals_to_the_rank()

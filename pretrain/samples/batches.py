@@ -114,20 +114,21 @@ def _loader_context(num_workers: int, dataset):
     return context
 
 
-def die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when its parent ends (prctl PR_SET_PDEATHSIG); elsewhere
-    nothing (torch's loader processes also watch their parent's pid)."""
+def leave_signals_to_the_rank() -> None:
+    """For the forkserver and every loader process: SIGTERM/SIGINT sent to the whole job must not
+    kill a loader under a rank that is about to save (the rank stops its loaders when it is done,
+    _stop_workers); and on Linux the process gets SIGKILL when its parent ends (prctl
+    PR_SET_PDEATHSIG, which a fork does not inherit: each process sets it itself; elsewhere torch's
+    loader processes watch their parent's pid)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
 
 
 def _loader_process_init(worker_id: int) -> None:
-    # Signals are the rank's: SIGTERM/SIGINT sent to the whole job must not kill a loader under a
-    # rank that is about to save; the rank stops its loaders when it is done (_stop_workers).
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent()  # the forkserver
+    leave_signals_to_the_rank()
 
 
 def _stop_workers(state: dict) -> None:
