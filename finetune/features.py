@@ -19,6 +19,7 @@ from pretrain.checkpoint.load import read_any
 from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer
 from pretrain.errors import UserError
 from pretrain.model.rng import RngTracker, seed_streams
+from pretrain.textfile import read_lines as read_text_lines
 
 from .inputs import fixed_length_tokenizer
 from .model import build_encoder, encoder_inputs, load_encoder
@@ -29,11 +30,7 @@ class FeatureError(UserError, ValueError):
 
 
 def read_lines(path: str) -> list[str | tuple[str, str]]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line.rstrip("\n") for line in f]
-    except OSError as e:
-        raise FeatureError(f"{path}: {e.strerror}") from None
+    lines = read_text_lines(path, FeatureError)
     texts = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():

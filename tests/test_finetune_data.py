@@ -93,6 +93,74 @@ def test_bad_glue_files_are_named(tmp_path, task, lines, split, message):
     assert message in str(error.value)
 
 
+MRPC_HEADER = "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String"
+
+
+@pytest.mark.parametrize("task, lines, message", [
+    # an MRPC file given as SST-2: the width is named, not the first label that cannot be SST-2's
+    ("sst2", [MRPC_HEADER, "1\t1\t2\tA.\tB."], "sst2.tsv:1 (header): 5 column(s), the sst2 train/dev layout has 2"),
+    ("mrpc", [MRPC_HEADER, "1\t1\t2\tA.\tB.", "0\t3\t4\tC.\tD.\textra"], "mrpc.tsv:3: 6 column(s), the mrpc train/dev "
+     "layout has 5"),
+    ("cola", ["1\t1\t2\tA.\tB."], "cola.tsv:1: 5 column(s), the cola train/dev layout has 4 (tab-separated, no "
+     "quoting); 5 is the layout of mrpc"),
+])
+def test_a_file_of_another_layout_is_named_by_its_width(tmp_path, task, lines, message):
+    path = write(tmp_path / f"{task}.tsv", lines)
+    with pytest.raises(TaskDataError) as error:
+        read_examples(TASKS[task], path, "train")
+    assert message in str(error.value)
+
+
+def test_qqp_rows_of_another_width_are_skipped_and_counted(tmp_path):
+    qqp = write(tmp_path / "qqp.tsv", ["id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate", "1\t1\t2\tHow?\tWhy?\t0",
+                                       "2\t3\t4\tWhat?\tWhat?\t1\tsurplus"])
+    examples, report = read_examples(TASKS["qqp"], qqp, "train")
+    assert len(examples) == 1 and report.skipped == {"extra fields": 1}
+
+
+def _latin1(path, lines):
+    path.write_bytes("".join(line + "\n" for line in lines).encode("latin-1"))
+    return str(path)
+
+
+@pytest.mark.parametrize("name, lines, column", [
+    ("rte.tsv", ["index\tsentence1\tsentence2\tlabel", "0\tA.\tB.\tentailment", "1\tCaf\u00e9.\tB.\tentailment"], 5),
+    ("rte.csv", ["sentence1,sentence2,label", "A.,B.,entailment", "Caf\u00e9.,B.,entailment"], 3),
+    ("rte.jsonl", ['{"sentence1": "A.", "sentence2": "B.", "label": "entailment"}', "",
+                   '{"sentence1": "Caf\u00e9.", "sentence2": "B.", "label": "entailment"}'], 18),
+])
+def test_invalid_utf8_in_a_glue_file_names_its_line(tmp_path, name, lines, column):
+    path = _latin1(tmp_path / name, lines)
+    with pytest.raises(TaskDataError) as error:
+        read_examples(TASKS["rte"], path, "train")
+    assert f"{path}:3: not valid UTF-8 (byte 0xe9 at byte {column} of the line)" in str(error.value)
+
+
+def test_invalid_utf8_in_squad_swag_and_feature_inputs_names_its_line(tmp_path):
+    from finetune.features import FeatureError, read_lines
+    from finetune.tasks.squad import read_squad
+    from finetune.tasks.swag import read_swag
+
+    squad = _latin1(tmp_path / "train.json", ['{"version": "1.1", "data": [', '{"title": "Caf\u00e9", "paragraphs": []}]}'])
+    with pytest.raises(TaskDataError, match=r"train.json:2: not valid UTF-8 \(byte 0xe9 at byte 14 of the line\)"):
+        read_squad(squad, "1.1", training=True)
+    swag = _latin1(tmp_path / "val.csv", ["sent1,sent2,ending0,ending1,ending2,ending3,label",
+                                          "Caf\u00e9,b,c,d,e,f,0"])
+    with pytest.raises(TaskDataError, match=r"val.csv:2: not valid UTF-8"):
+        read_swag(swag, "dev")
+    lines = _latin1(tmp_path / "lines.txt", ["one", "two", "caf\u00e9 three"])
+    with pytest.raises(FeatureError, match=r"lines.txt:3: not valid UTF-8 \(byte 0xe9 at byte 3 of the line\)"):
+        read_lines(lines)
+
+
+def test_feature_lines_split_as_text_mode_does(tmp_path):
+    from finetune.features import read_lines
+
+    path = tmp_path / "lines.txt"
+    path.write_bytes("a\r\nb ||| c\rd \u2028 e\n".encode())
+    assert read_lines(str(path)) == ["a", ("b", "c"), "d \u2028 e"]
+
+
 def test_submission_format(tmp_path):
     examples, _ = read_examples(TASKS["mnli"], write(tmp_path / "t.tsv", [
         "index\tpromptID\tpairID\tgenre\ts1b\ts2b\ts1p\ts2p\tsentence1\tsentence2",

@@ -30,6 +30,7 @@ import sys
 
 from pretrain.cli import accept_launcher_args, positive_int, run_command, run_distributed
 from pretrain.errors import UsageError, UserError
+from pretrain.textfile import read_lines
 
 MASK = "[MASK]"
 
@@ -63,13 +64,7 @@ def read_sentences(args) -> list[tuple[str, str]]:
     """(how to name it in an error, text) of every sentence."""
     if not args.input_file:
         return [(f"sentence {i} {text!r}", text) for i, text in enumerate(args.sentences, start=1)]
-    try:
-        with open(args.input_file, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        raise FillMaskError(f"--input-file {args.input_file}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise FillMaskError(f"--input-file {args.input_file}: not UTF-8 text") from None
+    lines = read_lines(args.input_file, FillMaskError, what="--input-file ")
     sentences = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():

@@ -19,6 +19,7 @@ CSV/JSON files mean what they mean there (MNLI: 0 entailment, 1 neutral, 2 contr
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import sys
@@ -28,6 +29,8 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from pretrain.textfile import read_lines, read_text
 
 from ..inputs import TextFeatures
 from .base import Dataset, Evaluation, Log, Read, ReadReport, Task, TaskDataError, TestFile
@@ -52,6 +55,7 @@ class Columns:
     label: int | None = None
     index: int | None = None
     header: bool = True
+    count: int | None = None  # columns of every row (None: it varies, MNLI; the needed ones must be there)
 
 
 # The metric that picks the best epoch, per key of glue_metrics.METRICS.
@@ -145,24 +149,24 @@ class GlueTask(Task):
 _BINARY = ("0", "1")
 _NLI2 = ("entailment", "not_entailment")
 GLUE_TASKS: dict[str, GlueTask] = {t.name: t for t in (
-    GlueTask("cola", "CoLA", _BINARY, "matthews", Columns(3, None, 1, header=False), Columns(1, None, index=0),
+    GlueTask("cola", "CoLA", _BINARY, "matthews", Columns(3, None, 1, header=False, count=4),
+             Columns(1, None, index=0, count=2), named=("sentence", None)),
+    GlueTask("sst2", "SST-2", _BINARY, "accuracy", Columns(0, None, 1, count=2), Columns(1, None, index=0, count=2),
              named=("sentence", None)),
-    GlueTask("sst2", "SST-2", _BINARY, "accuracy", Columns(0, None, 1), Columns(1, None, index=0),
-             named=("sentence", None)),
-    GlueTask("mrpc", "MRPC", _BINARY, "accuracy_f1", Columns(3, 4, 0), Columns(3, 4, index=0)),
-    GlueTask("stsb", "STS-B", None, "pearson_spearman", Columns(7, 8, 9), Columns(7, 8, index=0)),
-    GlueTask("qqp", "QQP", _BINARY, "accuracy_f1", Columns(3, 4, 5), Columns(1, 2, index=0),
+    GlueTask("mrpc", "MRPC", _BINARY, "accuracy_f1", Columns(3, 4, 0, count=5), Columns(3, 4, index=0, count=5)),
+    GlueTask("stsb", "STS-B", None, "pearson_spearman", Columns(7, 8, 9, count=10), Columns(7, 8, index=0, count=9)),
+    GlueTask("qqp", "QQP", _BINARY, "accuracy_f1", Columns(3, 4, 5, count=6), Columns(1, 2, index=0, count=3),
              named=("question1", "question2"), skip_malformed=True),
     GlueTask("mnli", "MNLI", ("entailment", "neutral", "contradiction"), "accuracy", Columns(8, 9, -1),
-             Columns(8, 9, index=0), dev_files=("dev_matched.tsv", "dev_mismatched.tsv"),
+             Columns(8, 9, index=0, count=10), dev_files=("dev_matched.tsv", "dev_mismatched.tsv"),
              test_files=(("test_matched.tsv", "-m"), ("test_mismatched.tsv", "-mm")),
              named=("premise", "hypothesis"), label_last=True, predicts_diagnostic=True),
-    GlueTask("qnli", "QNLI", _NLI2, "accuracy", Columns(1, 2, 3), Columns(1, 2, index=0),
+    GlueTask("qnli", "QNLI", _NLI2, "accuracy", Columns(1, 2, 3, count=4), Columns(1, 2, index=0, count=3),
              named=("question", "sentence")),
-    GlueTask("rte", "RTE", _NLI2, "accuracy", Columns(1, 2, 3), Columns(1, 2, index=0)),
-    GlueTask("wnli", "WNLI", _BINARY, "accuracy", Columns(1, 2, 3), Columns(1, 2, index=0)),
+    GlueTask("rte", "RTE", _NLI2, "accuracy", Columns(1, 2, 3, count=4), Columns(1, 2, index=0, count=3)),
+    GlueTask("wnli", "WNLI", _BINARY, "accuracy", Columns(1, 2, 3, count=4), Columns(1, 2, index=0, count=3)),
 )}
-AX_COLUMNS = Columns(1, 2, index=0)
+AX_COLUMNS = Columns(1, 2, index=0, count=3)
 AX_FILES = ("diagnostic.tsv", "AX.tsv")
 
 
@@ -197,22 +201,25 @@ def read_tsv(task: GlueTask, path: str, columns: Columns, with_labels: bool) -> 
     """Examples of a GLUE TSV file in the task's standard layout."""
     report = ReadReport(path)
     examples: list[Example] = []
-    try:
-        f = open(path, encoding="utf-8", newline="")
-    except OSError as e:
-        raise TaskDataError(f"{path}: {e.strerror}") from None
-    with f:
+    with io.StringIO(read_text(path, TaskDataError), newline="") as f:
         rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
         if columns.header:
             header = next(rows, None)
             if header is None:
                 raise TaskDataError(f"{path}: empty file")
+            if columns.count is not None and len(header) != columns.count:
+                raise TaskDataError(_layout_mismatch(task, columns, header, f"{path}:1 (header)"))
         wanted = [c for c in (columns.text_a, columns.text_b, columns.index) if c is not None]
         label_column = columns.label if with_labels else None
         for line, row in enumerate(rows, start=2 if columns.header else 1):
             where = f"{path}:{line}"
             if not row or row == [""]:
                 continue
+            if columns.count is not None and len(row) != columns.count:
+                if task.skip_malformed:
+                    report.skip("missing fields" if len(row) < columns.count else "extra fields", where)
+                    continue
+                raise TaskDataError(_layout_mismatch(task, columns, row, where))
             needed = max(wanted + ([label_column] if label_column not in (None, -1) else []))
             if len(row) <= needed or (label_column == -1 and len(row) <= max(wanted) + 1):
                 if task.skip_malformed:
@@ -230,6 +237,16 @@ def read_tsv(task: GlueTask, path: str, columns: Columns, with_labels: bool) -> 
     return examples, report
 
 
+def _layout_mismatch(task: GlueTask, columns: Columns, row: list[str], where: str) -> str:
+    """A row (or header) of the wrong width: name the layout mismatch, and the tasks whose layout
+    has that width, before any symptom of it (a label out of range) could be reported."""
+    split = "test" if columns in (task.test, AX_COLUMNS) else "train/dev"
+    alike = sorted({t.name for t in GLUE_TASKS.values() for c in (t.train, t.test) if c.count == len(row)} - {task.name})
+    guess = f"; {len(row)} is the layout of {', '.join(alike)}: is this another task's file?" if alike else ""
+    return (f"{where}: {len(row)} column(s), the {task.name} {split} layout has {columns.count} "
+            f"(tab-separated, no quoting){guess}")
+
+
 def read_named(task: GlueTask, path: str, text_a: str | None = None, text_b: str | None = None,
                label: str = "label", index: str = "idx", with_labels: bool = True) -> tuple[list[Example], ReadReport]:
     """Examples of a .csv, .json (a list of objects) or .jsonl file with named columns."""
@@ -238,17 +255,15 @@ def read_named(task: GlueTask, path: str, text_a: str | None = None, text_b: str
     report = ReadReport(path)
     try:
         if path.endswith(".csv"):
-            with open(path, encoding="utf-8", newline="") as f:
-                reader = csv.DictReader(f)
-                rows = [(f"{path}:{n}", r) for n, r in enumerate(reader, start=2)]
-                fields = reader.fieldnames or []
+            reader = csv.DictReader(io.StringIO(read_text(path, TaskDataError), newline=""))
+            rows = [(f"{path}:{n}", r) for n, r in enumerate(reader, start=2)]
+            fields = reader.fieldnames or []
         elif path.endswith(".jsonl"):
-            with open(path, encoding="utf-8") as f:
-                rows = [(f"{path}:{n}", json.loads(line)) for n, line in enumerate(f, start=1) if line.strip()]
+            lines = read_lines(path, TaskDataError)
+            rows = [(f"{path}:{n}", json.loads(line)) for n, line in enumerate(lines, start=1) if line.strip()]
             fields = sorted({k for _, r in rows for k in r})
         elif path.endswith(".json"):
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+            data = json.loads(read_text(path, TaskDataError))
             if isinstance(data, dict) and isinstance(data.get("data"), list):
                 data = data["data"]
             if not isinstance(data, list):

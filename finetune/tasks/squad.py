@@ -28,6 +28,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pretrain.textfile import read_text
+
 from ..inputs import Batches
 from ..squad_metrics import evaluate_v1, evaluate_v2
 from ..windows import is_max_context, windows
@@ -129,10 +131,7 @@ def read_squad(path: str, version: str, training: bool) -> tuple[list[SquadExamp
     answer whose answer_start does not point at its text is skipped and counted."""
     report = ReadReport(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            document = json.load(f)
-    except OSError as e:
-        raise TaskDataError(f"{path}: {e.strerror}") from None
+        document = json.loads(read_text(path, TaskDataError))
     except json.JSONDecodeError as e:
         raise TaskDataError(f"{path}: not valid JSON ({e})") from None
     data = document.get("data") if isinstance(document, dict) else None

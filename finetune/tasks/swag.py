@@ -13,6 +13,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pretrain.textfile import read_text
+
 from ..inputs import TextFeatures
 from .base import Dataset, Evaluation, Log, Read, ReadReport, Task, TaskDataError
 from .glue import Example, prediction_table
@@ -84,31 +86,28 @@ class ChoiceExample(Example):
 def read_swag(path: str, split: str) -> tuple[list[ChoiceExample], ReadReport]:
     with_labels = split != "test"
     report = ReadReport(path)
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
-            reader = csv.DictReader(f)
-            fields = reader.fieldnames
-            if not fields:
-                raise TaskDataError(f"{path}: empty file")
-            needed = ["sent1", "sent2", *ENDINGS] + (["label"] if with_labels else [])
-            absent = [c for c in needed if c not in fields]
-            if absent:
-                raise TaskDataError(f"{path}: missing column(s) {', '.join(absent)} (has: {', '.join(fields)})")
-            examples = []
-            for line, row in enumerate(reader, start=2):
-                where = f"{path}:{line}"
-                if any(row.get(c) is None for c in needed):
-                    raise TaskDataError(f"{where}: missing value for {', '.join(c for c in needed if row.get(c) is None)}")
-                label = None
-                if with_labels:
-                    label = row["label"].strip()
-                    if label not in LABELS:
-                        raise TaskDataError(f"{where}: label {row['label']!r} is not one of 0, 1, 2, 3")
-                guid = row.get("fold-ind") or row.get("video-id") or str(line - 2)
-                examples.append(ChoiceExample(guid, row["sent1"], row["sent2"], label,
-                                              tuple(row[e] for e in ENDINGS)))
-    except OSError as e:
-        raise TaskDataError(f"{path}: {e.strerror}") from None
+    with io.StringIO(read_text(path, TaskDataError), newline="") as f:
+        reader = csv.DictReader(f)
+        fields = reader.fieldnames
+        if not fields:
+            raise TaskDataError(f"{path}: empty file")
+        needed = ["sent1", "sent2", *ENDINGS] + (["label"] if with_labels else [])
+        absent = [c for c in needed if c not in fields]
+        if absent:
+            raise TaskDataError(f"{path}: missing column(s) {', '.join(absent)} (has: {', '.join(fields)})")
+        examples = []
+        for line, row in enumerate(reader, start=2):
+            where = f"{path}:{line}"
+            if any(row.get(c) is None for c in needed):
+                raise TaskDataError(f"{where}: missing value for {', '.join(c for c in needed if row.get(c) is None)}")
+            label = None
+            if with_labels:
+                label = row["label"].strip()
+                if label not in LABELS:
+                    raise TaskDataError(f"{where}: label {row['label']!r} is not one of 0, 1, 2, 3")
+            guid = row.get("fold-ind") or row.get("video-id") or str(line - 2)
+            examples.append(ChoiceExample(guid, row["sent1"], row["sent2"], label,
+                                          tuple(row[e] for e in ENDINGS)))
     if not examples:
         raise TaskDataError(f"{path}: no examples")
     report.examples = len(examples)

@@ -22,6 +22,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from pretrain.textfile import read_lines
+
 from .base import ReadReport, TaskDataError
 
 DOCSTART = "-DOCSTART-"
@@ -132,13 +134,7 @@ def read_tagged(path: str, tag_column: int, labels: Sequence[str]) -> tuple[list
     """Documents of a CoNLL-format file, or of JSON lines (.jsonl/.json). Raises TaskDataError
     naming file:line for a line that cannot be read; empty sentences of JSON lines are skipped and
     counted."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        raise TaskDataError(f"{path}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise TaskDataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    lines = read_lines(path, TaskDataError)
     report = ReadReport(path)
     reader = _read_json_lines if path.endswith((".jsonl", ".json")) else _read_conll
     documents = [d for d in reader(path, lines, tag_column, labels, report) if d.sentences]
