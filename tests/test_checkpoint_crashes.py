@@ -188,20 +188,34 @@ def garble(path):
 
 
 def without_file_list(tag_dir):
-    """A checkpoint written before meta.json listed its files."""
+    """A checkpoint written before meta.json listed its files (and their CRC32s)."""
     meta = json.loads((tag_dir / "meta.json").read_text())
-    del meta["files"]
+    del meta["files"], meta["crc32"]
     (tag_dir / "meta.json").write_text(json.dumps(meta))
+
+
+def overwrite_in_place(path):
+    """Bytes changed, size kept (a copy of another run's shard, a disk that flipped a block)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    path.write_bytes(bytes(data))
 
 
 DAMAGE = {
     "truncated model states": (MODEL, truncate, "has .* bytes, .* when saved"),
+    "model states overwritten in place": (MODEL, overwrite_in_place, "has other bytes than when it was saved"),
     "missing model states": (MODEL, os.remove, "is missing"),
     "missing optimizer shard": (OPTIMIZER, os.remove, "is missing"),
     "truncated rng": (RNG, truncate, "has .* bytes, .* when saved"),
     "truncated meta.json": ("meta.json", truncate, "cannot read"),
     "garbled meta.json": ("meta.json", garble, "cannot read"),
 }
+
+
+# Every kind of damage is found by the in-process checks; the programs (a resume, a conversion) run
+# for one damage of each check: sizes, meta.json, contents.
+THROUGH_THE_PROGRAMS = ("truncated model states", "garbled meta.json", "model states overwritten in place")
 
 
 @pytest.mark.slow
@@ -214,10 +228,13 @@ def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path, saved_checkpoin
     damage(path)
     before = sorted(p.name for p in ckpt.rglob("*"))
 
-    # Found by the check before anything is loaded (no process group, no engine here).
+    # Found by the checks before anything is loaded (no process group, no engine here): sizes when
+    # the resume looks for the latest checkpoint, contents (CRC32) before anything is loaded.
     with pytest.raises(CheckpointError, match=message) as found:
-        latest_tag(str(ckpt))
+        verify_checkpoint(str(ckpt / latest_tag(str(ckpt))), contents=True)
     assert str(path) in str(found.value)
+    if case not in THROUGH_THE_PROGRAMS:
+        return
 
     proc = pretrain(tmp_path, [f"train.save_dir={ckpt}", f"train.load_dir={ckpt}", "train.exit_after_steps=2"])
     output = proc.stdout + proc.stderr
@@ -229,6 +246,11 @@ def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path, saved_checkpoin
     assert "starting from scratch" not in output and "step 1/" not in proc.stdout
     assert sorted(p.name for p in ckpt.rglob("*")) == before
     assert (ckpt / "latest").read_text() == "iter_0000002"
+
+    converted = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "native-to-hf", "--input", str(ckpt),
+                                "--output", str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert converted.returncode == 1 and str(path) in converted.stderr, converted.stdout + converted.stderr
+    assert len(converted.stderr.strip().splitlines()) == 1 and not (tmp_path / "hf").exists()
 
 
 @pytest.mark.slow

@@ -101,7 +101,7 @@ def test_sentences_match_reference(tmp_path, vocab, reference_tokenizer):
     expected = reference(reference_tokenizer, docs, split=True)
     prefix = str(tmp_path / "out" / "ds_text_sentence")
     assert read_dataset(prefix) == expected
-    assert files(tmp_path / "out") == ["ds_text_sentence.bin", "ds_text_sentence.idx"]
+    assert files(tmp_path / "out") == ["ds_text_sentence.bin", "ds_text_sentence.fingerprint.json", "ds_text_sentence.idx"]
     stats = report.keys["text"]
     assert report.records == 300 and stats.empty_documents == 12 and stats.documents == len(expected) == 288
     assert stats.sentences == sum(map(len, expected)) and stats.sentences > 2 * stats.documents
@@ -313,6 +313,40 @@ def test_open_indexed_dataset_reads_megatron_files_and_refuses_broken_ones(tmp_p
     broken(bin_bytes, bytes(idx), "offsets disagree")
 
 
+def test_a_foreign_idx_or_a_bin_rewritten_in_place_is_refused_by_the_fingerprint(tmp_path):
+    """Structurally sound pairs the size and offset checks cannot tell apart from the real one: an
+    .idx of another segmentation of as many tokens, and a .bin with other tokens of the same size."""
+    docs = [[[5, 6, 7], [8]], [[9, 10]], [], [[11] * 40]]
+    _megatron_build(str(tmp_path / "m"), docs, dtype=np.int32)
+    ours = str(tmp_path / "ours")
+    merge_datasets([str(tmp_path / "m")], ours)  # writes the fingerprint, as preprocessing does
+    assert json.loads(open(ours + ".fingerprint.json").read())["bin_bytes"] == 46 * 4
+    dataset = open_indexed_dataset(ours)  # kept: its items are views of its mapping
+    assert dataset[0].tolist() == [5, 6, 7]
+
+    def replace(path, data):  # a new file: megatron-core keeps the old one mapped
+        open(path + ".new", "wb").write(data)
+        os.replace(path + ".new", path)
+
+    _megatron_build(str(tmp_path / "other"), [[[5, 6], [7, 8]], [[9, 10]], [], [[11] * 40]], dtype=np.int32)
+    good_idx, good_bin = open(ours + ".idx", "rb").read(), open(ours + ".bin", "rb").read()
+
+    replace(ours + ".idx", open(str(tmp_path / "other.idx"), "rb").read())
+    with pytest.raises(DataError, match=rf"^{ours}\.idx is not the file preprocessing wrote with {ours}\.bin: "
+                                        r".* \(a foreign or rewritten \.idx\); if the files were replaced on purpose, "
+                                        rf"delete {ours}\.fingerprint\.json$"):
+        open_indexed_dataset(ours)
+    replace(ours + ".idx", good_idx)
+    rewritten = np.frombuffer(good_bin, dtype=np.int32).copy()
+    rewritten[1] = 12
+    replace(ours + ".bin", rewritten.tobytes())
+    with pytest.raises(DataError, match=rf"^{ours}\.bin is not the file preprocessing wrote with {ours}\.idx"):
+        open_indexed_dataset(ours)
+    os.remove(ours + ".fingerprint.json")  # no fingerprint (Megatron-LM's own files): the structural checks only
+    dataset = open_indexed_dataset(ours)
+    assert dataset[0].tolist() == [5, 12, 7]
+
+
 # --------------------------------------------------------------------------------------------
 # Bad input
 # --------------------------------------------------------------------------------------------
@@ -455,7 +489,7 @@ def test_cli_success_and_usage_errors(tmp_path, vocab):
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
     assert "key 'text': 50 documents" in stdout and "MB/s" in stdout
-    assert files(tmp_path) == ["ds_text_sentence.bin", "ds_text_sentence.idx", "in.jsonl"]
+    assert files(tmp_path) == ["ds_text_sentence.bin", "ds_text_sentence.fingerprint.json", "ds_text_sentence.idx", "in.jsonl"]
     proc = _cli(["--input", corpus, "--output-prefix", str(tmp_path / "x"), "--vocab-file", str(tmp_path / "nope.txt")])
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1 and f"vocab file '{tmp_path}/nope.txt' does not exist" in stderr

@@ -86,6 +86,28 @@ def test_raw_text_to_pretrained_model(prepared):
     phase2 = [(int(s), float(lm)) for s, lm, _, _ in STEP.findall(out2)]
     assert phase2[0][1] < first_lm - 1.0, (phase2, first_lm)
 
+    # Another vocabulary of the same size (two tokens swapped): resuming phase 2, or starting from
+    # phase 1, is refused before any rank starts, naming both files; train.accept_new_vocab allows it.
+    tokens = (root / "vocab" / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    tokens[100], tokens[101] = tokens[101], tokens[100]
+    swapped = root / "swapped_vocab.txt"
+    swapped.write_text("\n".join(tokens) + "\n", encoding="utf-8")
+    phase2_args = common(root, vocab.size) + ["data.seq_length=128", "data.max_predictions_per_seq=20",
+                                              "train.train_steps=25", "scheduler.warmup_steps=5"]
+    for how, where, load in (("resumes", f"{root}/phase2/iter_0000025", f"train.load_dir={root}/phase2"),
+                             ("starts from (train.init_from)", f"{root}/phase1/iter_0000400",
+                              f"train.init_from={root}/phase1")):
+        args = [sys.executable, "-m", "pretrain", "--check-config", "--world-size", "2", "--config",
+                "configs/bert-tiny.yaml", *phase2_args, load, f"data.vocab_file={swapped}"]
+        refused = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert (f"data.vocab_file {swapped} is not the vocabulary of the checkpoint this run {how}, {where}/vocab.txt: "
+                f"2 of the ids have another token (e.g. id 100: {tokens[100]!r} here, {tokens[101]!r} there)"
+                in refused.stderr), refused.stderr
+        accepted = subprocess.run(args + ["train.accept_new_vocab=true"], cwd=REPO, capture_output=True, text=True,
+                                  timeout=60)
+        assert accepted.returncode == 0, accepted.stdout + accepted.stderr
+
 
 def test_separate_validation_and_test_corpora(prepared, tmp_path):
     """data.valid_paths / data.test_paths (Megatron's --valid-data-path / --test-data-path): the

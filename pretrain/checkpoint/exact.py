@@ -18,10 +18,11 @@ import numpy as np
 import torch
 
 from ..config import Config
-from ..device import barrier
+from ..device import all_gather_object, barrier
 from ..model.rng import seed_streams
-from .format import (LATEST, META, PARTIAL, REPLACED, TAG_PATTERN, CheckpointError, check_compatible, complete_tags,
-                     latest_tag, layout_of, model_shape_of, read_meta, rng_file, tag_for, verify_checkpoint)
+from .format import (LATEST, META, PARTIAL, REPLACED, TAG_PATTERN, CheckpointError, check_compatible, checkpoint_files,
+                     complete_tags, content_problems, damaged, fingerprints, latest_tag, layout_of, model_shape_of,
+                     read_meta, rng_file, tag_for, verify_checkpoint, with_older_checkpoints)
 from .tokenizer_files import save_vocab
 
 
@@ -110,6 +111,11 @@ def save_checkpoint(engine, save_dir: str, step: int, consumed_samples: int, cfg
     if parallel.rank == 0 and cfg.data.vocab_file:
         save_vocab(cfg.data.vocab_file, staging)
     barrier()  # every rank's files are written
+    # Rank 0 lists the files, every rank fingerprints its share of them (a save's whole size is
+    # read once, in parallel), rank 0 records all in meta.json.
+    share = (parallel.rank, parallel.world_size)
+    names = all_gather_object(checkpoint_files(staging) if parallel.rank == 0 else None)[0]
+    sums = {name: crc for part in all_gather_object(fingerprints(staging, names, share)) for name, crc in part.items()}
     if parallel.rank == 0:
         meta = {
             "step": step,
@@ -118,7 +124,8 @@ def save_checkpoint(engine, save_dir: str, step: int, consumed_samples: int, cfg
             "layout": layout_of(cfg, parallel),
             "model_shape": model_shape_of(cfg),
             "config": cfg.to_dict(),
-            "files": _file_sizes(staging),
+            "files": {name: os.path.getsize(os.path.join(staging, name)) for name in names},
+            "crc32": dict(sorted(sums.items())),
         }
         _atomic_write(os.path.join(staging, META), json.dumps(meta, indent=2))
         _publish(staging, os.path.join(save_dir, tag))
@@ -127,16 +134,6 @@ def save_checkpoint(engine, save_dir: str, step: int, consumed_samples: int, cfg
         _prune(save_dir, keep_last, keep=tag)
     barrier()
     return tag
-
-
-def _file_sizes(tag_dir: str) -> dict[str, int]:
-    """Every file under tag_dir (relative path -> size in bytes): what a resume checks."""
-    sizes = {}
-    for root, _, files in os.walk(tag_dir):
-        for name in files:
-            path = os.path.join(root, name)
-            sizes[os.path.relpath(path, tag_dir)] = os.path.getsize(path)
-    return dict(sorted(sizes.items()))
 
 
 def _publish(staging: str, final: str) -> None:
@@ -188,7 +185,12 @@ def load_checkpoint(engine, load_dir: str, cfg: Config, parallel, tracker, log=p
     if tag is None:
         return None
     path = os.path.join(load_dir, tag)
-    check_compatible(read_meta(path), cfg, parallel, path)  # latest_tag verified the files
+    meta = read_meta(path)  # latest_tag verified the files' sizes; now their contents
+    try:
+        verify_contents(path, meta, parallel)
+    except CheckpointError as e:
+        raise with_older_checkpoints(e, load_dir, tag) from None
+    check_compatible(meta, cfg, parallel, path)
     rng_path = rng_file(path, parallel.rank)
     if not os.path.exists(rng_path):
         raise CheckpointError(f"{rng_path} is missing: the checkpoint was written by a different number of ranks")
@@ -207,12 +209,23 @@ def load_checkpoint(engine, load_dir: str, cfg: Config, parallel, tracker, log=p
     return step, client_state["consumed_samples"]
 
 
+def verify_contents(tag_dir: str, meta: dict, parallel) -> None:
+    """Every file's CRC32 against meta.json, each rank reading its share; every rank raises the
+    same error (one collective), so no rank goes on into a load the others refused."""
+    found = content_problems(tag_dir, meta, (parallel.rank, parallel.world_size))
+    problems = [problem for part in all_gather_object(found) for problem in part]
+    if problems:
+        raise damaged(problems)
+
+
 def init_from_checkpoint(engine, tag_dir: str, cfg: Config, parallel, optimizer_states: bool) -> int:
     """Load the weights (and optionally optimizer moments) of a checkpoint of this run's layout
     into a fresh run: no step, data position, LR schedule or RNG state. Returns the step it was
     saved at. (Other layouts and Hugging Face directories: load.init_from.)"""
     tag_dir = os.path.normpath(tag_dir)
-    check_compatible(verify_checkpoint(tag_dir), cfg, parallel, tag_dir)
+    meta = verify_checkpoint(tag_dir)
+    verify_contents(tag_dir, meta, parallel)
+    check_compatible(meta, cfg, parallel, tag_dir)
     client_state = _engine_load(engine, tag_dir, load_module_only=not optimizer_states,
                                 load_optimizer_states=optimizer_states, load_lr_scheduler_states=False)
     return int((client_state or {}).get("step", -1))

@@ -29,9 +29,9 @@ from ..config import Config
 from ..model.bert import full_initial_value
 from ..model.names import spec_modules
 from ..optim.groups import group_by_kind
-from .format import (LATEST, META, MOMENTS, CheckpointError, check_complete, config_of, head_of, hf_parameter_info,
-                     layer_file, model_ranks, model_shape_of, mp_file, read_meta, resolve_tag_dir, stage_param_names,
-                     stage_spec_range, tag_for, zero_file)
+from .format import (LATEST, META, MOMENTS, CheckpointError, check_complete, checkpoint_files, config_of, fingerprints,
+                     head_of, hf_parameter_info, layer_file, model_ranks, model_shape_of, mp_file, resolve_tag_dir,
+                     stage_param_names, stage_spec_range, tag_for, verify_checkpoint, zero_file)
 from .sharding import local_value, unpad_vocab
 from .tokenizer_files import check_vocab_fits, copy_vocab_files, has_tokenizer
 
@@ -235,7 +235,7 @@ def read_native(path: str, with_optimizer: bool = True) -> LogicalCheckpoint:
     """Whole fp32 tensors (HF names, unpadded vocabulary) of the checkpoint at `path` (a save_dir
     or one of its iter_* directories), from any TP x PP x DP layout and ZeRO stage."""
     tag_dir = resolve_tag_dir(path)
-    meta = read_meta(tag_dir)
+    meta = verify_checkpoint(tag_dir, contents=True)  # sizes and CRC32s: this reads every file anyway
     cfg = config_of(meta, tag_dir)
     layout = meta["layout"]
     tp, pp = layout["tensor_parallel"], layout["pipeline_parallel"]
@@ -398,6 +398,7 @@ def write_native(ckpt: LogicalCheckpoint, out_dir: str, tp: int, pp: int, with_o
                         continue  # the last stage's copy of the tied embedding: DeepSpeed keeps the first
                     assert spec != decoder_spec
                     torch.save(layer, layer_file(tag_dir, spec, t))
+        names = checkpoint_files(tag_dir)
         meta = {
             "step": ckpt.step,
             "consumed_samples": ckpt.consumed_samples,
@@ -410,6 +411,8 @@ def write_native(ckpt: LogicalCheckpoint, out_dir: str, tp: int, pp: int, with_o
             "optimizer_state": with_optimizer,
             "converted_from": converted_from or ckpt.source,
             "initialised_heads": ckpt.initialised_heads,
+            "files": {name: os.path.getsize(os.path.join(tag_dir, name)) for name in names},
+            "crc32": fingerprints(tag_dir, names),
         }
         with open(os.path.join(tag_dir, META), "w") as f:
             json.dump(meta, f, indent=2)

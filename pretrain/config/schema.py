@@ -254,6 +254,10 @@ class TrainConfig:
     # a checkpoint in load_dir takes precedence, so a restarted phase-2 run resumes itself
     init_from: str | None = None
     init_optimizer_states: bool = False
+    # resume (or init_from) a checkpoint trained with another vocabulary than data.vocab_file: a
+    # deliberate change (the embedding of a changed id keeps what it learnt for the old token).
+    # Without it such a run is refused, naming both files
+    accept_new_vocab: bool = False
     tensorboard_dir: str | None = None
     # time each phase of a step (data, forward, backward, gradient reduction, optimizer; ms per step
     # on the log line and time/* in TensorBoard); on a GPU it synchronises at every phase boundary

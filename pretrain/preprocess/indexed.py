@@ -27,6 +27,7 @@ from typing import BinaryIO, Iterator
 import numpy as np
 
 from ..errors import UserError
+from .fingerprint import fingerprint_problem
 
 with warnings.catch_warnings():
     # megatron-core warns on import that optional GPU kernels are missing
@@ -150,7 +151,8 @@ def validate_indexed_dataset(prefix: str) -> IndexHeader:
 
     Reads the whole index in bounded blocks: lengths non-negative, byte offsets consistent with
     them, document boundaries from 0 to S without going back, and the .bin's size equal to the
-    sum of lengths times the dtype's size.
+    sum of lengths times the dtype's size. Then both files' sampled contents against the
+    fingerprint preprocessing wrote (fingerprint.py), when there is one.
     """
     idx_path, bin_path = get_idx_path(prefix), get_bin_path(prefix)
     if not os.path.exists(idx_path) and not os.path.exists(bin_path):
@@ -185,6 +187,9 @@ def validate_indexed_dataset(prefix: str) -> IndexHeader:
         if previous != header.sequence_count:
             raise DataError(f"{idx_path}: corrupt index (the last document ends at sequence {previous}, "
                             f"not at the last sequence {header.sequence_count})")
+    problem = fingerprint_problem(prefix, bin_path, idx_path)  # contents: a foreign .idx of the same length
+    if problem:
+        raise DataError(problem)
     return header
 
 

@@ -9,6 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from .atomic import atomic_outputs
+from .fingerprint import fingerprint_path, write_fingerprint
 from .indexed import DataError, StreamingIndexedDatasetBuilder, get_bin_path, get_idx_path, validate_indexed_dataset
 
 __all__ = ["MergeResult", "expand_prefixes", "merge_datasets"]
@@ -57,7 +58,8 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str) -> MergeResult:
     os.makedirs(os.path.dirname(out_abs), exist_ok=True)
     dtype = headers[0].dtype
     bin_path, idx_path = get_bin_path(output_prefix), get_idx_path(output_prefix)
-    with atomic_outputs([bin_path, idx_path]) as temps:
+    fingerprint = fingerprint_path(output_prefix)
+    with atomic_outputs([bin_path, fingerprint, idx_path]) as temps:  # the .idx renamed last
         builder = StreamingIndexedDatasetBuilder(temps[bin_path], dtype=dtype)
         try:
             for prefix in prefixes:
@@ -67,4 +69,5 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str) -> MergeResult:
             builder.finalize(temps[idx_path])
         finally:
             builder.close()
+        write_fingerprint(temps[bin_path], temps[idx_path], temps[fingerprint])
     return result

@@ -45,6 +45,7 @@ from .corpus import (
     iter_chunks,
 )
 from .encode import ChunkEncoder, EncodedChunk, EncodeOptions, encode_in_worker, init_worker
+from .fingerprint import fingerprint_path, write_fingerprint
 from .tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -186,7 +187,9 @@ def preprocess(options: PreprocessOptions, encoder_factory: type[ChunkEncoder] =
     report = PreprocessReport(files=len(paths), tokenizer=info.source, dtype=np.dtype(dtype).name,
                               keys={key: KeyReport(prefix) for key, prefix in prefixes.items()},
                               disk_bytes=sum(os.path.getsize(p) for p in paths), notes=list(info.warnings))
-    finals = [path for prefix in prefixes.values() for path in (get_bin_path(prefix), get_idx_path(prefix))]
+    # the .idx last: renamed last, a crash between renames leaves no .idx (visibly incomplete)
+    finals = [path for prefix in prefixes.values()
+              for path in (get_bin_path(prefix), fingerprint_path(prefix), get_idx_path(prefix))]
     # The tokenizer reaches the workers as a file, not as an argument: a worker's start-up data
     # goes through a pipe the parent fills before going on, and beyond the pipe's 64 KiB a worker
     # dying during start-up would block the parent forever (CPython holds the pipe's read end
@@ -208,6 +211,8 @@ def preprocess(options: PreprocessOptions, encoder_factory: type[ChunkEncoder] =
         )
         with _Interrupts().installed() as interrupts, atomic_outputs(finals) as temps:
             _run(options, paths, encode_options, encoder_factory, dtype, prefixes, temps, report, started, interrupts)
+            for prefix in prefixes.values():
+                write_fingerprint(temps[get_bin_path(prefix)], temps[get_idx_path(prefix)], temps[fingerprint_path(prefix)])
     finally:
         remove_quietly([tokenizer_path])
     report.elapsed = time.perf_counter() - started
