@@ -17,6 +17,7 @@ import torch
 from pretrain.checkpoint.format import CheckpointError
 from pretrain.checkpoint.load import read_any
 from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer
+from pretrain.diskspace import disk_full_named
 from pretrain.errors import UserError
 from pretrain.model.rng import RngTracker, seed_streams
 from pretrain.textfile import read_lines as read_text_lines
@@ -66,24 +67,34 @@ def extract_features(checkpoint: str, input_file: str, output_file: str, layers:
     bert.to(parallel.device).eval()  # its inputs are made on the device below
     texts = read_lines(input_file)
     tmp = f"{output_file}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as out:
-        for start in range(0, len(texts), batch_size):
-            encoded = tokenizer.encode_batch(texts[start:start + batch_size])
-            ids = torch.tensor([e.ids for e in encoded], device=parallel.device)
-            types = torch.tensor([e.type_ids for e in encoded], device=parallel.device)
-            mask = torch.tensor([e.attention_mask for e in encoded], device=parallel.device)
-            states = bert.hidden_states(encoder_inputs(ids, types, mask))
-            for row, e in enumerate(encoded):
-                features = []
-                for position, token in enumerate(e.tokens):
-                    if not e.attention_mask[position]:
-                        break
-                    features.append({"token": token, "layers": [
-                        {"index": layer, "values": [round(v, 6) for v in states[layer][row, position].tolist()]}
-                        for layer in layers]})
-                out.write(json.dumps({"linex_index": start + row, "features": features}) + "\n")
+    try:
+        with disk_full_named(output_file, "the features"), open(tmp, "w", encoding="utf-8") as out:
+            write_features(out, texts, tokenizer, bert, layers, batch_size, parallel.device)
+    except BaseException:
+        os.remove(tmp)
+        raise
     if parallel.rank == 0:
         os.replace(tmp, output_file)
     else:
         os.remove(tmp)
     return len(texts)
+
+
+def write_features(out, texts, tokenizer, bert, layers: list[int], batch_size: int, device) -> None:
+    """google-research/bert's JSON lines: every token with the values of each requested layer."""
+    for start in range(0, len(texts), batch_size):
+        encoded = tokenizer.encode_batch(texts[start:start + batch_size])
+        ids = torch.tensor([e.ids for e in encoded], device=device)
+        types = torch.tensor([e.type_ids for e in encoded], device=device)
+        mask = torch.tensor([e.attention_mask for e in encoded], device=device)
+        states = bert.hidden_states(encoder_inputs(ids, types, mask))
+        for row, e in enumerate(encoded):
+            features = []
+            for position, token in enumerate(e.tokens):
+                if not e.attention_mask[position]:
+                    break
+                features.append({"token": token, "layers": [
+                    {"index": layer, "values": [round(v, 6) for v in states[layer][row, position].tolist()]}
+                    for layer in layers]})
+            out.write(json.dumps({"linex_index": start + row, "features": features}) + "\n")
+

@@ -26,6 +26,7 @@ from pretrain.checkpoint.load import read_any
 from pretrain.checkpoint.sharding import unpad_vocab
 from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer, save_vocab
 from pretrain.config import deepspeed_settings
+from pretrain.diskspace import disk_full_named
 from pretrain.preprocess.atomic import atomic_outputs
 from pretrain.samples.batches import micro_batch_indices
 from pretrain.device import (DeviceError, all_gather, all_gather_object, all_reduce, configure_math, describe,
@@ -272,9 +273,8 @@ class Finetuner:
         summary = {"task": self.task.name, "history": history, "best": best, "train_losses": self.train_losses}
         if self.parallel.rank == self.parallel.logging_rank:
             path = os.path.join(self.cfg.train.output_dir, "metrics.json")
-            with open(path + ".tmp", "w") as f:
+            with atomic_outputs([path]) as temporary, open(temporary[path], "w") as f:
                 json.dump(summary, f, indent=2)
-            os.replace(path + ".tmp", path)
             self.writer.flush()
             self.log(f"best: epoch {best['epoch']} " + " ".join(f"{k} {v:.4f}" for k, v in best["metrics"].items()))
         return summary
@@ -366,12 +366,17 @@ class Finetuner:
         target = os.path.join(self.cfg.train.output_dir, "best")
         fresh = target + ".new"
         shutil.rmtree(fresh, ignore_errors=True)
-        with tempfile.TemporaryDirectory() as vocab_dir:
-            save_vocab(self.tokenizer.source, vocab_dir)  # the tokenizer this model was fine-tuned with
-            write_hf(replace(ckpt, vocab_dir=vocab_dir), fresh, architecture=self.task.architecture,
-                     config_extra=self.task.export_config())
-        with open(os.path.join(fresh, "finetune_result.json"), "w") as f:
-            json.dump(result, f, indent=2)
+        try:
+            with disk_full_named(fresh, f"the epoch-{result['epoch']} weights"):
+                with tempfile.TemporaryDirectory() as vocab_dir:
+                    save_vocab(self.tokenizer.source, vocab_dir)  # the tokenizer this model was fine-tuned with
+                    write_hf(replace(ckpt, vocab_dir=vocab_dir), fresh, architecture=self.task.architecture,
+                             config_extra=self.task.export_config())
+                with open(os.path.join(fresh, "finetune_result.json"), "w") as f:
+                    json.dump(result, f, indent=2)
+        except BaseException:
+            shutil.rmtree(fresh, ignore_errors=True)  # the previous best stays as it was
+            raise
         shutil.rmtree(target, ignore_errors=True)
         os.replace(fresh, target)
         self.watchdog.progress(f"the save of the epoch-{result['epoch']} weights")

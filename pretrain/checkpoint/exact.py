@@ -19,6 +19,7 @@ import torch
 
 from ..config import Config
 from ..device import all_gather_object, barrier
+from ..diskspace import disk_full_named
 from ..model.rng import seed_streams
 from .format import (LATEST, META, PARTIAL, REPLACED, TAG_PATTERN, CheckpointError, check_compatible, checkpoint_files,
                      complete_tags, content_problems, damaged, fingerprints, latest_tag, layout_of, model_shape_of,
@@ -103,35 +104,38 @@ def save_checkpoint(engine, save_dir: str, step: int, consumed_samples: int, cfg
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)  # what a killed save of this step left
     barrier()  # nobody writes into the directory while rank 0 removes it
-    client_state = {"step": step, "consumed_samples": consumed_samples}
-    engine.save_checkpoint(save_dir, tag=staging_tag, client_state=client_state, save_latest=False)
-    rng_path = rng_file(staging, parallel.rank)
-    torch.save(rng_state(tracker), rng_path + ".tmp")
-    os.replace(rng_path + ".tmp", rng_path)
-    if parallel.rank == 0 and cfg.data.vocab_file:
-        save_vocab(cfg.data.vocab_file, staging)
-    barrier()  # every rank's files are written
-    # Rank 0 lists the files, every rank fingerprints its share of them (a save's whole size is
-    # read once, in parallel), rank 0 records all in meta.json.
-    share = (parallel.rank, parallel.world_size)
-    names = all_gather_object(checkpoint_files(staging) if parallel.rank == 0 else None)[0]
-    sums = {name: crc for part in all_gather_object(fingerprints(staging, names, share)) for name, crc in part.items()}
-    if parallel.rank == 0:
-        meta = {
-            "step": step,
-            "consumed_samples": consumed_samples,
-            "world_size": parallel.world_size,
-            "layout": layout_of(cfg, parallel),
-            "model_shape": model_shape_of(cfg),
-            "config": cfg.to_dict(),
-            "files": {name: os.path.getsize(os.path.join(staging, name)) for name in names},
-            "crc32": dict(sorted(sums.items())),
-        }
-        _atomic_write(os.path.join(staging, META), json.dumps(meta, indent=2))
-        _publish(staging, os.path.join(save_dir, tag))
-        _atomic_write(os.path.join(save_dir, LATEST), tag)
-        _fsync_dir(save_dir)
-        _prune(save_dir, keep_last, keep=tag)
+    # A full disk: one line naming the directory and the space left (DeepSpeed's torch.save says
+    # `unexpected pos` or `iostream error`, not ENOSPC)
+    with disk_full_named(staging, f"the checkpoint of step {step}", f"this save is never loaded; `{LATEST}` is unchanged"):
+        client_state = {"step": step, "consumed_samples": consumed_samples}
+        engine.save_checkpoint(save_dir, tag=staging_tag, client_state=client_state, save_latest=False)
+        rng_path = rng_file(staging, parallel.rank)
+        torch.save(rng_state(tracker), rng_path + ".tmp")
+        os.replace(rng_path + ".tmp", rng_path)
+        if parallel.rank == 0 and cfg.data.vocab_file:
+            save_vocab(cfg.data.vocab_file, staging)
+        barrier()  # every rank's files are written
+        # Rank 0 lists the files, every rank fingerprints its share of them (a save's whole size is
+        # read once, in parallel), rank 0 records all in meta.json.
+        share = (parallel.rank, parallel.world_size)
+        names = all_gather_object(checkpoint_files(staging) if parallel.rank == 0 else None)[0]
+        sums = {name: crc for part in all_gather_object(fingerprints(staging, names, share)) for name, crc in part.items()}
+        if parallel.rank == 0:
+            meta = {
+                "step": step,
+                "consumed_samples": consumed_samples,
+                "world_size": parallel.world_size,
+                "layout": layout_of(cfg, parallel),
+                "model_shape": model_shape_of(cfg),
+                "config": cfg.to_dict(),
+                "files": {name: os.path.getsize(os.path.join(staging, name)) for name in names},
+                "crc32": dict(sorted(sums.items())),
+            }
+            _atomic_write(os.path.join(staging, META), json.dumps(meta, indent=2))
+            _publish(staging, os.path.join(save_dir, tag))
+            _atomic_write(os.path.join(save_dir, LATEST), tag)
+            _fsync_dir(save_dir)
+            _prune(save_dir, keep_last, keep=tag)
     barrier()
     return tag
 

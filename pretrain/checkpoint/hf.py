@@ -18,6 +18,7 @@ import shutil
 import torch
 
 from ..config import Config, ConfigError
+from ..diskspace import disk_full_named
 from ..preprocess.tokenizer import SPECIAL_TOKENS, TokenizerError, load_tokenizer, read_vocab
 from ..model.names import MLM_BIAS, WORD_EMBEDDINGS
 from .format import (CONFIG_JSON, HEADS, LATEST, META, TOKENIZER_FILES, TOKENIZER_JSON, VOCAB_FILE, CheckpointError,
@@ -347,18 +348,19 @@ def write_hf(ckpt: LogicalCheckpoint, out_dir: str, vocab_file: str | None = Non
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        m = ckpt.config.model
-        if vocab_file is not None:
-            shutil.copyfile(vocab_file, os.path.join(tmp, VOCAB_FILE))
-            pad_id = _write_tokenizer_files(tmp, tmp, m.max_position_embeddings, m.vocab_size)
-        else:
-            pad_id = _write_tokenizer_files(vocab_dir, tmp, m.max_position_embeddings, m.vocab_size)
-        save_file(_written_tensors(ckpt, architecture), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(tmp, CONFIG_JSON), "w") as f:
-            json.dump({**hf_config(ckpt.config, pad_id, architecture), **(config_extra or {})}, f, indent=2)
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)
-        os.replace(tmp, out_dir)
+        with disk_full_named(out_dir, "the Hugging Face model"):
+            m = ckpt.config.model
+            if vocab_file is not None:
+                shutil.copyfile(vocab_file, os.path.join(tmp, VOCAB_FILE))
+                pad_id = _write_tokenizer_files(tmp, tmp, m.max_position_embeddings, m.vocab_size)
+            else:
+                pad_id = _write_tokenizer_files(vocab_dir, tmp, m.max_position_embeddings, m.vocab_size)
+            save_file(_written_tensors(ckpt, architecture), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+            with open(os.path.join(tmp, CONFIG_JSON), "w") as f:
+                json.dump({**hf_config(ckpt.config, pad_id, architecture), **(config_extra or {})}, f, indent=2)
+            if os.path.isdir(out_dir):
+                os.rmdir(out_dir)
+            os.replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -13,6 +13,8 @@ import contextlib
 import os
 from typing import Iterator, Sequence
 
+from ..diskspace import disk_full_named
+
 __all__ = ["temp_path", "atomic_outputs", "remove_quietly"]
 
 
@@ -33,10 +35,12 @@ def remove_quietly(paths: Sequence[str]) -> None:
 @contextlib.contextmanager
 def atomic_outputs(finals: Sequence[str], tag: str | None = None) -> Iterator[dict[str, str]]:
     """Yield {final: temporary path}; on success rename each temporary file over its final name
-    (in order), on any exception (KeyboardInterrupt included) delete the temporary files."""
+    (in order), on any exception (KeyboardInterrupt included) delete the temporary files. A full
+    disk becomes one DiskFullError naming the directory, the files and the space left."""
     temps = {final: temp_path(final, tag) for final in finals}
     try:
-        yield temps
+        with disk_full_named(os.path.dirname(finals[0]) or ".", ", ".join(os.path.basename(f) for f in finals)):
+            yield temps
         missing = [t for t in temps.values() if not os.path.exists(t)]
         if missing:
             raise FileNotFoundError(f"expected output {missing[0]!r} was not written")
