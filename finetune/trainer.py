@@ -329,6 +329,7 @@ class Finetuner:
         score = float(np.mean([v for k, v in metrics.items() if k.split("/")[-1] == main]))
         for k, v in metrics.items():
             self._scalar(f"eval/{k}", v, step)
+            self._scalar(f"eval-vs-epoch/{k}", v, epoch)  # the dev metric per epoch (tools/plot_curves.py)
         self.log(f"epoch {epoch} | " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
         return {"epoch": epoch, "step": step, "metrics": metrics, "score": score}
 

@@ -1,13 +1,15 @@
-"""Loss (and accuracy) curves from TensorBoard logs as one PNG, for a look instead of a read.
+"""Training curves from TensorBoard logs as one PNG, for a look instead of a read.
 
 usage: python tools/plot_curves.py --logdir DIR [--logdir DIR2 ...] --output curves.png
          [--tags train/lm_loss,train/nsp_loss,eval/lm_loss]
 
 Every directory under a --logdir that holds event files (events.out.tfevents.*) is a run, e.g.
-pretraining and fine-tuning logs under one root; series are labelled run: tag (tag alone for a
-single run). Default tags: every scalar whose name ends in `loss` or contains `accuracy`
-(train/loss, train/lm_loss, eval/mlm_accuracy, ...; not the *-vs-samples copies). One subplot
-per kind of metric (losses, accuracies, then each other requested metric), step on the x axis.
+pretraining and fine-tuning logs under one root. Each run gets a row of panels, one per metric
+family, train solid and evaluation dashed: pretraining's MLM loss and NSP loss (train vs eval),
+accuracy (MLM and NSP, train vs eval), learning rate and grad norm; fine-tuning's loss and its
+dev metrics per epoch (eval-vs-epoch/*). Step on the x axis (epoch for per-epoch metrics).
+Without --tags: those families (not the *-vs-samples copies, not the total loss where its MLM and
+NSP parts are drawn); a requested tag of no family gets a panel of its own.
 Events are read with TensorBoard's own EventAccumulator; the PNG is drawn with matplotlib's Agg
 backend (no display needed) and written to a temporary file renamed into place.
 Exit status: 0 done, 1 bad input, 2 bad usage.
@@ -77,60 +79,98 @@ def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     return scalars
 
 
-def default_tag(tag: str) -> bool:
+# Panel of each metric family, in drawing order: what the trainer and the fine-tuner write.
+_FAMILIES = ("MLM loss", "NSP loss", "loss", "accuracy", "dev metrics per epoch", "learning rate", "grad norm")
+
+
+def family_of(tag: str) -> str | None:
+    """The panel a default tag goes to (None: not drawn unless asked for with --tags)."""
     section, _, name = tag.rpartition("/")
-    return not section.endswith("-vs-samples") and (name.endswith("loss") or "accuracy" in name)
-
-
-def kind_of(tag: str) -> str:
-    name = tag.rpartition("/")[2]
+    if section.endswith("-vs-samples"):
+        return None
+    if section == "eval-vs-epoch":
+        return "dev metrics per epoch"
+    if name == "lm_loss":
+        return "MLM loss"
+    if name in ("nsp_loss", "sop_loss"):
+        return "NSP loss"
     if name.endswith("loss"):
         return "loss"
     if "accuracy" in name:
         return "accuracy"
-    return name
+    return {"learning_rate": "learning rate", "grad_norm": "grad norm"}.get(name)
 
 
-def select_series(runs, scalars_by_run, tags: list[str] | None) -> tuple[list[tuple[str, str, list]], list[str]]:
-    """([(label, kind, points)], requested tags found nowhere)."""
+def default_tags(scalars: dict) -> list[str]:
+    """A run's tags worth a look, each in its family, without repeats: not the total loss where
+    its MLM and NSP parts are drawn, not eval/<metric> where eval-vs-epoch/<metric> is."""
+    tags = [tag for tag in sorted(scalars) if family_of(tag)]
+    per_epoch = {tag.rpartition("/")[2] for tag in tags if tag.startswith("eval-vs-epoch/")}
+    has_parts = any(family_of(tag) == "MLM loss" for tag in tags)
+    return [tag for tag in tags
+            if not (has_parts and tag.rpartition("/")[2] == "loss")
+            and not (tag.startswith("eval/") and tag.rpartition("/")[2] in per_epoch)]
+
+
+def select_series(runs, scalars_by_run, tags: list[str] | None) -> tuple[list[tuple[str, str, str, list]], list[str]]:
+    """([(run label, panel, tag, points)], requested tags found nowhere). Panels are metric
+    families (family_of); a requested tag of no family gets a panel of its own name."""
     available = sorted({tag for scalars in scalars_by_run for tag in scalars})
-    wanted = tags if tags is not None else [tag for tag in available if default_tag(tag)]
-    missing = [tag for tag in wanted if tag not in available]
+    missing = [tag for tag in tags or [] if tag not in available]
     series = []
     for (label, _), scalars in zip(runs, scalars_by_run):
-        for tag in wanted:
+        for tag in tags if tags is not None else default_tags(scalars):
             if scalars.get(tag):
-                series.append((f"{label}: {tag}" if len(runs) > 1 else tag, kind_of(tag), scalars[tag]))
+                series.append((label, family_of(tag) or tag.rpartition("/")[2], tag, scalars[tag]))
     if not series:
         where = ", ".join(label for label, _ in runs)
-        what = f"none of the tags {', '.join(wanted)}" if tags is not None else "no *loss or *accuracy* scalar"
+        what = (f"none of the tags {', '.join(tags)}" if tags is not None
+                else "no loss, accuracy, learning-rate or grad-norm scalar")
         raise PlotError(f"{what} in the runs ({where}); their scalar tags: {', '.join(available) or 'none'}")
     return series, missing
 
 
+def panels_of(series) -> list[tuple[str, list[str]]]:
+    """(run label, its panels in drawing order) per run, runs in their order."""
+    layout: dict[str, list[str]] = {}
+    for label, panel, _, _ in series:
+        panels = layout.setdefault(label, [])
+        if panel not in panels:
+            panels.append(panel)
+    order = {family: i for i, family in enumerate(_FAMILIES)}
+    return [(label, sorted(panels, key=lambda p: order.get(p, len(order)))) for label, panels in layout.items()]
+
+
 def plot(series, output: str, title: str | None) -> int:
-    """Draw one subplot per metric kind and write the PNG atomically; returns the subplot count."""
+    """One row of panels per run (program), one panel per metric family, train solid and
+    evaluation dashed; the PNG written atomically. Returns the number of panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kinds = []
-    for _, kind, _ in series:
-        if kind not in kinds:
-            kinds.append(kind)
-    kinds.sort(key=lambda k: {"loss": 0, "accuracy": 1}.get(k, 2))  # stable: other kinds keep their order
-    figure, axes = plt.subplots(len(kinds), 1, figsize=(10, 3.6 * len(kinds)), squeeze=False)
-    for ax, kind in zip(axes[:, 0], kinds):
-        for label, series_kind, points in series:
-            if series_kind != kind:
+    rows = panels_of(series)
+    columns = max(len(panels) for _, panels in rows)
+    figure, axes = plt.subplots(len(rows), columns, figsize=(4.4 * columns, 3.3 * len(rows)), squeeze=False)
+    for row, (label, panels) in enumerate(rows):
+        for column in range(columns):
+            ax = axes[row, column]
+            if column >= len(panels):
+                ax.set_visible(False)
                 continue
-            steps, values = zip(*points)
-            ax.plot(steps, values, label=label, marker="o" if len(points) < 30 else None, markersize=3, linewidth=1.2)
-        ax.set_ylabel(kind)
-        ax.set_xlabel("step")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small", loc="best")
+            panel = panels[column]
+            for run, series_panel, tag, points in series:
+                if run != label or series_panel != panel:
+                    continue
+                steps, values = zip(*points)
+                evaluation = tag.startswith("eval")
+                ax.plot(steps, values, label=tag, marker="o" if evaluation or len(points) < 30 else None,
+                        markersize=4 if evaluation else 3, linewidth=1.6 if evaluation else 1.0,
+                        linestyle="--" if evaluation else "-")
+            ax.set_title(f"{label}: {panel}" if len(rows) > 1 else panel, fontsize="medium")
+            ax.set_xlabel("epoch" if panel == "dev metrics per epoch" else "step")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize="small", loc="best")
     if title:
         figure.suptitle(title)
     figure.tight_layout()
@@ -148,7 +188,7 @@ def plot(series, output: str, title: str | None) -> int:
         plt.close(figure)
         if os.path.exists(tmp):
             os.remove(tmp)
-    return len(kinds)
+    return sum(len(panels) for _, panels in rows)
 
 
 def main(argv=None) -> int:
@@ -159,10 +199,10 @@ def plot_runs(args: argparse.Namespace) -> None:
     runs = find_runs(args.logdir)
     scalars_by_run = [read_scalars(run_dir) for _, run_dir in runs]
     series, missing = select_series(runs, scalars_by_run, args.tags)
-    subplots = plot(series, args.output, args.title)
+    panels = plot(series, args.output, args.title)
     if missing:
         print(f"plot_curves: note: not in any run: {', '.join(missing)}", file=sys.stderr)
-    print(f"wrote {len(series)} series from {len(runs)} run(s) in {subplots} subplot(s) to {args.output}")
+    print(f"wrote {len(series)} series from {len(runs)} run(s) in {panels} panel(s) to {args.output}")
 
 
 if __name__ == "__main__":
