@@ -33,7 +33,8 @@
 # each run resuming from train.load_dir's latest checkpoint: a killed, crashed or hung rank (the
 # watchdog, train.hang_timeout_minutes) restarts; bad input and non-finite training do not, and
 # neither does a stop on SIGTERM. On several nodes give every node's launcher the same N; restart k
-# rendezvous at --master-port + k, so keep those ports free too.
+# rendezvous at --master-port + k, so keep those ports free too. --master-port defaults to
+# $MASTER_PORT, else 29500 (as torchrun).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -43,7 +44,7 @@ nnodes=""
 node_rank=""
 hostfile=""
 master_addr=""
-master_port=29500
+master_port="${MASTER_PORT:-29500}"  # torchrun's default, and its reading of MASTER_PORT
 max_restarts=0
 dry_run=0
 # Variables every rank needs besides its launcher's own (exported explicitly where a launcher
