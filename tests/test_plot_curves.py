@@ -66,7 +66,9 @@ def test_command_line_plots_every_loss_and_accuracy_of_every_run(logs, tmp_path)
 def test_labels_tags_and_subplots(logs, tmp_path, capsys):
     runs = plot_curves.find_runs([str(logs)])
     assert [label for label, _ in runs] == [os.path.join("finetune", "mrpc"), "pretrain"]
-    scalars = [plot_curves.read_scalars(run) for _, run in runs]
+    scalars = [plot_curves.read_run(run)[0] for _, run in runs]
+    started = [plot_curves.read_run(run)[1] for _, run in runs]
+    assert started[1] < started[0]  # the fixture wrote pretraining first: its row comes first
     series, missing = plot_curves.select_series(runs, scalars, None)
     panels = {(label, tag): panel for label, panel, tag, _ in series}
     assert panels == {

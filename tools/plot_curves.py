@@ -4,8 +4,8 @@ usage: python tools/plot_curves.py --logdir DIR [--logdir DIR2 ...] --output cur
          [--tags train/lm_loss,train/nsp_loss,eval/lm_loss]
 
 Every directory under a --logdir that holds event files (events.out.tfevents.*) is a run, e.g.
-pretraining and fine-tuning logs under one root. Each run gets a row of panels, one per metric
-family, train solid and evaluation dashed: pretraining's MLM loss and NSP loss (train vs eval),
+pretraining and fine-tuning logs under one root. Each run gets a row of panels (rows in the order
+the runs started), one per metric family, a metric in one colour, train solid, evaluation dashed: pretraining's MLM loss and NSP loss (train vs eval),
 accuracy (MLM and NSP, train vs eval), learning rate and grad norm; fine-tuning's loss and its
 dev metrics per epoch (eval-vs-epoch/*). Step on the x axis (epoch for per-epoch metrics).
 Without --tags: those families (not the *-vs-samples copies, not the total loss where its MLM and
@@ -63,8 +63,9 @@ def find_runs(logdirs: list[str]) -> list[tuple[str, str]]:
     return [(os.path.relpath(run, common) if run != common else os.path.basename(run), run) for run in found]
 
 
-def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
-    """tag -> [(step, value)] sorted by step; a step written twice (a resumed run) keeps its last value."""
+def read_run(run_dir: str) -> tuple[dict[str, list[tuple[int, float]]], float]:
+    """(tag -> [(step, value)] sorted by step, the first event's wall time); a step written twice
+    (a resumed run) keeps its last value."""
     from tensorboard.backend.event_processing import event_accumulator
 
     accumulator = event_accumulator.EventAccumulator(run_dir, size_guidance={event_accumulator.SCALARS: 0})
@@ -72,11 +73,12 @@ def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
         accumulator.Reload()
     except Exception as e:  # a truncated or foreign file: say which directory
         raise PlotError(f"{run_dir}: cannot read its event files ({type(e).__name__}: {e})") from None
-    scalars = {}
+    scalars, started = {}, float("inf")
     for tag in accumulator.Tags()["scalars"]:
-        by_step = {event.step: event.value for event in accumulator.Scalars(tag)}
-        scalars[tag] = sorted(by_step.items())
-    return scalars
+        events = accumulator.Scalars(tag)
+        scalars[tag] = sorted({event.step: event.value for event in events}.items())
+        started = min([started] + [event.wall_time for event in events])
+    return scalars, started
 
 
 # Panel of each metric family, in drawing order: what the trainer and the fine-tuner write.
@@ -149,9 +151,14 @@ def plot(series, output: str, title: str | None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import MaxNLocator
+
     rows = panels_of(series)
     columns = max(len(panels) for _, panels in rows)
     figure, axes = plt.subplots(len(rows), columns, figsize=(4.4 * columns, 3.3 * len(rows)), squeeze=False)
+    # a metric keeps its colour in every panel and for both splits: train solid, evaluation dashed
+    metrics = list(dict.fromkeys(tag.rpartition("/")[2] for _, _, tag, _ in series))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for row, (label, panels) in enumerate(rows):
         for column in range(columns):
             ax = axes[row, column]
@@ -164,11 +171,12 @@ def plot(series, output: str, title: str | None) -> int:
                     continue
                 steps, values = zip(*points)
                 evaluation = tag.startswith("eval")
-                ax.plot(steps, values, label=tag, marker="o" if evaluation or len(points) < 30 else None,
-                        markersize=4 if evaluation else 3, linewidth=1.6 if evaluation else 1.0,
-                        linestyle="--" if evaluation else "-")
+                colour = colours[metrics.index(tag.rpartition("/")[2]) % len(colours)]
+                ax.plot(steps, values, label=tag, color=colour, marker="o" if evaluation else None, markersize=4,
+                        linewidth=1.6 if evaluation else 1.0, linestyle="--" if evaluation else "-")
             ax.set_title(f"{label}: {panel}" if len(rows) > 1 else panel, fontsize="medium")
             ax.set_xlabel("epoch" if panel == "dev metrics per epoch" else "step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize="small", loc="best")
     if title:
@@ -196,8 +204,10 @@ def main(argv=None) -> int:
 
 
 def plot_runs(args: argparse.Namespace) -> None:
-    runs = find_runs(args.logdir)
-    scalars_by_run = [read_scalars(run_dir) for _, run_dir in runs]
+    found = find_runs(args.logdir)
+    read = [read_run(run_dir) for _, run_dir in found]
+    order = sorted(range(len(found)), key=lambda i: read[i][1])  # rows in the order the runs started
+    runs, scalars_by_run = [found[i] for i in order], [read[i][0] for i in order]
     series, missing = select_series(runs, scalars_by_run, args.tags)
     panels = plot(series, args.output, args.title)
     if missing:
