@@ -9,6 +9,7 @@ the last transformer layer; 0 is the embeddings' output.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -71,7 +72,8 @@ def extract_features(checkpoint: str, input_file: str, output_file: str, layers:
         with disk_full_named(output_file, "the features"), open(tmp, "w", encoding="utf-8") as out:
             write_features(out, texts, tokenizer, bert, layers, batch_size, parallel.device)
     except BaseException:
-        os.remove(tmp)
+        with contextlib.suppress(FileNotFoundError):  # never opened
+            os.remove(tmp)
         raise
     if parallel.rank == 0:
         os.replace(tmp, output_file)

@@ -213,6 +213,26 @@ DAMAGE = {
 }
 
 
+def test_fingerprints_are_per_block_crc32s(tmp_path, monkeypatch):
+    """A file's fingerprint: the CRC32 of each block (256 MiB; 1,000 bytes here), read by threads."""
+    import zlib
+
+    from pretrain.checkpoint import format as checkpoint_format
+
+    monkeypatch.setattr(checkpoint_format, "_BLOCK_BYTES", 1000)
+    data = os.urandom(2500)
+    (tmp_path / "a").write_bytes(data)
+    (tmp_path / "empty").write_bytes(b"")
+    expected = " ".join(f"{zlib.crc32(data[i:i + 1000]):08x}" for i in (0, 1000, 2000))
+    assert checkpoint_format.fingerprints(str(tmp_path), ["a", "empty"]) == {"a": expected, "empty": "00000000"}
+    assert checkpoint_format.fingerprints(str(tmp_path), ["a", "empty"], share=(1, 2)) == {"empty": "00000000"}
+    meta = {"crc32": {"a": expected, "empty": "00000000", "gone": "00000000"}}
+    (tmp_path / "a").write_bytes(data[:1500] + bytes([data[1500] ^ 1]) + data[1501:])
+    problems = checkpoint_format.content_problems(str(tmp_path), meta)
+    assert len(problems) == 2 and "gone is missing" in problems[0] and f"{tmp_path / 'a'} has other bytes" in problems[1]
+    assert expected.split()[0] in problems[1].split("(CRC32 ")[1].split(",")[0]  # the first block is unchanged
+
+
 # Every kind of damage is found by the in-process checks; the programs (a resume, a conversion) run
 # for one damage of each check: sizes, meta.json, contents.
 THROUGH_THE_PROGRAMS = ("truncated model states", "garbled meta.json", "model states overwritten in place")

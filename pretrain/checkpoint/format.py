@@ -20,6 +20,7 @@ import mmap
 import os
 import re
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from ..config import Config, ConfigError
@@ -226,14 +227,28 @@ def read_meta(tag_dir: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- fingerprints
-def file_crc32(path: str) -> str:
-    """CRC32 of a file's bytes, as 8 hex digits: catches a file damaged or overwritten in place with
-    its size kept (not tampering). Over a read-only mapping: no copy, ~4 GB/s from the page cache."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return f"{0:08x}"
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            return f"{zlib.crc32(mapped):08x}"
+# A file's fingerprint is the CRC32 of each of its 256 MiB blocks: the blocks of all the files a
+# rank checks are read by a thread pool (zlib releases the GIL), so its share takes several cores.
+_BLOCK_BYTES = 256 << 20
+
+
+def _block_crc32(path: str, start: int) -> int:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:  # no copy
+        with memoryview(mapped) as whole, whole[start:start + _BLOCK_BYTES] as block:
+            return zlib.crc32(block)
+
+
+def crc32s(paths: list[str]) -> dict[str, str]:
+    """path -> its fingerprint: the CRC32 of each 256 MiB block as 8 hex digits, space-separated
+    ("1a2b3c4d" for a file of one block). Catches a file damaged or overwritten in place with its
+    size kept (not tampering). Raises OSError for a file that cannot be read."""
+    blocks = [(path, start) for path in paths for start in range(0, os.path.getsize(path), _BLOCK_BYTES)]
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        sums = list(pool.map(lambda block: _block_crc32(*block), blocks))
+    by_path: dict[str, list[str]] = {path: [] for path in paths}
+    for (path, _), crc in zip(blocks, sums):
+        by_path[path].append(f"{crc:08x}")
+    return {path: " ".join(found) or f"{0:08x}" for path, found in by_path.items()}  # an empty file: 00000000
 
 
 def checkpoint_files(tag_dir: str) -> list[str]:
@@ -243,27 +258,26 @@ def checkpoint_files(tag_dir: str) -> list[str]:
 
 
 def fingerprints(tag_dir: str, names: list[str], share: tuple[int, int] = (0, 1)) -> dict[str, str]:
-    """name -> CRC32 of this share (rank, ranks) of `names`: the ranks of a job each read a part."""
+    """name -> fingerprint of this share (rank, ranks) of `names`: the ranks of a job each read a part."""
     rank, ranks = share
-    return {name: file_crc32(os.path.join(tag_dir, name)) for name in names[rank::ranks]}
+    mine = names[rank::ranks]
+    found = crc32s([os.path.join(tag_dir, name) for name in mine])
+    return {name: found[os.path.join(tag_dir, name)] for name in mine}
 
 
 def content_problems(tag_dir: str, meta: dict, share: tuple[int, int] = (0, 1)) -> list[str]:
-    """The files of this share whose CRC32 differs from the one meta.json recorded at the save
-    (checkpoints saved before CRC32s were recorded: none)."""
+    """The files of this share whose fingerprint differs from the one meta.json recorded at the
+    save (checkpoints saved before fingerprints were recorded: none)."""
     recorded = meta.get("crc32", {})
     rank, ranks = share
-    problems = []
-    for name in sorted(recorded)[rank::ranks]:
-        path = os.path.join(tag_dir, name)
-        try:
-            crc = file_crc32(path)
-        except OSError as e:
-            problems.append(f"{path}: cannot read ({e.strerror}): checkpoint {tag_dir} is damaged")
-            continue
-        if crc != recorded[name]:
-            problems.append(f"{path} has other bytes than when it was saved (CRC32 {crc}, {recorded[name]} in {META}: "
-                            f"damaged or overwritten in place): checkpoint {tag_dir} is damaged")
+    mine = sorted(recorded)[rank::ranks]
+    unreadable = [name for name in mine if not os.path.isfile(os.path.join(tag_dir, name))]
+    problems = [f"{os.path.join(tag_dir, name)} is missing: checkpoint {tag_dir} is damaged" for name in unreadable]
+    readable = [name for name in mine if name not in unreadable]
+    actual = fingerprints(tag_dir, readable)
+    problems += [f"{os.path.join(tag_dir, name)} has other bytes than when it was saved (CRC32 {actual[name]}, "
+                 f"{recorded[name]} in {META}: damaged or overwritten in place): checkpoint {tag_dir} is damaged"
+                 for name in readable if actual[name] != recorded[name]]
     return problems
 
 

@@ -1,5 +1,6 @@
-"""What the checkpoint fingerprints cost: the CRC32 of every file recorded at a save and checked
-at a resume, on a BERT-base checkpoint (one rank, fp32, ZeRO-0, LAMB: weights and both moments).
+"""What the checkpoint fingerprints cost: the CRC32s (per 256 MiB block) of every file, recorded at
+a save and checked at a resume, on a BERT-base checkpoint (one rank, fp32, ZeRO-0, LAMB: weights
+and both moments).
 
 usage: python tools/benchmarks/checkpoint.py [--config base] [--dir DIR] [--threads 2] [--repeats 3]
 
