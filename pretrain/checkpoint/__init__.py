@@ -6,5 +6,6 @@
 - hf.py: Hugging Face directories <-> those whole tensors;
 - load.py: whole tensors into a running engine of any layout (layout-free resume, init_from);
 - sharding.py: whole tensor <-> this rank's TP shard; tokenizer_files.py: the tokenizer kept
-  with the weights.
+  with the weights; vocabulary.py: the run's vocabulary against its checkpoint's, before start;
+- filenames.py: the fixed file names (import-free).
 """

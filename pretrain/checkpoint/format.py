@@ -27,16 +27,12 @@ from ..config import Config, ConfigError
 from ..errors import UserError
 from ..model.layers import TransformerLayer, WordEmbedding
 from ..model.names import HF_NAME_TABLE, TIED_EMBEDDING_KEY, spec_modules
+from .filenames import CONFIG_JSON, LATEST, META, TOKENIZER_JSON, VOCAB_FILE  # noqa: F401 (re-exported)
 
-LATEST = "latest"
-META = "meta.json"
-CONFIG_JSON = "config.json"  # what makes a directory a Hugging Face model (hf.py)
 PARTIAL = ".partial"  # suffix of a tag directory being written
 REPLACED = ".replaced"  # suffix of a complete checkpoint while a new save of its step replaces it
 TAG_PATTERN = re.compile(r"iter_(\d+)")
 MOMENTS = ("exp_avg", "exp_avg_sq")  # the optimizer state carried per parameter (LAMB and AdamW)
-VOCAB_FILE = "vocab.txt"
-TOKENIZER_JSON = "tokenizer.json"
 # Every tokenizer file a Hugging Face directory may hold: transformers 5 writes tokenizer.json and
 # tokenizer_config.json only, older versions vocab.txt, special_tokens_map.json, added_tokens.json too.
 TOKENIZER_FILES = (VOCAB_FILE, TOKENIZER_JSON, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")

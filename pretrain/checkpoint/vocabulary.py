@@ -13,15 +13,14 @@ import os
 
 from ..config import Config
 from ..samples.token_ids import VocabError, WordPieceVocab
+from .filenames import LATEST, TOKENIZER_JSON, VOCAB_FILE
 
-# The same names as format.py's (which imports torch for parameter shapes)
-_LATEST, _VOCAB_FILE, _TOKENIZER_JSON = "latest", "vocab.txt", "tokenizer.json"
 
 
 def _tag_dir(path: str) -> str | None:
     """The checkpoint directory a save_dir's `latest` names, or `path` itself when it is one (a tag
     directory or a Hugging Face directory); None when there is nothing to load (yet)."""
-    latest = os.path.join(path, _LATEST)
+    latest = os.path.join(path, LATEST)
     if os.path.isfile(latest):
         try:
             with open(latest, encoding="utf-8") as f:
@@ -33,7 +32,7 @@ def _tag_dir(path: str) -> str | None:
 
 
 def _checkpoint_vocab_file(directory: str) -> str | None:
-    for name in (_VOCAB_FILE, _TOKENIZER_JSON):
+    for name in (VOCAB_FILE, TOKENIZER_JSON):
         if os.path.isfile(os.path.join(directory, name)):
             return os.path.join(directory, name)
     return None
@@ -43,7 +42,7 @@ def loaded_checkpoint(cfg: Config) -> tuple[str, str] | None:
     """(how the run uses it, directory) of the checkpoint whose weights the run will load: the
     latest in train.load_dir, else train.init_from's. None for a run from scratch."""
     t = cfg.train
-    if t.load_dir and os.path.isfile(os.path.join(t.load_dir, _LATEST)):
+    if t.load_dir and os.path.isfile(os.path.join(t.load_dir, LATEST)):
         directory = _tag_dir(t.load_dir)
         return ("resumes", directory) if directory else None
     if t.init_from:
