@@ -71,6 +71,21 @@ def model_flops_per_sample(cfg: Config) -> float:
     return 3.0 * forward
 
 
+TOKEN_COUNTS = ("real_tokens", "computed_tokens")
+
+
+def token_counts(micro_batch_inputs: list[tuple], like: torch.Tensor) -> torch.Tensor:
+    """TOKEN_COUNTS of one step's micro-batches (float64 on `like`'s device, no host sync): real
+    tokens (not padding; the padding mask and the packed sample ids are 0 there) and computed
+    ones (rows x seq_length: what the layers ran on). Zeros on ranks that drew nothing."""
+    real = torch.zeros((), dtype=torch.float64, device=like.device)
+    computed = 0
+    for inputs in micro_batch_inputs:
+        real = real + (inputs[2] != 0).sum()
+        computed += inputs[0].numel()
+    return torch.stack([real, torch.full_like(real, computed)])
+
+
 class Trainer:
     def __init__(self, cfg: Config, parallel: Parallel, log=None):
         self.started = time.monotonic()  # train.exit_duration_minutes counts from here
@@ -126,7 +141,7 @@ class Trainer:
         def make_model():
             model = build_model(cfg.model, padded_vocab, torch.float32, self.tracker, par.tp_group,
                                 pipeline_topology=par.topology if self.pipelined else None, loss_fn=self.loss_fn,
-                                binary_head=cfg.binary_head)
+                                binary_head=cfg.binary_head, packed=cfg.data.packing)
             init_weights(model, cfg.model.init_std, cfg.train.seed, cfg.model.vocab_size, par.tp_rank, par.tp_size)
             return model
 
@@ -212,7 +227,7 @@ class Trainer:
     def data_iterator(self, dataset, consumed_samples: int) -> MicroBatchIterator:
         p = self.parallel
         return MicroBatchIterator(dataset, consumed_samples, self.cfg.train.micro_batch_size, p.dp_rank, p.dp_size,
-                                  p.device, num_workers=self._loader_workers())
+                                  p.device, num_workers=self._loader_workers(), packed=self.cfg.data.packing)
 
     def evaluation_batches(self, dataset) -> FixedMicroBatches:
         """The evaluation's micro-batches of `dataset`, its loader started once for every evaluation."""
@@ -221,7 +236,7 @@ class Trainer:
             p = self.parallel
             batches = self._evaluation_batches[id(dataset)] = FixedMicroBatches(
                 dataset, self.cfg.train.eval_steps * self.grad_accum, self.cfg.train.micro_batch_size, p.dp_rank,
-                p.dp_size, p.device, num_workers=self._loader_workers())
+                p.dp_size, p.device, num_workers=self._loader_workers(), packed=self.cfg.data.packing)
         return batches
 
     def close_loaders(self) -> None:
@@ -238,9 +253,10 @@ class Trainer:
         return self._metrics([sums], [grad_norm])[0]
 
     def _step(self, data_iter) -> tuple[torch.Tensor, torch.Tensor | float | None]:
-        """One optimizer step: its loss sums, left on the device unreduced, and the gradient norm
-        as DeepSpeed's wrapper reports it (a device tensor, or a float or None, left as it is: a
-        host number copied to a GPU would wait for the GPU)."""
+        """One optimizer step: its loss sums and token counts (PretrainingLoss.METRICS, then
+        TOKEN_COUNTS), left on the device unreduced, and the gradient norm as DeepSpeed's wrapper
+        reports it (a device tensor, or a float or None, left as it is: a host number copied to
+        a GPU would wait for the GPU)."""
         p = self.parallel
         self.guard.begin_step()
         overflows = internals.overflow_skips(self.engine)
@@ -276,7 +292,8 @@ class Trainer:
                                       None if scale is None else self._scaler_can_lower(scale))
         # a skipped step's gradients had no finite norm (whatever the engine kept from before)
         grad_norm = float("inf") if self._last_outcome.skipped else self.engine.get_global_grad_norm()
-        return self.loss_fn.drain(self.parallel.device), grad_norm
+        sums = self.loss_fn.drain(self.parallel.device)
+        return torch.cat([sums, token_counts([inputs for inputs, _ in micro_batches], sums)]), grad_norm
 
     def _scaler_can_lower(self, scale: float) -> bool:
         """fp16: whether a gradient overflow at this loss scale lowers the scale (dynamic scaling
@@ -332,8 +349,10 @@ class Trainer:
         reduced = device.all_reduce(torch.stack([s if contributes else torch.zeros_like(s) for s in sums]))
         on_device = [g.detach().reshape(1).to(reduced) for g in grad_norms if torch.is_tensor(g)]
         values = torch.cat([reduced.reshape(-1), *on_device]).tolist()
-        width, count = len(PretrainingLoss.METRICS), len(sums)
-        metrics = [PretrainingLoss.averages(values[i * width:(i + 1) * width]) for i in range(count)]
+        width, count, losses = sums[0].numel(), len(sums), len(PretrainingLoss.METRICS)
+        metrics = [PretrainingLoss.averages(values[i * width:i * width + losses]) for i in range(count)]
+        for i, m in enumerate(metrics):  # a training step's token counts (an evaluation has none)
+            m.update(zip(TOKEN_COUNTS, values[i * width + losses:(i + 1) * width]))
         read = iter(values[count * width:])
         for m, norm in zip(metrics, grad_norms):
             m["grad_norm"] = next(read) if torch.is_tensor(norm) else float("nan") if norm is None else float(norm)
@@ -466,8 +485,9 @@ class Trainer:
                     history.extend(dict(metrics, **host) for metrics, (_, host) in zip(reduced, window))
                     elapsed = time.perf_counter() - window_start
                     waited, data_iter.wait_seconds = data_iter.wait_seconds, 0.0
+                    tokens = {k: sum(m[k] for m in reduced) / len(window) for k in TOKEN_COUNTS}
                     self._log_train(history[-1], elapsed / len(window), flops, waited / len(window),
-                                    self.timers.read(len(window)))
+                                    self.timers.read(len(window)), tokens)
                     window_start, window = time.perf_counter(), []
                 if t.eval_interval and self.step % t.eval_interval == 0:
                     self._log_eval("eval", self.evaluate())
@@ -504,13 +524,17 @@ class Trainer:
             self.writer.add_scalar(f"{prefix}-vs-samples/{name}", value, self.consumed_samples)
 
     def _log_train(self, metrics: dict, seconds_per_step: float, flops_per_sample: float,
-                   data_wait_per_step: float, phase_ms: dict[str, float]) -> None:
+                   data_wait_per_step: float, phase_ms: dict[str, float], tokens: dict[str, float]) -> None:
+        """`tokens`: TOKEN_COUNTS per step over the window. Speed is given in real (non-padding)
+        tokens beside the computed ones; the model FLOPs are those of the rows computed."""
         t = self.cfg.train
-        tokens = t.global_batch_size * self.cfg.data.seq_length
+        rows = tokens["computed_tokens"] / self.cfg.data.seq_length  # = global batch unless packed
         perf = {
-            "tokens_per_second": tokens / seconds_per_step,
+            "real_tokens_per_second": tokens["real_tokens"] / seconds_per_step,
+            "tokens_per_second": tokens["computed_tokens"] / seconds_per_step,  # padding included
+            "real_token_share": tokens["real_tokens"] / max(tokens["computed_tokens"], 1.0),
             "samples_per_second": t.global_batch_size / seconds_per_step,
-            "model_tflops_per_rank": flops_per_sample * t.global_batch_size / seconds_per_step / 1e12 / self.parallel.world_size,
+            "model_tflops_per_rank": flops_per_sample * rows / seconds_per_step / 1e12 / self.parallel.world_size,
             "iteration_time": seconds_per_step,
             "data_wait_time": data_wait_per_step,  # the part of iteration_time spent waiting for batches
             "peak_memory_gb": _peak_memory_gb(self.parallel.device),
@@ -530,7 +554,8 @@ class Trainer:
         self.log(
             f"step {self.step}/{t.train_steps} | loss {metrics['loss']:.4f} | lm {metrics['lm_loss']:.4f} "
             f"{nsp}| mlm acc {metrics['mlm_accuracy']:.3f} | lr {metrics['learning_rate']:.3e} "
-            f"| grad norm {metrics['grad_norm']:.3f} | {perf['tokens_per_second']:.0f} tok/s "
+            f"| grad norm {metrics['grad_norm']:.3f} | {perf['real_tokens_per_second']:.0f} real tok/s "
+            f"({perf['tokens_per_second']:.0f} computed, {100 * perf['real_token_share']:.0f}% real) "
             f"| data wait {1e3 * data_wait_per_step:.0f} ms/step "
             f"| {perf['model_tflops_per_rank'] * 1e3:.1f} GFLOP/s/rank | ETA {duration(eta)}"
             + (f" | skipped {metrics['skipped_steps']}" if metrics["skipped_steps"] else "")

@@ -17,7 +17,7 @@ import torch.distributed as dist  # noqa: E402
 from transformers import BertConfig, BertForPreTraining  # noqa: E402
 
 from pretrain.config import ModelConfig  # noqa: E402
-from pretrain.samples.batches import collate, split_inputs_labels  # noqa: E402
+from pretrain.samples.batches import collate, collate_packed, split_inputs_labels  # noqa: E402
 from pretrain.samples.synthetic import SyntheticDataset  # noqa: E402
 from pretrain.model.bert import PretrainingLoss, build_model  # noqa: E402
 from pretrain.checkpoint.sharding import load_hf_state_dict  # noqa: E402
@@ -25,6 +25,54 @@ from pretrain.model.rng import RngTracker, seed_streams  # noqa: E402
 from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS, HEADS, SEQ, PREDICTIONS = 250, 64, 2, 4, 32, 6
+
+
+def ours(model, parallel, inputs, labels):
+    """Our MLM logits over the whole vocabulary (gathered over TP), NSP logits and loss."""
+    mlm_local, nsp = model(inputs)
+    loss = PretrainingLoss(parallel.tp_group, parallel.tp_rank)((mlm_local.clone(), nsp), labels)
+    pieces = [torch.empty_like(mlm_local) for _ in range(parallel.tp_size)]
+    dist.all_gather(pieces, mlm_local.contiguous(), group=parallel.tp_group)
+    return torch.cat(pieces, dim=-1), nsp, loss
+
+
+def hugging_face(hf, inputs, labels):
+    """HF's outputs for padded inputs, and its MLM logits at our masked positions."""
+    input_ids, token_types, padding_mask, positions = inputs
+    masked_labels, weights, nsp_labels = labels
+    hf_labels = torch.full_like(input_ids, -100)
+    for row in range(input_ids.shape[0]):
+        keep = weights[row] > 0
+        hf_labels[row, positions[row][keep]] = masked_labels[row][keep]
+    ref = hf(input_ids=input_ids, token_type_ids=token_types, attention_mask=padding_mask,
+             labels=hf_labels, next_sentence_label=nsp_labels)
+    return ref, torch.gather(ref.prediction_logits, 1, positions.unsqueeze(-1).expand(-1, -1, VOCAB))
+
+
+def per_sample_losses(mlm, nsp, labels):
+    """Each sample's MLM loss (mean over its masked tokens) and NSP loss."""
+    masked_labels, weights, nsp_labels = labels
+    per_token = torch.nn.functional.cross_entropy(mlm[..., :VOCAB].transpose(1, 2), masked_labels, reduction="none")
+    return (per_token * weights).sum(1) / weights.sum(1), torch.nn.functional.cross_entropy(nsp, nsp_labels,
+                                                                                        reduction="none")
+
+
+def packed_vs_hugging_face(model, hf, parallel) -> dict:
+    """Samples of 8-32 tokens packed into rows of 32 (data.packing) against HF on them padded:
+    per-sample logits and losses."""
+    data = SyntheticDataset(VOCAB, SEQ, PREDICTIONS, 100, seed=6, min_fraction=0.1)
+    samples = [data[i] for i in range(8)]
+    padded_inputs, labels = split_inputs_labels(collate(samples), parallel.device)
+    packed_inputs, packed_labels = split_inputs_labels(collate_packed(samples), parallel.device)
+    mlm, nsp, _ = ours(model, parallel, packed_inputs, packed_labels)
+    ref, ref_mlm = hugging_face(hf, padded_inputs, labels)
+    mlm_loss, nsp_loss = per_sample_losses(mlm, nsp, labels)
+    ref_mlm_loss, ref_nsp_loss = per_sample_losses(ref_mlm, ref.seq_relationship_logits, labels)
+    return {"packed_rows": packed_inputs[0].shape[0], "packed_samples": len(samples),
+            "packed_mlm_max_abs": (mlm[..., :VOCAB] - ref_mlm).abs().max().item(),
+            "packed_nsp_max_abs": (nsp - ref.seq_relationship_logits).abs().max().item(),
+            "packed_mlm_loss_max_abs": (mlm_loss - ref_mlm_loss).abs().max().item(),
+            "packed_nsp_loss_max_abs": (nsp_loss - ref_nsp_loss).abs().max().item()}
 
 
 def main():
@@ -58,21 +106,9 @@ def main():
     data = SyntheticDataset(VOCAB, SEQ, PREDICTIONS, 100, seed=5)
     inputs, labels = split_inputs_labels(collate([data[i] for i in range(6)]), parallel.device)
     with torch.no_grad():
-        mlm_local, nsp = model(inputs)
-        loss = PretrainingLoss(parallel.tp_group, parallel.tp_rank)((mlm_local.clone(), nsp), labels)
-        pieces = [torch.empty_like(mlm_local) for _ in range(parallel.tp_size)]
-        dist.all_gather(pieces, mlm_local.contiguous(), group=parallel.tp_group)
-        mlm = torch.cat(pieces, dim=-1)
-
-        input_ids, token_types, padding_mask, positions = inputs
-        masked_labels, weights, nsp_labels = labels
-        hf_labels = torch.full_like(input_ids, -100)
-        for row in range(input_ids.shape[0]):
-            keep = weights[row] > 0
-            hf_labels[row, positions[row][keep]] = masked_labels[row][keep]
-        ref = hf(input_ids=input_ids, token_type_ids=token_types, attention_mask=padding_mask,
-                 labels=hf_labels, next_sentence_label=nsp_labels)
-        ref_mlm = torch.gather(ref.prediction_logits, 1, positions.unsqueeze(-1).expand(-1, -1, VOCAB))
+        mlm, nsp, loss = ours(model, parallel, inputs, labels)
+        ref, ref_mlm = hugging_face(hf, inputs, labels)
+        packed = packed_vs_hugging_face(model, hf, parallel)
     result = {
         "mlm_max_abs": (mlm[..., :VOCAB] - ref_mlm).abs().max().item(),
         "mlm_scale": ref_mlm.abs().max().item(),
@@ -81,6 +117,7 @@ def main():
         "loss": loss.item(),
         "hf_loss": ref.loss.item(),
         "tp": parallel.tp_size,
+        **packed,
     }
     if parallel.rank == 0:
         with open(out_path, "w") as f:

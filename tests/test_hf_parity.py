@@ -1,4 +1,5 @@
-"""Invariant 3: our model computes what transformers' BertForPreTraining computes (1e-5)."""
+"""Invariant 3: our model computes what transformers' BertForPreTraining computes (1e-5), with
+padded batches and with packed ones (several samples per row, each HF's result on it alone)."""
 import json
 
 import pytest
@@ -18,5 +19,9 @@ def test_logits_and_loss_match_hugging_face(tmp_path, tp):
     assert r["mlm_max_abs"] < 1e-5
     assert r["nsp_max_abs"] < 1e-5
     assert r["loss"] == pytest.approx(r["hf_loss"], rel=1e-5, abs=1e-6)
+    # packed rows (data.packing): 8 samples in fewer rows, each sample's logits and losses HF's
+    assert r["packed_rows"] < r["packed_samples"]
+    for key in ("packed_mlm_max_abs", "packed_nsp_max_abs", "packed_mlm_loss_max_abs", "packed_nsp_loss_max_abs"):
+        assert r[key] < 1e-5, (key, r[key])
     if r["padded_vocab_max"] is not None:  # padded vocabulary entries never receive probability
         assert r["padded_vocab_max"] < -1e30

@@ -53,9 +53,16 @@ LAYOUTS = [
 TOLERANCE = 1e-5
 
 
+# Sequence packing (data.packing): samples of 8-32 tokens (rows of 32), 4 per micro-batch, packed
+# in the layouts below and padded in the reference's job; both runs must be one and the same training.
+SPREAD_LENGTHS = ["optimizer.name=lamb", "data.synthetic_min_fraction=0.1", "train.micro_batch_size=4"]
+PADDED_RUN = {"name": "padded", "overrides": SPREAD_LENGTHS, "evaluate": True}
+PACKED_RUN = {"name": "packed", "overrides": SPREAD_LENGTHS + ["data.packing=true"], "evaluate": True}
+PACKED_LAYOUTS = ["tp2", "pp2", "dp2-zero1", "tp2-pp2-dp2-zero1"]
+
 # Beside the layouts, in the same jobs: the negative control, bf16 and the micro-batch split.
 PER_SHARD_LAYOUT = ("tp2-per-shard", 2, 1, 2, [], [PER_SHARD])
-BF16_LAYOUT = ("bf16-pp2-dp2-zero1", 1, 2, 4, ["parallel.zero_stage=1", "train.precision=bf16"], RUNS)
+BF16_LAYOUT = ("bf16-pp2-dp2-zero1", 1, 2, 4, ["parallel.zero_stage=1", "train.precision=bf16"], RUNS + [PACKED_RUN])
 MICRO_8_LAYOUT = ("micro-8", 1, 1, 1, ["train.micro_batch_size=8"], RUNS)
 
 
@@ -64,7 +71,8 @@ def jobs() -> dict[int, list]:
     trains: a job runs its layouts one after the other, its processes (and their loader
     forkservers) started once."""
     by_world = {}
-    everything = [("reference", 1, 1, 1, [], RUNS), *[layout[:5] + (RUNS,) for layout in LAYOUTS],
+    everything = [("reference", 1, 1, 1, [], RUNS + [PADDED_RUN, PACKED_RUN]),
+                  *[layout[:5] + (RUNS + ([PACKED_RUN] if layout[0] in PACKED_LAYOUTS else []),) for layout in LAYOUTS],
                   PER_SHARD_LAYOUT, BF16_LAYOUT, MICRO_8_LAYOUT]
     for label, tp, pp, world, extra, runs in everything:
         by_world.setdefault(world, []).append((label, tp, pp, extra, runs))
@@ -276,3 +284,32 @@ def test_micro_batch_split_does_not_change_the_step(reference, layout_runs):
             for key in ("loss", "lm_loss", "nsp_loss", "grad_norm"):
                 assert_close(a[key], b[key], f"1x8 vs 4x2 {optimizer} step {step} {key}")
         assert_close(result[optimizer]["params_norm"], reference[optimizer]["params_norm"], f"1x8 {optimizer} params norm")
+
+
+@pytest.mark.parametrize("label", ["reference", *PACKED_LAYOUTS, BF16_LAYOUT[0]])
+def test_packed_run_is_the_padded_run(reference, layout_runs, label):
+    """data.packing is a speed switch, nothing else: packed at TP1, TP2, PP2 (the pipeline
+    exchanging shapes per micro-batch), DP2 ZeRO-1 and TP2 x PP2 x DP2 ZeRO-1, the 5 steps'
+    losses, gradient norms, final weights and evaluation equal the padded single-process run of
+    the same samples within 1e-5 (bf16: within its rounding, as test_bf16_pipeline_zero1_tracks_fp32).
+    The packing took effect: the same real tokens in fewer computed ones."""
+    packed, padded = layout_runs(label)["packed"], reference["padded"]
+    bf16 = label == BF16_LAYOUT[0]
+    loss_tolerance, norm_tolerance = (2e-3, 1e-2) if bf16 else (TOLERANCE, TOLERANCE)
+    assert len(packed["history"]) == len(padded["history"]) == 5
+    for step, (a, b) in enumerate(zip(packed["history"], padded["history"]), start=1):
+        for key in ("loss", "lm_loss", "nsp_loss"):
+            assert_close(a[key], b[key], f"{label} packed step {step} {key}", rel=loss_tolerance)
+        assert_close(a["grad_norm"], b["grad_norm"], f"{label} packed step {step} grad norm", rel=norm_tolerance)
+        assert a["real_tokens"] == b["real_tokens"], f"step {step}: other samples"
+        assert a["computed_tokens"] <= b["computed_tokens"] == 8 * 32
+    assert sum(h["computed_tokens"] for h in packed["history"]) <= 0.8 * 5 * 8 * 32, "hardly packed"
+    if not bf16:
+        assert_close(packed["params_norm"], padded["params_norm"], f"{label} packed params norm")
+        errors = weight_errors(packed["weights"], padded["weights"])
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= TOLERANCE, f"{label} packed: {worst} differs by {errors[worst]:.2e} of its norm"
+    for key, value in padded["evaluation"].items():
+        assert_close(packed["evaluation"][key], value, f"{label} packed evaluation {key}",
+                     rel=loss_tolerance if bf16 else TOLERANCE)
+    assert padded["history"][-1]["loss"] != reference["lamb"]["history"][-1]["loss"]  # other data than the lamb run

@@ -47,10 +47,14 @@ def test_single_process_resume_is_bitwise(tmp_path):
     assert second["params_norm"] == straight["params_norm"]
 
 
-def test_distributed_resume_pp2_dp2_zero1(tmp_path):
-    straight, resumed, second = resume_matches_straight(tmp_path, 1, 2, 4, ["parallel.zero_stage=1"])
+def test_distributed_packed_resume_pp2_dp2_zero1(tmp_path):
+    """Packed (data.packing: samples of 8-32 tokens share rows of 32; the pipeline exchanges
+    shapes per micro-batch), PP2 x DP2, ZeRO-1. Unpacked multi-rank resumes: test_signals."""
+    packed = ["parallel.zero_stage=1", "data.packing=true", "data.synthetic_min_fraction=0.1"]
+    straight, resumed, second = resume_matches_straight(tmp_path, 1, 2, 4, packed)
+    assert sum(h["computed_tokens"] for h in resumed) < 0.9 * 6 * 8 * 32, "hardly packed (6 steps of 8 x 32)"
     for step, (a, b) in enumerate(zip(resumed, straight["history"]), start=1):
-        for key in ("loss", "lm_loss", "nsp_loss", "grad_norm"):
+        for key in ("loss", "lm_loss", "nsp_loss", "grad_norm", "real_tokens", "computed_tokens"):
             assert a[key] == pytest.approx(b[key], rel=1e-6), f"step {step} {key}"
     assert second["params_norm"] == pytest.approx(straight["params_norm"], rel=1e-6)
 

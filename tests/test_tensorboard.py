@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast ti
 PROMISED = {
     "train": ["loss", "lm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "learning_rate", "grad_norm",
               "params_norm", "skipped_steps"],
-    "perf": ["tokens_per_second", "samples_per_second", "model_tflops_per_rank", "iteration_time", "data_wait_time",
+    "perf": ["real_tokens_per_second", "tokens_per_second", "real_token_share", "samples_per_second", "model_tflops_per_rank", "iteration_time", "data_wait_time",
              "peak_memory_gb"],
     "eval": ["loss", "lm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "perplexity"],
 }
@@ -35,3 +35,13 @@ def test_scalars_written(tmp_path):
     assert steps == [2, 4]
     samples = [e.step for e in events.Scalars("train-vs-samples/lm_loss")]
     assert samples == [16, 32]  # global batch 8
+    # speed in real tokens: the share of the samples' tokens that are not padding, counted here
+    from pretrain.samples.synthetic import SyntheticDataset
+
+    data = SyntheticDataset(200, 32, 5, 100000, seed=1234)  # _train_worker's TINY data
+    shares = [sum(int(data[i]["padding_mask"].sum()) for i in range(start, start + 16)) / (16 * 32)
+              for start in (0, 16)]
+    assert [e.value for e in events.Scalars("perf/real_token_share")] == pytest.approx(shares, rel=1e-6)
+    assert max(shares) < 0.9
+    for real, computed in zip(events.Scalars("perf/real_tokens_per_second"), events.Scalars("perf/tokens_per_second")):
+        assert real.value < computed.value

@@ -167,6 +167,9 @@ class DataConfig:
     max_predictions_per_seq: int = 20  # masked positions per sequence (padded to this)
     masked_lm_prob: float = 0.15
     num_samples: int = 100000  # synthetic dataset size
+    # synthetic samples are [min_fraction * seq_length, seq_length] tokens long (uniform); lower it for
+    # the length spread of a real corpus (packing tests, benchmarks)
+    synthetic_min_fraction: float = 0.5
     seed: int = 1234  # data generation / shuffling / masking seed
     # indexed data (kind: indexed)
     paths: list[str] = field(default_factory=list)  # dataset prefixes: <prefix>.bin/.idx from tools/preprocess_data.py
@@ -184,6 +187,10 @@ class DataConfig:
     masking: str = "static"  # "static" (a sample's masks fixed) | "dynamic" (redrawn every epoch)
     index_cache_dir: str | None = None  # where sample indices are cached; default <data dir>/index-cache
     num_workers: int = 2  # loader processes per rank preparing batches ahead of the trainer (0 = inline)
+    # several samples share a row of seq_length tokens, each attending only to itself (block-diagonal
+    # attention, its own positions from 0): a micro-batch's samples fill as few rows as they fit in.
+    # The same samples per step, the same losses and gradients, fewer padding tokens computed
+    packing: bool = False
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -196,6 +203,8 @@ class DataConfig:
         if not 0.0 < self.masked_lm_prob <= 1.0:
             p.append(f"data.masked_lm_prob ({self.masked_lm_prob}) must be in (0, 1]")
         _positive(p, "data.num_samples", self.num_samples)
+        if not 0.0 < self.synthetic_min_fraction <= 1.0:
+            p.append(f"data.synthetic_min_fraction ({self.synthetic_min_fraction}) must be in (0, 1]")
         _non_negative(p, "data.seed", self.seed)  # numpy seeds must be >= 0
         _one_of(p, "data.segment_pairs", self.segment_pairs, SEGMENT_PAIRS)
         _one_of(p, "data.masking", self.masking, MASKING_MODES)

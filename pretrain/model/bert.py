@@ -85,9 +85,11 @@ class SequentialBert(nn.Module):
 
     def encode(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """What Hugging Face's BertModel returns: the last layer's hidden states and the pooled
-        [CLS] vector (tanh of the pooler)."""
+        [CLS] vector (tanh of the pooler); for packed inputs, of each sample's [CLS] at its flat
+        cls_positions ([samples, hidden])."""
         hidden = self.hidden_states(inputs)[-1]
-        return hidden, torch.tanh(self._heads().pooler(hidden[:, 0]))
+        cls_hidden = hidden.reshape(-1, hidden.shape[-1])[inputs[5]] if len(inputs) == 6 else hidden[:, 0]
+        return hidden, torch.tanh(self._heads().pooler(cls_hidden))
 
     def hidden_states(self, inputs) -> list[torch.Tensor]:
         """The embeddings' output and every transformer layer's ([batch, seq, hidden] each), as
@@ -106,7 +108,10 @@ class SequentialBert(nn.Module):
 
 
 def build_model(model_cfg, padded_vocab_size, params_dtype, rng, tp_group, pipeline_topology=None,
-                loss_fn=None, binary_head: bool = True) -> nn.Module:
+                loss_fn=None, binary_head: bool = True, packed: bool = False) -> nn.Module:
+    """`packed`: batches will be packed (data.packing): a micro-batch's row count follows its
+    samples' lengths, so the pipeline engine exchanges the activations' shapes every micro-batch
+    (DeepSpeed's dynamic_shape) instead of once."""
     specs = stage_specs(model_cfg, padded_vocab_size, params_dtype, rng, tp_group, binary_head)
     if pipeline_topology is None or pipeline_topology.get_dim("pipe") == 1:
         return SequentialBert(specs)
@@ -116,6 +121,7 @@ def build_model(model_cfg, padded_vocab_size, params_dtype, rng, tp_group, pipel
         loss_fn=loss_fn,
         partition_method="type:TransformerLayer",
         activation_checkpoint_interval=0,  # TransformerLayer checkpoints itself, with our RNG streams
+        dynamic_shape=packed,
     )
 
 

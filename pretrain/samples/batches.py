@@ -19,6 +19,8 @@ from typing import Iterator, Protocol
 import numpy as np
 import torch
 
+from .packing import PACKED_INPUTS, pack
+
 SAMPLE_FIELDS = {
     "input_ids": np.int64,        # [seq] token ids, [CLS] A [SEP] B [SEP] [PAD]...
     "token_type_ids": np.int64,   # [seq] 0 for segment A (and padding), 1 for segment B
@@ -40,10 +42,21 @@ def collate(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
     return {name: torch.from_numpy(np.stack([s[name] for s in samples]).astype(dtype)) for name, dtype in SAMPLE_FIELDS.items()}
 
 
+def collate_packed(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """collate with data.packing: the samples share as few rows as they fit in (packing.py)."""
+    typed = [{name: s[name].astype(dtype, copy=False) for name, dtype in SAMPLE_FIELDS.items()} for s in samples]
+    return {name: torch.from_numpy(np.ascontiguousarray(value)) for name, value in pack(typed).items()}
+
+
 def split_inputs_labels(batch: dict[str, torch.Tensor], device: torch.device):
-    """The (inputs, labels) pair the model and the pipeline engine take."""
+    """The (inputs, labels) pair the model and the pipeline engine take: inputs (input_ids,
+    token_type_ids, padding_mask, masked_positions), or packed (input_ids, token_type_ids,
+    sample_ids, masked_positions, position_ids, cls_positions) (see pretrain/model/layers.py)."""
     b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    inputs = (b["input_ids"], b["token_type_ids"], b["padding_mask"], b["masked_positions"])
+    if "sample_ids" in b:
+        inputs = tuple(b[name] for name in PACKED_INPUTS)
+    else:
+        inputs = (b["input_ids"], b["token_type_ids"], b["padding_mask"], b["masked_positions"])
     labels = (b["masked_labels"], b["masked_weights"], b["nsp_label"])
     return inputs, labels
 
@@ -156,12 +169,12 @@ class _Batches:
     from the forkserver (or none: batches built inline)."""
 
     def __init__(self, dataset: PretrainingDataset, sampler: _RankMicroBatches, device: torch.device,
-                 num_workers: int, prefetch_factor: int, persistent: bool):
+                 num_workers: int, prefetch_factor: int, persistent: bool, packed: bool):
         self.dataset = dataset
         self.sampler = sampler
         self.device = device
         self.loader = torch.utils.data.DataLoader(
-            dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
+            dataset, batch_sampler=sampler, collate_fn=collate_packed if packed else collate, num_workers=num_workers,
             prefetch_factor=prefetch_factor if num_workers else None, pin_memory=device.type == "cuda",
             persistent_workers=persistent and num_workers > 0,
             multiprocessing_context=_loader_context(num_workers, dataset),
@@ -213,11 +226,13 @@ class MicroBatchIterator:
 
     With num_workers > 0, that many loader processes build batches ahead of the trainer (torch's
     DataLoader, in order), started once at the first draw; `wait_seconds` accumulates the time the
-    trainer spent waiting for one, the figure that shows whether data keeps up.
+    trainer spent waiting for one, the figure that shows whether data keeps up. `packed`: the
+    micro-batch's samples share rows (data.packing, packing.py).
     """
 
     def __init__(self, dataset: PretrainingDataset, consumed_samples: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int, device: torch.device, num_workers: int = 0, prefetch_factor: int = 4):
+                 dp_rank: int, dp_size: int, device: torch.device, num_workers: int = 0, prefetch_factor: int = 4,
+                 packed: bool = False):
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
@@ -225,7 +240,7 @@ class MicroBatchIterator:
         self.device = device
         self.wait_seconds = 0.0
         self._dataset = dataset
-        self._loader_options = dict(num_workers=num_workers, prefetch_factor=prefetch_factor)
+        self._loader_options = dict(num_workers=num_workers, prefetch_factor=prefetch_factor, packed=packed)
         self._batches: _Batches | None = None  # the loader starts at the first draw, from the position then
 
     def skip(self, micro_batches: int) -> None:
@@ -263,9 +278,9 @@ class FixedMicroBatches:
     kept for the next ones, not started again per evaluation."""
 
     def __init__(self, dataset: PretrainingDataset, count: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 device: torch.device, num_workers: int = 0, prefetch_factor: int = 4):
+                 device: torch.device, num_workers: int = 0, prefetch_factor: int = 4, packed: bool = False):
         sampler = _RankMicroBatches(0, micro_batch_size, dp_rank, dp_size, len(dataset), count=count)
-        self._batches = _Batches(dataset, sampler, device, num_workers, prefetch_factor, persistent=True)
+        self._batches = _Batches(dataset, sampler, device, num_workers, prefetch_factor, persistent=True, packed=packed)
 
     def one_pass(self) -> Iterator:
         """The `count` micro-batches, in order."""

@@ -46,9 +46,9 @@ def pretraining_datasets(cfg: Config, is_builder: bool, barrier: Callable[[], No
         from .synthetic import SyntheticDataset
 
         train = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions_per_seq, d.num_samples, d.seed,
-                                 d.masked_lm_prob)
+                                 d.masked_lm_prob, d.synthetic_min_fraction)
         valid = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions_per_seq, d.num_samples,
-                                 d.seed + 1, d.masked_lm_prob)
+                                 d.seed + 1, d.masked_lm_prob, d.synthetic_min_fraction)
         return train, valid, None
     # here, not at the top: the configuration check (data_file_problems) must not wait for
     # torch's and megatron-core's imports

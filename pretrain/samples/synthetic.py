@@ -16,7 +16,7 @@ from .batches import SAMPLE_FIELDS
 
 class SyntheticDataset:
     def __init__(self, vocab_size: int, seq_length: int, max_predictions: int, num_samples: int, seed: int,
-                 masked_lm_prob: float = 0.15):
+                 masked_lm_prob: float = 0.15, min_fraction: float = 0.5):
         if vocab_size > 1000:
             self.pad, self.cls, self.sep, self.mask, self.first_word = 0, 101, 102, 103, 1000
         else:
@@ -29,6 +29,7 @@ class SyntheticDataset:
         self.num_samples = num_samples
         self.seed = seed
         self.masked_lm_prob = masked_lm_prob
+        self.min_length = max(8, int(min_fraction * seq_length))  # 0.5: seq // 2, the draws of old
 
     def __len__(self) -> int:
         return self.num_samples
@@ -42,7 +43,7 @@ class SyntheticDataset:
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng([self.seed, index])
         seq = self.seq_length
-        total = int(rng.integers(max(8, seq // 2), seq + 1)) - 3  # room for [CLS] [SEP] [SEP]
+        total = int(rng.integers(self.min_length, seq + 1)) - 3  # room for [CLS] [SEP] [SEP]
         len_a = int(rng.integers(1, total))
         len_b = total - len_a
         a, start, step = self._progression(rng, len_a)
