@@ -224,10 +224,15 @@ class Trainer:
         # Middle pipeline stages never draw: no loader processes for them.
         return self.cfg.data.num_workers if (p.is_first_stage or p.is_last_stage) else 0
 
+    @property
+    def _pack_group(self) -> int:
+        """data.packing packs a rank's share of a step (its micro-batches) together; 0 = unpacked."""
+        return self.grad_accum if self.cfg.data.packing else 0
+
     def data_iterator(self, dataset, consumed_samples: int) -> MicroBatchIterator:
         p = self.parallel
         return MicroBatchIterator(dataset, consumed_samples, self.cfg.train.micro_batch_size, p.dp_rank, p.dp_size,
-                                  p.device, num_workers=self._loader_workers(), packed=self.cfg.data.packing)
+                                  p.device, num_workers=self._loader_workers(), pack_group=self._pack_group)
 
     def evaluation_batches(self, dataset) -> FixedMicroBatches:
         """The evaluation's micro-batches of `dataset`, its loader started once for every evaluation."""
@@ -236,7 +241,7 @@ class Trainer:
             p = self.parallel
             batches = self._evaluation_batches[id(dataset)] = FixedMicroBatches(
                 dataset, self.cfg.train.eval_steps * self.grad_accum, self.cfg.train.micro_batch_size, p.dp_rank,
-                p.dp_size, p.device, num_workers=self._loader_workers(), packed=self.cfg.data.packing)
+                p.dp_size, p.device, num_workers=self._loader_workers(), pack_group=self._pack_group)
         return batches
 
     def close_loaders(self) -> None:
@@ -334,7 +339,8 @@ class Trainer:
         masked = torch.stack([PretrainingLoss.masked_tokens(micro) for micro in labels]).sum()
         if self.parallel.dp_size > 1:
             masked = device.all_reduce(masked, group=self.parallel.dp_group)
-        self.loss_fn.scale_to_global_batch(masked, self.grad_accum * self.parallel.dp_size)
+        self.loss_fn.scale_to_global_batch(masked, self.grad_accum * self.parallel.dp_size,
+                                           self.cfg.train.global_batch_size)
 
     def _metrics(self, sums: list[torch.Tensor], grad_norms: list = ()) -> list[dict]:
         """Averages of the loss function's sums of several steps (or of one evaluation), each over

@@ -63,7 +63,7 @@ def packed_vs_hugging_face(model, hf, parallel) -> dict:
     data = SyntheticDataset(VOCAB, SEQ, PREDICTIONS, 100, seed=6, min_fraction=0.1)
     samples = [data[i] for i in range(8)]
     padded_inputs, labels = split_inputs_labels(collate(samples), parallel.device)
-    packed_inputs, packed_labels = split_inputs_labels(collate_packed(samples), parallel.device)
+    packed_inputs, packed_labels = split_inputs_labels(collate_packed(samples)[0], parallel.device)
     mlm, nsp, _ = ours(model, parallel, packed_inputs, packed_labels)
     ref, ref_mlm = hugging_face(hf, padded_inputs, labels)
     mlm_loss, nsp_loss = per_sample_losses(mlm, nsp, labels)

@@ -191,7 +191,8 @@ class PretrainingLoss:
     batch, not Megatron's mean of per-micro-batch means. So the step does not depend on how the
     global batch is cut into micro-batches, although micro-batches hold different numbers of
     masked tokens. `scale_to_global_batch` sets that up before a step's micro-batches; the NSP
-    loss is a per-sequence mean and micro-batches are equal-sized, so it needs nothing.
+    loss is likewise one mean over the global batch's samples (packed micro-batches hold
+    unequal numbers of them; without packing it is the mean of equal micro-batches' means).
     """
 
     METRICS = ("lm_loss_sum", "mlm_count", "mlm_correct", "nsp_loss_sum", "nsp_count", "nsp_correct")
@@ -201,13 +202,16 @@ class PretrainingLoss:
         self.tp_rank = tp_rank
         self._sums = None  # stays on the model's device: no host sync per micro-batch
         self._lm_scale = None  # micro-batches per global batch / its masked tokens, for one step
+        self._nsp_scale = None  # micro-batches per global batch / its samples, for one step
 
-    def scale_to_global_batch(self, masked_tokens: torch.Tensor, micro_batches: int) -> None:
+    def scale_to_global_batch(self, masked_tokens: torch.Tensor, micro_batches: int, samples: int) -> None:
         """Until the next `drain`: return each micro-batch's MLM loss as its token sum times
-        micro_batches / masked_tokens. DeepSpeed averages the micro-batches' gradients (1 /
-        accumulation steps, 1 / data-parallel size), so the step's gradient is that of the
-        sum over the global batch's `masked_tokens` tokens divided by their number."""
+        micro_batches / masked_tokens (and its NSP loss as its sum times micro_batches /
+        samples). DeepSpeed averages the micro-batches' gradients (1 / accumulation steps, 1 /
+        data-parallel size), so the step's gradient is that of the sum over the global batch's
+        `masked_tokens` tokens divided by their number."""
         self._lm_scale = micro_batches / masked_tokens.float().clamp(min=1.0)
+        self._nsp_scale = micro_batches / samples
 
     @staticmethod
     def masked_tokens(labels) -> torch.Tensor:
@@ -238,7 +242,7 @@ class PretrainingLoss:
         values = torch.stack([lm_sum.detach(), count.detach(), mlm_correct, nsp_sum.detach(),
                               torch.full_like(count, nsp_labels.numel()), nsp_correct]).double()
         self._sums = values if self._sums is None else self._sums + values
-        return lm_loss + nsp_sum / nsp_labels.numel()
+        return lm_loss + nsp_sum * (self._nsp_scale if self._nsp_scale is not None else 1.0 / nsp_labels.numel())
 
     def all_finite(self, device: torch.device) -> torch.Tensor:
         """Whether every loss since the last drain was finite (a bool on `device`; true on ranks
@@ -254,6 +258,7 @@ class PretrainingLoss:
             else self._sums.to(device)
         self._sums = None
         self._lm_scale = None
+        self._nsp_scale = None
         return sums
 
     @staticmethod

@@ -8,6 +8,7 @@ does not depend on the layout and a resumed run continues it exactly.
 from __future__ import annotations
 
 import ctypes
+import functools
 import multiprocessing
 import os
 import signal
@@ -42,10 +43,12 @@ def collate(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
     return {name: torch.from_numpy(np.stack([s[name] for s in samples]).astype(dtype)) for name, dtype in SAMPLE_FIELDS.items()}
 
 
-def collate_packed(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
-    """collate with data.packing: the samples share as few rows as they fit in (packing.py)."""
+def collate_packed(samples: list[dict[str, np.ndarray]], parts: int = 1) -> list[dict[str, torch.Tensor]]:
+    """collate with data.packing: the samples (a rank's share of a step) share as few rows as
+    they fit in, dealt out to `parts` micro-batches (packing.py)."""
     typed = [{name: s[name].astype(dtype, copy=False) for name, dtype in SAMPLE_FIELDS.items()} for s in samples]
-    return {name: torch.from_numpy(np.ascontiguousarray(value)) for name, value in pack(typed).items()}
+    return [{name: torch.from_numpy(np.ascontiguousarray(value)) for name, value in part.items()}
+            for part in pack(typed, parts)]
 
 
 def split_inputs_labels(batch: dict[str, torch.Tensor], device: torch.device):
@@ -73,33 +76,38 @@ def micro_batch_indices(consumed_samples: int, micro_batch_size: int, dp_rank: i
 
 class _RankMicroBatches:
     """Index lists of this rank's micro-batches from a consumed-samples position (the batch
-    sampler of the DataLoader): endlessly, or the first `count` of them."""
+    sampler of the DataLoader): endlessly, or the first `count` of them. With `group` > 1 an
+    index list is that many consecutive micro-batches' (packing: a step's share, packed together
+    and cut into `group` micro-batches again by the collate function); `count` is in those."""
 
     def __init__(self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, dataset_size: int,
-                 count: int | None = None):
+                 count: int | None = None, group: int = 1):
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.dataset_size = dataset_size
         self.count = count
+        self.group = group
 
     def __len__(self) -> int:
         if self.count is None:
             raise TypeError("an endless sampler has no length")
         return self.count
 
-    def at(self, micro_step: int) -> list[int]:
-        """Sample indices of the micro_step-th micro-batch from the start position."""
-        consumed = self.consumed_samples + micro_step * self.micro_batch_size * self.dp_size
-        indices = micro_batch_indices(consumed, self.micro_batch_size, self.dp_rank, self.dp_size)
+    def at(self, item: int) -> list[int]:
+        """Sample indices of the item-th index list from the start position."""
+        indices = []
+        for micro_step in range(item * self.group, (item + 1) * self.group):
+            consumed = self.consumed_samples + micro_step * self.micro_batch_size * self.dp_size
+            indices += micro_batch_indices(consumed, self.micro_batch_size, self.dp_rank, self.dp_size)
         return [i % self.dataset_size for i in indices]
 
     def __iter__(self) -> Iterator[list[int]]:
-        micro_step = 0
-        while self.count is None or micro_step < self.count:
-            yield self.at(micro_step)
-            micro_step += 1
+        item = 0
+        while self.count is None or item < self.count:
+            yield self.at(item)
+            item += 1
 
 
 class LoaderError(RuntimeError):
@@ -166,15 +174,18 @@ def _describe(dataset) -> str:
 
 class _Batches:
     """One DataLoader over `sampler`'s micro-batches, in order, with loader processes started
-    from the forkserver (or none: batches built inline)."""
+    from the forkserver (or none: batches built inline). Packed (sampler.group micro-batches
+    per index list), a loader item is that many micro-batches, handed out one by one."""
 
     def __init__(self, dataset: PretrainingDataset, sampler: _RankMicroBatches, device: torch.device,
                  num_workers: int, prefetch_factor: int, persistent: bool, packed: bool):
         self.dataset = dataset
         self.sampler = sampler
         self.device = device
+        self.packed = packed
         self.loader = torch.utils.data.DataLoader(
-            dataset, batch_sampler=sampler, collate_fn=collate_packed if packed else collate, num_workers=num_workers,
+            dataset, batch_sampler=sampler, num_workers=num_workers,
+            collate_fn=functools.partial(collate_packed, parts=sampler.group) if packed else collate,
             prefetch_factor=prefetch_factor if num_workers else None, pin_memory=device.type == "cuda",
             persistent_workers=persistent and num_workers > 0,
             multiprocessing_context=_loader_context(num_workers, dataset),
@@ -185,7 +196,8 @@ class _Batches:
         )
         self._state: dict = {"iterator": None}  # for _stop_workers, also at interpreter exit
         weakref.finalize(self, _stop_workers, self._state)
-        self.drawn = 0  # micro-batches taken from the current pass
+        self.drawn = 0  # loader items taken from the current pass
+        self._pending: list = []  # micro-batches of the last item not handed out yet (packed)
 
     @property
     def iterator(self):
@@ -194,12 +206,15 @@ class _Batches:
     def start_pass(self) -> None:
         self._state["iterator"] = iter(self.loader)
         self.drawn = 0
+        self._pending = []
 
     def next(self):
         """The next micro-batch (inputs, labels) on the device; LoaderError naming its samples if
         a loader process raised or died building it."""
         if self.iterator is None:
             self.start_pass()
+        if self._pending:
+            return split_inputs_labels(self._pending.pop(0), self.device)
         try:
             batch = next(self.iterator)
         except StopIteration:
@@ -207,9 +222,11 @@ class _Batches:
         except Exception as error:
             indices = self.sampler.at(self.drawn)
             raise LoaderError(f"loader failed building samples {indices[0]}..{indices[-1]} of {_describe(self.dataset)} "
-                              f"(micro-batch {self.drawn} from sample {self.sampler.consumed_samples}): "
-                              f"{type(error).__name__}: {error}") from error
+                              f"({'packed step share' if self.packed else 'micro-batch'} {self.drawn} from sample "
+                              f"{self.sampler.consumed_samples}): {type(error).__name__}: {error}") from error
         self.drawn += 1
+        if self.packed:
+            batch, *self._pending = batch
         return split_inputs_labels(batch, self.device)
 
     def worker_pids(self) -> list[int]:
@@ -226,13 +243,15 @@ class MicroBatchIterator:
 
     With num_workers > 0, that many loader processes build batches ahead of the trainer (torch's
     DataLoader, in order), started once at the first draw; `wait_seconds` accumulates the time the
-    trainer spent waiting for one, the figure that shows whether data keeps up. `packed`: the
-    micro-batch's samples share rows (data.packing, packing.py).
+    trainer spent waiting for one, the figure that shows whether data keeps up. `pack_group` k > 0
+    (data.packing): the samples of each k micro-batches (a step's share) share rows, dealt out
+    to k micro-batches again (packing.py); the position must then stay at multiples of k
+    micro-batches (whole steps), as the trainer's does.
     """
 
     def __init__(self, dataset: PretrainingDataset, consumed_samples: int, micro_batch_size: int,
                  dp_rank: int, dp_size: int, device: torch.device, num_workers: int = 0, prefetch_factor: int = 4,
-                 packed: bool = False):
+                 pack_group: int = 0):
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
@@ -240,7 +259,8 @@ class MicroBatchIterator:
         self.device = device
         self.wait_seconds = 0.0
         self._dataset = dataset
-        self._loader_options = dict(num_workers=num_workers, prefetch_factor=prefetch_factor, packed=packed)
+        self.pack_group = pack_group
+        self._loader_options = dict(num_workers=num_workers, prefetch_factor=prefetch_factor, packed=pack_group > 0)
         self._batches: _Batches | None = None  # the loader starts at the first draw, from the position then
 
     def skip(self, micro_batches: int) -> None:
@@ -256,7 +276,7 @@ class MicroBatchIterator:
         started = time.perf_counter()
         if self._batches is None:
             sampler = _RankMicroBatches(self.consumed_samples, self.micro_batch_size, self.dp_rank, self.dp_size,
-                                        len(self._dataset))
+                                        len(self._dataset), group=max(self.pack_group, 1))
             self._batches = _Batches(self._dataset, sampler, self.device, persistent=False, **self._loader_options)
         batch = self._batches.next()
         self.wait_seconds += time.perf_counter() - started
@@ -275,17 +295,24 @@ class MicroBatchIterator:
 class FixedMicroBatches:
     """This rank's first `count` micro-batches from sample 0, the same at every pass (evaluation:
     every evaluation sees the same samples). The loader processes start at the first pass and are
-    kept for the next ones, not started again per evaluation."""
+    kept for the next ones, not started again per evaluation. `pack_group`: as MicroBatchIterator's
+    (`count` a multiple of it)."""
 
     def __init__(self, dataset: PretrainingDataset, count: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 device: torch.device, num_workers: int = 0, prefetch_factor: int = 4, packed: bool = False):
-        sampler = _RankMicroBatches(0, micro_batch_size, dp_rank, dp_size, len(dataset), count=count)
-        self._batches = _Batches(dataset, sampler, device, num_workers, prefetch_factor, persistent=True, packed=packed)
+                 device: torch.device, num_workers: int = 0, prefetch_factor: int = 4, pack_group: int = 0):
+        group = max(pack_group, 1)
+        if count % group:
+            raise ValueError(f"{count} micro-batches are not whole packing groups of {group}")
+        self.count = count
+        sampler = _RankMicroBatches(0, micro_batch_size, dp_rank, dp_size, len(dataset), count=count // group,
+                                    group=group)
+        self._batches = _Batches(dataset, sampler, device, num_workers, prefetch_factor, persistent=True,
+                                 packed=pack_group > 0)
 
     def one_pass(self) -> Iterator:
         """The `count` micro-batches, in order."""
         self._batches.start_pass()
-        for _ in range(len(self._batches.sampler)):
+        for _ in range(self.count):
             yield self._batches.next()
 
     def worker_pids(self) -> list[int]:

@@ -1,16 +1,23 @@
-"""Sequence packing: a micro-batch's samples share rows of seq_length tokens.
+"""Sequence packing: the samples of a rank's step share rows of seq_length tokens.
 
 Each sample keeps everything it has unpacked: its tokens and token types, its positions from 0,
 its [CLS] (the NSP/SOP head reads it), its masked positions and labels. What changes is where it
-sits: sample i of the micro-batch is copied into a row at some offset, and `sample_ids` (i + 1 on
-its tokens, 0 on padding) tells the attention which tokens may see each other (block-diagonal:
-a sample attends only to itself). Positions the heads read are flat indices into the
-[rows * seq_length] tokens, so the heads return per-sample tensors in the micro-batch's sample
-order, exactly as unpacked, and the labels are unchanged.
+sits: it is copied into a row at some offset, and `sample_ids` (the sample's number in its
+micro-batch + 1 on its tokens, 0 on padding) tells the attention which tokens may see each other
+(block-diagonal: a sample attends only to itself). Positions the heads read are flat indices
+into the micro-batch's [rows * seq_length] tokens, so the heads return per-sample tensors and
+the labels are the samples' own.
 
-Which row a sample goes to is a pure function of the micro-batch's samples (first-fit
-decreasing on their lengths, ties by position), so packing keeps the sample sequence, the
-layout invariance and the exact resume of pretrain/samples.
+What is packed together is a rank's whole share of a step (its micro-batches' samples, in
+Megatron's order), not one micro-batch: a window of more samples fills rows better (at seq 512
+on the demo corpus, 94% for 32 samples, 97% for 64, 98% for 128). The rows are then dealt out
+to the step's micro-batches, so a micro-batch holds about micro_batch_size samples, in a row
+count that follows their lengths. The loss does not depend on how a step's samples are cut
+into micro-batches (PretrainingLoss: means over the whole global batch).
+
+Which row a sample goes to is a pure function of the window's samples (first-fit decreasing on
+their lengths, ties by position), so packing keeps the sample sequence, the layout invariance
+and the exact resume of pretrain/samples.
 """
 from __future__ import annotations
 
@@ -58,16 +65,36 @@ def first_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
     return [sorted(row) for row in rows]
 
 
-def pack(samples: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """One packed micro-batch (NumPy arrays: PACKED_INPUTS then LABELS) from unpacked samples."""
+def deal_rows(rows: list[list[int]], parts: int) -> list[list[list[int]]]:
+    """`rows` dealt out to `parts` micro-batches as evenly as counts go (consecutive rows); a
+    row with several samples gives one up to a new row while there are fewer rows than parts,
+    so no micro-batch is empty (there are at least `parts` samples)."""
+    rows = [list(row) for row in rows]
+    while len(rows) < parts:
+        fullest = max(range(len(rows)), key=lambda r: len(rows[r]))
+        if len(rows[fullest]) < 2:
+            raise PackingError(f"{sum(map(len, rows))} samples cannot fill {parts} micro-batches")
+        rows.append([rows[fullest].pop()])
+    return [rows[k * len(rows) // parts:(k + 1) * len(rows) // parts] for k in range(parts)]
+
+
+def pack(samples: list[dict[str, np.ndarray]], parts: int = 1) -> list[dict[str, np.ndarray]]:
+    """`samples` (a rank's share of a step) packed into rows, as `parts` micro-batches (NumPy
+    arrays: PACKED_INPUTS then LABELS). A micro-batch's samples are in window order."""
     stacked = {name: np.stack([s[name] for s in samples]) for name in samples[0]}
-    count, seq = stacked["input_ids"].shape
+    seq = stacked["input_ids"].shape[1]
     lengths = real_lengths(stacked["padding_mask"])
-    rows = first_fit_decreasing(lengths, seq)
-    shape = (len(rows), seq)
-    packed = {name: np.zeros(shape, dtype=np.int64)
+    return [_micro_batch(stacked, lengths, rows, seq)
+            for rows in deal_rows(first_fit_decreasing(lengths, seq), parts)]
+
+
+def _micro_batch(stacked: dict, lengths: np.ndarray, rows: list[list[int]], seq: int) -> dict[str, np.ndarray]:
+    """One packed micro-batch of `rows` (sample numbers of the window in each row)."""
+    members = sorted(i for row in rows for i in row)
+    number = {i: n for n, i in enumerate(members)}  # the sample's place in this micro-batch
+    packed = {name: np.zeros((len(rows), seq), dtype=np.int64)
               for name in ("input_ids", "token_type_ids", "sample_ids", "position_ids")}
-    start = np.zeros(count, dtype=np.int64)  # flat index of each sample's first token ([CLS])
+    start = np.zeros(len(members), dtype=np.int64)  # flat index of each sample's first token ([CLS])
     for r, row in enumerate(rows):
         offset = 0
         for i in row:
@@ -75,15 +102,15 @@ def pack(samples: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
             cols = slice(offset, offset + n)
             packed["input_ids"][r, cols] = stacked["input_ids"][i, :n]
             packed["token_type_ids"][r, cols] = stacked["token_type_ids"][i, :n]
-            packed["sample_ids"][r, cols] = i + 1
+            packed["sample_ids"][r, cols] = number[i] + 1
             packed["position_ids"][r, cols] = np.arange(n)
-            start[i] = r * seq + offset
+            start[number[i]] = r * seq + offset
             offset += n
     # unused prediction slots (weight 0) point at position 0: the sample's [CLS], as unpacked
-    packed["masked_positions"] = stacked["masked_positions"].astype(np.int64) + start[:, None]
+    packed["masked_positions"] = stacked["masked_positions"][members].astype(np.int64) + start[:, None]
     packed["cls_positions"] = start
     for name in LABELS:
-        packed[name] = stacked[name]
+        packed[name] = stacked[name][members]
     return packed
 
 
