@@ -1,0 +1,187 @@
+"""Sequence packing benchmark: pretraining with data.packing against the padded path, side by side.
+
+usage: python tools/benchmarks/packing.py [--austen DIR] [--work-dir DIR] [--config configs/bert-mini.yaml]
+                                          [--seqs 128,512] [--batch 64] [--steps 3] [--threads 2] [--json OUT]
+
+For each corpus and sequence length, in this one process (a one-rank gloo world):
+1. padding: real tokens / seq_length over the first SAMPLES (3,000) training samples (the project's own
+   sample builder, google-research's segment rules, short_seq_prob 0.1), and the packing
+   efficiency (real tokens / computed rows x seq_length) of first-fit decreasing over windows of
+   32, 64 and 128 consecutive samples (data.packing packs a rank's share of a step: the window is
+   global batch / data-parallel size);
+2. training speed: two Trainers of the same config, one padded and one packed, each from sample 0
+   (the same samples in every step), stepped in alternation (padded, packed, padded, ...: the
+   machine's drift falls on both) after one untimed step each; real (non-padding) tokens per
+   second of each, the ratio, and the computed tokens per second.
+
+Corpora: the demo's Python-documentation corpus (tools/demo/python_docs_corpus.py: the prose
+that ships with Python), and with --austen the Jane Austen novels (one document per paragraph:
+--input-format text-blank-lines), each with its own 8,000-token WordPiece vocabulary. Prepared
+data is kept in --work-dir and reused.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+WINDOWS = (32, 64, 128)
+SAMPLES = 3000  # the padding figures' samples
+
+
+def run(*command: str) -> None:
+    subprocess.run([sys.executable, *command], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+
+
+def prepare(work: Path, austen: str | None) -> dict[str, tuple[str, str]]:
+    """corpus name -> (dataset prefix, vocab.txt), built once in `work`."""
+    corpora = {}
+    pydocs = work / "pydocs"
+    if not (pydocs / "data_text_sentence.idx").exists():
+        run("tools/demo/python_docs_corpus.py", "--output-dir", str(pydocs))
+        sources = {"pydocs": ([str(pydocs / "corpus.jsonl")], "jsonl")}
+    else:
+        sources = {}
+    corpora["pydocs"] = (str(pydocs / "data_text_sentence"), str(pydocs / "vocab" / "vocab.txt"))
+    if austen:
+        out = work / "austen"
+        corpora["austen"] = (str(out / "data_text_sentence"), str(out / "vocab" / "vocab.txt"))
+        if not (out / "data_text_sentence.idx").exists():
+            sources["austen"] = (sorted(str(p) for p in Path(austen).glob("*.txt")), "text-blank-lines")
+    for name, (files, kind) in sources.items():
+        out = work / name
+        run("tools/build_vocab.py", "--input", *files, "--input-format", kind, "--output-dir", str(out / "vocab"),
+            "--vocab-size", "8000")
+        run("tools/preprocess_data.py", "--input", *files, "--input-format", kind, "--vocab-file",
+            str(out / "vocab" / "vocab.txt"), "--split-sentences", "--output-prefix", str(out / "data"),
+            "--workers", "2", "--quiet")
+    return corpora
+
+
+def config(args, prefix: str, vocab: str, seq: int, packing: bool, work: Path):
+    from pretrain.config import load_config
+
+    micro = args.batch // 2  # two micro-batches per step: packed rows are dealt out to both
+    overrides = [
+        "data.kind=indexed", f"data.paths=[{prefix}]", f"data.vocab_file={vocab}", "model.vocab_size=8000",
+        f"data.seq_length={seq}", f"data.max_predictions_per_seq={-(-seq * 15 // 100)}",
+        f"data.index_cache_dir={work / 'index-cache'}", "data.num_workers=0", f"data.packing={str(packing).lower()}",
+        f"train.global_batch_size={args.batch}", f"train.micro_batch_size={micro}",
+        f"train.train_steps={max(args.steps + 1, -(-SAMPLES // args.batch))}",  # the dataset's size "train.eval_interval=0", "train.save_interval=0", "train.save_dir=null",
+        "train.load_dir=null", "train.tensorboard_dir=null", "train.log_interval=1000", "scheduler.warmup_steps=0",
+        "scheduler.decay=constant", "parallel.tensor_parallel=1", "parallel.pipeline_parallel=1",
+        "parallel.zero_stage=0", "model.max_position_embeddings=512",
+    ]
+    cfg = load_config(args.config, overrides)
+    cfg.validate(world_size=1)
+    return cfg
+
+
+def padding_figures(cfg, count: int = SAMPLES) -> dict:
+    import numpy as np
+
+    from pretrain.samples.packing import packing_efficiency
+    from pretrain.samples.provider import pretraining_datasets
+
+    train, _, _ = pretraining_datasets(cfg, is_builder=True, barrier=None, log=lambda *a, **k: None)
+    lengths = np.array([int(train[i]["padding_mask"].sum()) for i in range(count)])
+    seq = cfg.data.seq_length
+    efficiency = {w: float(np.mean([packing_efficiency(lengths[i:i + w], seq) for i in range(0, count - w + 1, w)]))
+                  for w in WINDOWS}
+    return {"real_share": float(lengths.sum() / (count * seq)), "p50_real_tokens": float(np.median(lengths)),
+            "packing_efficiency": efficiency}
+
+
+def speed(args, cfgs: dict) -> dict:
+    """{padded, packed}: real and computed tokens per second over the timed steps."""
+    from pretrain.trainer import Trainer
+
+    trainers = {name: Trainer(cfg, PARALLEL, log=lambda *a, **k: None) for name, cfg in cfgs.items()}
+    iterators = {name: t.data_iterator(t.train_data, 0) for name, t in trainers.items()}
+    totals = {name: {"seconds": 0.0, "real_tokens": 0.0, "computed_tokens": 0.0} for name in trainers}
+    for step in range(args.steps + 1):
+        for name, trainer in trainers.items():
+            started = time.perf_counter()
+            metrics = trainer.train_step(iterators[name])
+            if step:  # the first step of each is untimed
+                totals[name]["seconds"] += time.perf_counter() - started
+                totals[name]["real_tokens"] += metrics["real_tokens"]
+                totals[name]["computed_tokens"] += metrics["computed_tokens"]
+    for name, t in trainers.items():
+        iterators[name].close()
+        t.close_loaders()
+    return {name: {"real_tokens_per_second": v["real_tokens"] / v["seconds"],
+                   "computed_tokens_per_second": v["computed_tokens"] / v["seconds"],
+                   "seconds_per_step": v["seconds"] / args.steps,
+                   "real_share_of_computed": v["real_tokens"] / v["computed_tokens"]} for name, v in totals.items()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PARALLEL = None
+
+
+def main() -> None:
+    global PARALLEL
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    default_austen = REPO.parent / "shared" / "data" / "austen"
+    parser.add_argument("--austen", default=str(default_austen) if default_austen.is_dir() else None,
+                        help="directory of the Austen .txt files (default ../shared/data/austen when present)")
+    parser.add_argument("--work-dir", default="/tmp/packing-benchmark")
+    parser.add_argument("--config", default=str(REPO / "configs" / "bert-mini.yaml"))
+    parser.add_argument("--seqs", default="128,512")
+    parser.add_argument("--batch", type=int, default=64, help="global batch in samples (two micro-batches)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps of each side")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", help="write the figures here too")
+    args = parser.parse_args()
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    from pretrain.quiet import hide_library_warnings
+
+    hide_library_warnings()
+    import torch
+
+    from pretrain.parallel import discover_launch_env, init_parallel
+
+    torch.set_num_threads(args.threads)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    corpora = prepare(work, args.austen)
+    launch = discover_launch_env()
+    launch.export_to(os.environ)
+    PARALLEL = init_parallel(launch, 1, 1)
+    results = []
+    for corpus, (prefix, vocab) in corpora.items():
+        for seq in (int(s) for s in args.seqs.split(",")):
+            cfgs = {name: config(args, prefix, vocab, seq, name == "packed", work) for name in ("padded", "packed")}
+            row = {"corpus": corpus, "seq": seq, **padding_figures(cfgs["padded"]), **speed(args, cfgs)}
+            row["speedup"] = row["packed"]["real_tokens_per_second"] / row["padded"]["real_tokens_per_second"]
+            results.append(row)
+            eff = " ".join(f"{w}:{100 * e:.1f}%" for w, e in row["packing_efficiency"].items())
+            print(f"{corpus:<7} seq {seq:<4} padding {100 * (1 - row['real_share']):5.1f}% (p50 "
+                  f"{row['p50_real_tokens']:.0f} real tokens) | packing efficiency by window {eff} | real tok/s "
+                  f"padded {row['padded']['real_tokens_per_second']:,.0f}, packed "
+                  f"{row['packed']['real_tokens_per_second']:,.0f} = {row['speedup']:.2f}x | computed tok/s "
+                  f"{row['padded']['computed_tokens_per_second']:,.0f} / {row['packed']['computed_tokens_per_second']:,.0f}"
+                  f" | packed rows {100 * row['packed']['real_share_of_computed']:.1f}% real", flush=True)
+    print(f"config {args.config}, global batch {args.batch} samples in 2 micro-batches, {args.steps} timed steps "
+          f"each, {args.threads} threads, fp32, ZeRO-0, one process")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
