@@ -93,6 +93,14 @@ class TrainSection:
     precision: str = "fp32"
     grad_accum_dtype: str = "fp32"  # bf16 only: accumulate and reduce gradients in fp32 (ZeRO >= 1) or bf16
     eval_batch_size: int = 32  # per rank
+    # "longest": a batch is padded to its longest example, rounded up to a multiple of 8 (Hugging
+    # Face's DataCollatorWithPadding with pad_to_multiple_of=8); "max_length": every batch to
+    # task.max_seq_length (the fixed shapes of old). The same results either way, to rounding
+    padding: str = "longest"
+    # training batches drawn from windows of LENGTH_GROUP_WINDOW global batches of the epoch's
+    # shuffled order, sorted by length in each (Hugging Face's group_by_length): batches of like
+    # lengths, the epoch still every example once in a seeded order
+    group_by_length: bool = True
     output_dir: str = "outputs/finetune"
     tensorboard_dir: str | None = None  # default: <output_dir>/tensorboard
     eval_only: bool = False  # evaluate (and predict) with model.init_from as it is
@@ -108,6 +116,8 @@ class TrainSection:
         p = []
         if self.hang_timeout_minutes < 0:
             p.append(f"train.hang_timeout_minutes ({self.hang_timeout_minutes}) must be >= 0 (0 turns the watchdog off)")
+        if self.padding not in ("longest", "max_length"):
+            p.append(f"train.padding {self.padding!r} must be longest or max_length")
         if self.precision not in ("fp32", "bf16"):
             p.append(f"train.precision {self.precision!r} must be fp32 or bf16")
         if self.epochs <= 0 or self.lr <= 0 or not 0 <= self.warmup_ratio < 1:

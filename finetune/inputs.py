@@ -15,21 +15,60 @@ def fixed_length_tokenizer(tokenizer, max_length: int):
 
 class Batches:
     """Mixin for feature sets holding input_ids, token_type_ids, attention_mask and labels
-    (None without labels), indexed by example along the first dimension."""
+    (None without labels), indexed by example along the first dimension; the sequence is the
+    last dimension ([N, S], or [N, choices, S]). `per_token_labels`: labels are [N, S] too (cut
+    with the inputs)."""
 
     input_ids: torch.Tensor
     token_type_ids: torch.Tensor
     attention_mask: torch.Tensor
     labels: torch.Tensor | None
+    per_token_labels = False
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def batch(self, indices, device):
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Real tokens of each example [N] (the longest choice's, for [N, choices, S])."""
+        cached = self.__dict__.get("_lengths")
+        if cached is None:
+            cached = self.attention_mask.sum(-1)
+            cached = cached.amax(-1) if cached.dim() > 1 else cached
+            self.__dict__["_lengths"] = cached
+        return cached
+
+    def batch(self, indices, device, padding: str = "max_length"):
+        """(inputs, labels) of the examples at `indices` on `device`; padding "longest": cut to
+        the longest of them, rounded up to a multiple of PAD_MULTIPLE (padding comes last in every
+        example, so nothing real is cut)."""
         index = torch.as_tensor(indices, dtype=torch.long)
-        inputs = (self.input_ids[index].to(device), self.token_type_ids[index].to(device),
-                  self.attention_mask[index].to(device))
-        return inputs, (self.labels[index].to(device) if self.labels is not None else None)
+        width = self.input_ids.shape[-1]
+        if padding == "longest":
+            width = min(width, -(-int(self.lengths[index].max()) // PAD_MULTIPLE) * PAD_MULTIPLE)
+        inputs = tuple(t[index][..., :width].to(device) for t in (self.input_ids, self.token_type_ids,
+                                                                   self.attention_mask))
+        labels = None
+        if self.labels is not None:
+            labels = self.labels[index]
+            labels = (labels[..., :width] if self.per_token_labels else labels).to(device)
+        return inputs, labels
+
+
+# A batch's sequence length under padding "longest" is a multiple of this: tensor-core friendly
+# shapes on GPUs (Hugging Face's pad_to_multiple_of=8), and fewer distinct shapes.
+PAD_MULTIPLE = 8
+
+
+def length_grouped(order: list[int], lengths, window: int) -> list[int]:
+    """`order` cut into windows of `window` positions, each sorted by length, longest first
+    (stable: ties keep their shuffled order); Hugging Face's group_by_length. Consecutive batches
+    then hold examples of like lengths, and every position of `order` stays in its window."""
+    grouped = []
+    for start in range(0, len(order), window):
+        chunk = order[start:start + window]
+        grouped += sorted(chunk, key=lambda i: -int(lengths[i]))
+    return grouped
 
 
 class TextFeatures(Batches):

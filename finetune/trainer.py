@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from pretrain.checkpoint.format import CheckpointError
 from pretrain.checkpoint.load import read_any
@@ -43,10 +44,14 @@ from pretrain.optim.norms import exact_clipping_for
 from pretrain.watchdog import Watchdog
 
 from .config import FinetuneConfig
-from .inputs import Batches
+from .inputs import Batches, length_grouped
 from .model import build_encoder, load_encoder, load_head
 from .tasks import TASKS
 from .tasks.base import Dataset, Read, TaskDataError
+
+
+# Hugging Face's group_by_length sorts windows of 50 batches (its mega-batch multiplier).
+LENGTH_GROUP_WINDOW = 50
 
 
 class FinetuneError(UserError, RuntimeError):
@@ -206,10 +211,14 @@ class Finetuner:
 
     # ----------------------------------------------------------------------------- training
     def _epoch_order(self, epoch: int) -> list[int]:
-        """A seeded permutation, wrapped around to whole global batches."""
+        """A seeded permutation, wrapped around to whole global batches; with train.group_by_length
+        sorted by length within windows of LENGTH_GROUP_WINDOW global batches."""
         n, batch = len(self.train_features), self.cfg.train.global_batch_size
         order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.train.seed + epoch)).tolist()
-        return (order * math.ceil(self.steps_per_epoch * batch / n + 1))[: self.steps_per_epoch * batch]
+        order = (order * math.ceil(self.steps_per_epoch * batch / n + 1))[: self.steps_per_epoch * batch]
+        if self.cfg.train.group_by_length:
+            order = length_grouped(order, self.train_features.lengths, LENGTH_GROUP_WINDOW * batch)
+        return order
 
     def _micro_batches(self, order: list[int], step: int):
         """This rank's example indices for each micro-step of `step`, by pretraining's rule."""
@@ -244,7 +253,7 @@ class Finetuner:
                 self.watchdog.doing(f"step {step + 1}: forward, backward, gradient reduction, optimizer", step)
                 losses = []
                 for indices in self._micro_batches(order, s):
-                    inputs, labels = self.train_features.batch(indices, self.parallel.device)
+                    inputs, labels = self.train_features.batch(indices, self.parallel.device, t.padding)
                     loss = self.task.loss(self.engine(*inputs), labels)
                     self.engine.backward(loss)
                     self.engine.step()
@@ -297,14 +306,21 @@ class Finetuner:
     # ----------------------------------------------------------------------------- evaluation
     @torch.no_grad()
     def outputs(self, features: Batches) -> np.ndarray:
-        """Logits of every example (each DP rank computes a shard; all ranks get all)."""
-        p, size = self.parallel, self.cfg.train.eval_batch_size
+        """Logits of every example, in file order (each DP rank computes a shard; all ranks get
+        all). Examples are taken longest first, so that a batch pads little; token-level logits
+        of a batch cut shorter (train.padding "longest") are padded back with zeros, at
+        positions that are padding in every example of it."""
+        p, t = self.parallel, self.cfg.train
         self.engine.eval()
-        mine = list(range(p.dp_rank, len(features), p.dp_size))
+        by_length = torch.argsort(-features.lengths, stable=True).tolist()
+        mine = by_length[p.dp_rank::p.dp_size]
         local = []
-        for i in range(0, len(mine), size):
-            local.append(self.engine(*features.batch(mine[i:i + size], p.device)[0]).float().cpu())
-            self.watchdog.progress(f"evaluation batch {i // size + 1}")
+        for i in range(0, len(mine), t.eval_batch_size):
+            logits = self.engine(*features.batch(mine[i:i + t.eval_batch_size], p.device, t.padding)[0]).float().cpu()
+            if logits.dim() == 3:  # [batch, width, outputs] of a token-level head: back to the full length
+                logits = F.pad(logits, (0, 0, 0, features.input_ids.shape[-1] - logits.shape[1]))
+            local.append(logits)
+            self.watchdog.progress(f"evaluation batch {i // t.eval_batch_size + 1}")
         local = torch.cat(local).numpy() if local else None
         gathered = all_gather_object((mine, local), p.dp_group)
         shape = next(logits.shape[1:] for _, logits in gathered if logits is not None)

@@ -63,8 +63,12 @@ def test_postprocess_picks_spans_and_null_answers():
     path_examples = [type("E", (), {"qid": "q", "context": context})()]
     # one window: [CLS] x1 [SEP] w1..w6 [SEP]
     offsets = [None, None, None] + [(3 * i, 3 * i + 2) for i in range(6)] + [None]
-    features = type("F", (), {"example_index": [0], "offsets": [offsets], "max_context": [[o is not None for o in offsets]]})()
-    logits = np.full((1, 10, 2), -5.0, dtype=np.float32)
+    # 10 real positions, 2 of padding: padding's logits (high here) never take an n-best place
+    offsets += [None, None]
+    features = type("F", (), {"example_index": [0], "offsets": [offsets], "max_context": [[o is not None for o in offsets]],
+                              "lengths": [10]})()
+    logits = np.full((1, 12, 2), -5.0, dtype=np.float32)
+    logits[0, 10:] = 50.0
     logits[0, 4, 0], logits[0, 5, 1] = 3.0, 2.0  # w2..w3: score 5
     logits[0, 8, 0], logits[0, 3, 1] = 9.0, 9.0  # w6 .. w1: the end before the start, never an answer
     logits[0, 0] = [1.0, 1.0]  # null score 2

@@ -158,6 +158,7 @@ class TaggingFeatures(Batches):
     """Every window of every document: model inputs, labels (-100 off the first sub-tokens), and
     the words each window predicts."""
 
+    per_token_labels = True  # a label per position: cut with the inputs under dynamic padding
     input_ids: torch.Tensor
     token_type_ids: torch.Tensor
     attention_mask: torch.Tensor

@@ -235,7 +235,8 @@ class Prediction:
 def postprocess(examples: list[SquadExample], features: SquadFeatures, logits: np.ndarray, version: str,
                 n_best_size: int = 20, max_answer_length: int = 30, null_score_diff_threshold: float = 0.0):
     """(predictions {qid: text}, n-best {qid: [{text, probability, start_logit, end_logit}]},
-    null odds {qid: float} for 2.0) from the [N, seq, 2] start/end logits of every window."""
+    null odds {qid: float} for 2.0) from the [N, seq, 2] start/end logits of every window (read
+    up to the window's real length)."""
     by_example = collections.defaultdict(list)
     for feature, example in enumerate(features.example_index):
         by_example[example].append(feature)
@@ -243,7 +244,10 @@ def postprocess(examples: list[SquadExample], features: SquadFeatures, logits: n
     for example_index, example in enumerate(examples):
         candidates, null_score, null_logits = [], math.inf, (0.0, 0.0)
         for feature in by_example[example_index]:
-            start, end = logits[feature, :, 0], logits[feature, :, 1]
+            # the window's real positions only: padding's logits (whatever a batch's padding made
+            # of them) never take an n-best place from a real span
+            real = int(features.lengths[feature])
+            start, end = logits[feature, :real, 0], logits[feature, :real, 1]
             offsets, max_context = features.offsets[feature], features.max_context[feature]
             if start[0] + end[0] < null_score:
                 null_score, null_logits = float(start[0] + end[0]), (float(start[0]), float(end[0]))
