@@ -38,14 +38,14 @@ class Batches:
             self.__dict__["_lengths"] = cached
         return cached
 
-    def batch(self, indices, device, padding: str = "max_length"):
+    def batch(self, indices, device, padding: str = "max_length", multiple: int = 1):
         """(inputs, labels) of the examples at `indices` on `device`; padding "longest": cut to
-        the longest of them, rounded up to a multiple of PAD_MULTIPLE (padding comes last in every
+        the longest of them, rounded up to a multiple of `multiple` (padding comes last in every
         example, so nothing real is cut)."""
         index = torch.as_tensor(indices, dtype=torch.long)
         width = self.input_ids.shape[-1]
         if padding == "longest":
-            width = min(width, -(-int(self.lengths[index].max()) // PAD_MULTIPLE) * PAD_MULTIPLE)
+            width = min(width, -(-int(self.lengths[index].max()) // multiple) * multiple)
         inputs = tuple(t[index][..., :width].to(device) for t in (self.input_ids, self.token_type_ids,
                                                                    self.attention_mask))
         labels = None
@@ -53,11 +53,6 @@ class Batches:
             labels = self.labels[index]
             labels = (labels[..., :width] if self.per_token_labels else labels).to(device)
         return inputs, labels
-
-
-# A batch's sequence length under padding "longest" is a multiple of this: tensor-core friendly
-# shapes on GPUs (Hugging Face's pad_to_multiple_of=8), and fewer distinct shapes.
-PAD_MULTIPLE = 8
 
 
 def length_grouped(order: list[int], lengths, window: int) -> list[int]:

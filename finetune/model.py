@@ -67,8 +67,8 @@ class SequenceClassifier(nn.Module):
         self.head = head
 
     def forward(self, input_ids, token_type_ids, attention_mask):
-        _, pooled = self.bert.encode(encoder_inputs(input_ids, token_type_ids, attention_mask))
-        return self.head(pooled)
+        # the last layer for [CLS] alone: the head reads nothing else
+        return self.head(self.bert.pooled(encoder_inputs(input_ids, token_type_ids, attention_mask)))
 
 
 class MultipleChoiceClassifier(SequenceClassifier):

@@ -50,6 +50,39 @@ from .tasks import TASKS
 from .tasks.base import Dataset, Read, TaskDataError
 
 
+class SpeedWindow:
+    """Real (non-padding) tokens, computed tokens and examples of the training batches since the
+    last drain, and the time they took: what the perf/* scalars report."""
+
+    def __init__(self, device):
+        self.device = device
+        self.restart()
+
+    def restart(self) -> None:
+        """Count from now (after an evaluation: its time is not training's)."""
+        self.started = time.perf_counter()
+        self.real = torch.zeros((), dtype=torch.float64, device=self.device)  # summed on the device: no sync
+        self.computed = 0
+        self.examples = 0
+
+    def add(self, attention_mask: torch.Tensor) -> None:
+        self.real = self.real + attention_mask.sum()
+        self.computed += attention_mask.numel()
+        self.examples += attention_mask.shape[0]
+
+    def drain(self, dp_group, dp_size: int) -> dict[str, float]:
+        """Per second over the data-parallel ranks (a collective when dp_group is given)."""
+        counts = torch.stack([self.real, torch.full_like(self.real, self.computed),
+                              torch.full_like(self.real, self.examples)])
+        if dp_group is not None:
+            all_reduce(counts, dp_group)
+        real, computed, examples = counts.tolist()
+        seconds = time.perf_counter() - self.started
+        self.restart()
+        return {"real_tokens_per_second": real / seconds, "tokens_per_second": computed / seconds,
+                "examples_per_second": examples / seconds, "real_token_share": real / max(computed, 1.0)}
+
+
 # Hugging Face's group_by_length sorts windows of 50 batches (its mega-batch multiplier).
 LENGTH_GROUP_WINDOW = 50
 
@@ -122,6 +155,8 @@ class Finetuner:
         except ValueError as e:
             raise FinetuneError(str(e)) from None
         self.micro_per_step = t.global_batch_size // (t.micro_batch_size * parallel.dp_size)
+        # train.padding "longest" rounds a batch's length up to this (pad_to_multiple_of, by device)
+        self.pad_multiple = t.pad_to_multiple_of or (1 if parallel.device.type == "cpu" else 8)
         self.steps_per_epoch = max(1, math.ceil(len(self.train_features) / t.global_batch_size)) \
             if self.train_features is not None else 0
         self.total_steps = max(1, math.ceil(t.epochs * self.steps_per_epoch))
@@ -244,6 +279,7 @@ class Finetuner:
             return self._finish(history=[result], best=result)
         step, progress = 0, self._progress(self.total_steps)
         epochs = math.ceil(t.epochs)
+        window = SpeedWindow(self.parallel.device)  # tokens and time since the last logged step
         for epoch in range(epochs):
             order = self._epoch_order(epoch)
             self.engine.train()
@@ -253,7 +289,9 @@ class Finetuner:
                 self.watchdog.doing(f"step {step + 1}: forward, backward, gradient reduction, optimizer", step)
                 losses = []
                 for indices in self._micro_batches(order, s):
-                    inputs, labels = self.train_features.batch(indices, self.parallel.device, t.padding)
+                    inputs, labels = self.train_features.batch(indices, self.parallel.device, t.padding,
+                                                               self.pad_multiple)
+                    window.add(inputs[2])
                     loss = self.task.loss(self.engine(*inputs), labels)
                     self.engine.backward(loss)
                     self.engine.step()
@@ -267,6 +305,9 @@ class Finetuner:
                 if step % t.log_interval == 0 or step == self.total_steps:
                     self._scalar("train/loss", loss_value, step)
                     self._scalar("train/learning_rate", lr, step)
+                    for name, value in window.drain(self.parallel.dp_group if self.parallel.dp_size > 1 else None,
+                                                    self.parallel.dp_size).items():
+                        self._scalar(f"perf/{name}", value, step)
             result = self.evaluate_all(epoch + 1, step)
             history.append(result)
             if best is None or result["score"] > best["score"]:
@@ -275,6 +316,7 @@ class Finetuner:
                     self.save_best(result)
                 self.write_predictions()
                 self.predict_tests()
+            window.restart()  # the evaluation's and the saves' time is not training's
         progress.close()
         return self._finish(history, best)
 
@@ -316,7 +358,8 @@ class Finetuner:
         mine = by_length[p.dp_rank::p.dp_size]
         local = []
         for i in range(0, len(mine), t.eval_batch_size):
-            logits = self.engine(*features.batch(mine[i:i + t.eval_batch_size], p.device, t.padding)[0]).float().cpu()
+            batch, _ = features.batch(mine[i:i + t.eval_batch_size], p.device, t.padding, self.pad_multiple)
+            logits = self.engine(*batch).float().cpu()
             if logits.dim() == 3:  # [batch, width, outputs] of a token-level head: back to the full length
                 logits = F.pad(logits, (0, 0, 0, features.input_ids.shape[-1] - logits.shape[1]))
             local.append(logits)

@@ -64,11 +64,22 @@ def model_flops_per_sample(cfg: Config) -> float:
     vocabulary projection at the masked positions only (sparse prediction). Recomputation for
     activation checkpointing is not counted (it is overhead, not model work).
     """
+    return encoder_flops_per_row(cfg) + head_flops_per_sample(cfg)
+
+
+def encoder_flops_per_row(cfg: Config) -> float:
+    """model_flops_per_sample's encoder part: one row of seq_length tokens (a padded sample, or a
+    packed row of several)."""
     m, s = cfg.model, cfg.data.seq_length
-    h, f, v, p = m.hidden_size, m.ffn_size, m.vocab_size, cfg.data.max_predictions_per_seq
-    per_token_layer = 8 * h * h + 4 * h * f + 4 * s * h
-    forward = m.num_layers * s * per_token_layer + 2 * h * h + 4 * h + p * (2 * h * h + 2 * h * v)
-    return 3.0 * forward
+    h, f = m.hidden_size, m.ffn_size
+    return 3.0 * m.num_layers * s * (8 * h * h + 4 * h * f + 4 * s * h)
+
+
+def head_flops_per_sample(cfg: Config) -> float:
+    """model_flops_per_sample's heads: per sample however it is packed."""
+    m = cfg.model
+    h, v, p = m.hidden_size, m.vocab_size, cfg.data.max_predictions_per_seq
+    return 3.0 * (2 * h * h + 4 * h + p * (2 * h * h + 2 * h * v))
 
 
 TOKEN_COUNTS = ("real_tokens", "computed_tokens")
@@ -453,7 +464,7 @@ class Trainer:
         self.resume()
         self._progress("start-up")
         data_iter = self._train_batches = self.data_iterator(self.train_data, self.consumed_samples)
-        history, flops = [], model_flops_per_sample(cfg)
+        history = []
         last_step = t.train_steps if not t.exit_after_steps else min(t.train_steps, self.step + t.exit_after_steps)
         window_start, window = time.perf_counter(), []  # the steps since the last log line
         profiler = step_profiler(t, self.parallel.rank, self.parallel.device)
@@ -492,7 +503,7 @@ class Trainer:
                     elapsed = time.perf_counter() - window_start
                     waited, data_iter.wait_seconds = data_iter.wait_seconds, 0.0
                     tokens = {k: sum(m[k] for m in reduced) / len(window) for k in TOKEN_COUNTS}
-                    self._log_train(history[-1], elapsed / len(window), flops, waited / len(window),
+                    self._log_train(history[-1], elapsed / len(window), waited / len(window),
                                     self.timers.read(len(window)), tokens)
                     window_start, window = time.perf_counter(), []
                 if t.eval_interval and self.step % t.eval_interval == 0:
@@ -529,18 +540,20 @@ class Trainer:
             self.writer.add_scalar(f"{prefix}/{name}", value, self.step)
             self.writer.add_scalar(f"{prefix}-vs-samples/{name}", value, self.consumed_samples)
 
-    def _log_train(self, metrics: dict, seconds_per_step: float, flops_per_sample: float,
-                   data_wait_per_step: float, phase_ms: dict[str, float], tokens: dict[str, float]) -> None:
+    def _log_train(self, metrics: dict, seconds_per_step: float, data_wait_per_step: float,
+                   phase_ms: dict[str, float], tokens: dict[str, float]) -> None:
         """`tokens`: TOKEN_COUNTS per step over the window. Speed is given in real (non-padding)
-        tokens beside the computed ones; the model FLOPs are those of the rows computed."""
+        tokens beside the computed ones; the model FLOPs are those of the rows computed (the
+        encoder) and of the samples (the heads)."""
         t = self.cfg.train
         rows = tokens["computed_tokens"] / self.cfg.data.seq_length  # = global batch unless packed
+        flops = encoder_flops_per_row(self.cfg) * rows + head_flops_per_sample(self.cfg) * t.global_batch_size
         perf = {
             "real_tokens_per_second": tokens["real_tokens"] / seconds_per_step,
             "tokens_per_second": tokens["computed_tokens"] / seconds_per_step,  # padding included
             "real_token_share": tokens["real_tokens"] / max(tokens["computed_tokens"], 1.0),
             "samples_per_second": t.global_batch_size / seconds_per_step,
-            "model_tflops_per_rank": flops_per_sample * rows / seconds_per_step / 1e12 / self.parallel.world_size,
+            "model_tflops_per_rank": flops / seconds_per_step / 1e12 / self.parallel.world_size,
             "iteration_time": seconds_per_step,
             "data_wait_time": data_wait_per_step,  # the part of iteration_time spent waiting for batches
             "peak_memory_gb": _peak_memory_gb(self.parallel.device),

@@ -109,6 +109,9 @@ def main():
         mlm, nsp, loss = ours(model, parallel, inputs, labels)
         ref, ref_mlm = hugging_face(hf, inputs, labels)
         packed = packed_vs_hugging_face(model, hf, parallel)
+        # the pooled [CLS] with the last layer computed for [CLS] alone (sequence-level fine-tuning)
+        pooled = model.pooled(inputs)
+        ref_pooled = hf.bert(input_ids=inputs[0], token_type_ids=inputs[1], attention_mask=inputs[2]).pooler_output
     result = {
         "mlm_max_abs": (mlm[..., :VOCAB] - ref_mlm).abs().max().item(),
         "mlm_scale": ref_mlm.abs().max().item(),
@@ -118,6 +121,8 @@ def main():
         "hf_loss": ref.loss.item(),
         "tp": parallel.tp_size,
         **packed,
+        "pooled_max_abs": (pooled - ref_pooled).abs().max().item(),
+        "pooled_scale": ref_pooled.abs().max().item(),
     }
     if parallel.rank == 0:
         with open(out_path, "w") as f:

@@ -92,6 +92,11 @@ def test_pair_classification_learns_and_best_weights_load_in_transformers(tiny, 
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/learning_rate", "eval/accuracy"} <= tags, tags
+    speed = {"perf/real_tokens_per_second", "perf/tokens_per_second", "perf/examples_per_second", "perf/real_token_share"}
+    assert speed <= tags, tags
+    # every pair is [CLS] 4 words [SEP] 4 words [SEP]: batches cut to those 11 tokens (on the CPU no
+    # rounding up to 8), all of them real; max_length would pad to 12
+    assert {e.value for e in events.Scalars("perf/real_token_share")} == {1.0}
     assert len(events.Scalars("eval/accuracy")) == 14  # one evaluation per epoch
 
     # the best epoch's weights, in Hugging Face format, predict what we predicted

@@ -23,5 +23,7 @@ def test_logits_and_loss_match_hugging_face(tmp_path, tp):
     assert r["packed_rows"] < r["packed_samples"]
     for key in ("packed_mlm_max_abs", "packed_nsp_max_abs", "packed_mlm_loss_max_abs", "packed_nsp_loss_max_abs"):
         assert r[key] < 1e-5, (key, r[key])
+    # the pooled [CLS] of sequence-level fine-tuning (its last layer computed for [CLS] only)
+    assert r["pooled_scale"] > 0.1 and r["pooled_max_abs"] < 1e-5
     if r["padded_vocab_max"] is not None:  # padded vocabulary entries never receive probability
         assert r["padded_vocab_max"] < -1e30

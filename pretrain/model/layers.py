@@ -371,10 +371,14 @@ class TransformerLayer(nn.Module):
         batch, seq, _ = projected.shape
         return projected.view(batch, seq, self.local_heads, self.head_dim).transpose(1, 2)
 
-    def _layer(self, hidden: torch.Tensor, mask: torch.Tensor, packed: bool) -> torch.Tensor:
-        """`mask`: the padding mask, or with `packed` the sample id of every token."""
-        batch, seq, _ = hidden.shape
-        query = self._split_heads(self.query(hidden)[0])
+    def _layer(self, hidden: torch.Tensor, mask: torch.Tensor, packed: bool, first_token_only: bool = False) -> torch.Tensor:
+        """`mask`: the padding mask, or with `packed` the sample id of every token. With
+        `first_token_only` the layer's output at position 0 alone ([batch, 1, hidden]): keys and
+        values of every token, the query, attention output and feed-forward of the first."""
+        batch = hidden.shape[0]
+        queries = hidden[:, :1] if first_token_only else hidden
+        seq = queries.shape[1]
+        query = self._split_heads(self.query(queries)[0])
         key = self._split_heads(self.key(hidden)[0])
         value = self._split_heads(self.value(hidden)[0])
         bias = packed_attention_bias(mask, query.dtype) if packed else attention_bias(mask, query.dtype)
@@ -386,7 +390,7 @@ class TransformerLayer(nn.Module):
             context = self._attention_core(query, key, value, bias)
         context = context.transpose(1, 2).reshape(batch, seq, self.local_heads * self.head_dim)
         attention = self.attention_output(context)[0]
-        hidden = self.attention_layernorm(hidden + self.dropout(attention))
+        hidden = self.attention_layernorm(queries + self.dropout(attention))
         mlp = self.output(F.gelu(self.intermediate(hidden)[0]))[0]
         return self.output_layernorm(hidden + self.dropout(mlp))
 
@@ -403,6 +407,17 @@ class TransformerLayer(nn.Module):
         else:
             hidden = self._layer(hidden, mask, packed)
         return hidden, mask, *positions
+
+    def first_token(self, inputs) -> torch.Tensor:
+        """This layer's output at position 0 only, [batch, 1, hidden] (padded inputs): as the
+        last layer under a head that reads [CLS] alone, it skips 10 of the 12 h^2 per token of
+        its matrix products (the query, attention output and feed-forward of the other tokens)."""
+        hidden, mask, *_ = inputs
+        if len(inputs) == 4:
+            raise ValueError("first_token takes padded inputs, not packed rows")
+        if self.recompute == "full" and self.training and torch.is_grad_enabled():
+            return checkpoint_with_rng(self._layer, self.rng, hidden, mask, False, True)
+        return self._layer(hidden, mask, False, True)
 
 
 class PretrainingHeads(nn.Module):

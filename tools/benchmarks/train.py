@@ -123,6 +123,12 @@ def make_batches(cfg, count: int, device):
     return [next(batches) for _ in range(count)]
 
 
+def real_token_share(batches) -> float:
+    """Real (non-padding) tokens / batch x seq of the micro-batches `batches` (the padding mask is
+    the third input)."""
+    return sum(int(inputs[2].sum()) for inputs, _ in batches) / sum(inputs[2].numel() for inputs, _ in batches)
+
+
 def time_steps(step, warmup: int, steps: int, device=None) -> list[float]:
     """Run `warmup` untimed then `steps` timed calls of step(); the timed durations in seconds
     (each ending when the device finished the step's work)."""
@@ -212,13 +218,15 @@ def child_ours(args) -> dict:
     configure_math(device, cfg.train.tf32)  # as the Trainer below does, before the peak is measured
     peak = gemm_peak(args.precision, device)
     trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
-    batches = iter(make_batches(cfg, args.warmup + args.steps, device))
+    drawn = make_batches(cfg, args.warmup + args.steps, device)
+    batches = iter(drawn)
     losses = []
     times = time_steps(lambda: losses.append(trainer.train_step(batches)["loss"]), args.warmup, args.steps, device)
     param_device = str(next(trainer.model.parameters()).device)
     shutdown_parallel()
     peak = max(peak, gemm_peak(args.precision, device))  # a peak: the better of before and after the steps
     return {"times": times, "losses": losses, "flops_per_sample": model_flops_per_sample(cfg), "peak_gflops": peak,
+            "real_token_share": real_token_share(drawn),
             "device": param_device, **device_memory(device)}
 
 
@@ -285,7 +293,8 @@ def child_hf(args) -> dict:
     torch.manual_seed(cfg.train.seed)
     model = hf_model(cfg).to(device).train()
     optimizer = hf_optimizer(model, cfg)
-    batches = iter([hf_batch(*b) for b in make_batches(cfg, args.warmup + args.steps, device)])
+    drawn = make_batches(cfg, args.warmup + args.steps, device)
+    batches = iter([hf_batch(*b) for b in drawn])
     # HF's standard mixed precision on the device it runs on: fp32 weights, bf16 autocast
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.precision == "bf16" \
         else contextlib.nullcontext
@@ -304,6 +313,7 @@ def child_hf(args) -> dict:
     times = time_steps(step, args.warmup, args.steps, device)
     peak = max(peak, gemm_peak(args.precision, device))  # a peak: the better of before and after the steps
     return {"times": times, "losses": losses, "flops_per_sample": model_flops_per_sample(cfg), "peak_gflops": peak,
+            "real_token_share": real_token_share(drawn),
             "device": str(next(model.parameters()).device), **device_memory(device)}
 
 
@@ -377,6 +387,7 @@ def summarize(side: dict, batch: int, seq: int) -> dict:
     step = statistics.median(side["times"])
     achieved = side["flops_per_sample"] * batch / step / 1e9
     return {"step_s": step, "tokens_per_s": batch * seq / step, "model_gflops": achieved,
+            "real_tokens_per_s": batch * seq * side["real_token_share"] / step,
             "peak_gflops": side["peak_gflops"], "mfu": achieved / side["peak_gflops"], "peak_rss_mb": side["peak_rss_mb"], "times": side["times"],
             "losses": side["losses"], "other_load": side.get("other_load"), "device": side["device"],
             "peak_device_mb": side.get("peak_device_mb")}
@@ -391,14 +402,15 @@ LOAD_WARNING = 0.1
 
 
 def print_table(rows: list[dict], peak: dict, peak_load: float | None) -> None:
-    header = (f"{'config':<7}{'prec':<6}{'B':>4}{'ours tok/s':>12}{'HF tok/s':>10}{'ratio':>7}"
+    header = (f"{'config':<7}{'prec':<6}{'B':>4}{'ours tok/s':>12}{'HF tok/s':>10}{'ratio':>7}{'real tok/s ours/HF':>20}"
               f"{'ours MFU%':>10}{'HF MFU%':>9}{'peak GF/s ours/HF':>18}{'ours RSS MB':>12}{'HF RSS MB':>10}")
     print(header)
     print("-" * len(header))
     for r in rows:
         o, h = r["ours"], r["hf"]
         print(f"{r['config']:<7}{r['precision']:<6}{r['batch']:>4}{o['tokens_per_s']:>12.0f}{h['tokens_per_s']:>10.0f}"
-              f"{o['tokens_per_s'] / h['tokens_per_s']:>7.2f}{100 * o['mfu']:>10.1f}{100 * h['mfu']:>9.1f}"
+              f"{o['tokens_per_s'] / h['tokens_per_s']:>7.2f}{o['real_tokens_per_s']:>12.0f}/{h['real_tokens_per_s']:<7.0f}"
+              f"{100 * o['mfu']:>10.1f}{100 * h['mfu']:>9.1f}"
               f"{o['peak_gflops']:>12.0f}/{h['peak_gflops']:<5.0f}{o['peak_rss_mb']:>12.0f}{h['peak_rss_mb']:>10.0f}")
     devices = sorted({r[side]["device"] for r in rows for side in ("ours", "hf")})
     print(f"both sides ran on: {', '.join(devices)}")
