@@ -2,6 +2,8 @@
 (plus labels) sliced by example index, and tokenised texts as such a batch source."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -28,15 +30,11 @@ class Batches:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    @property
+    @functools.cached_property
     def lengths(self) -> torch.Tensor:
         """Real tokens of each example [N] (the longest choice's, for [N, choices, S])."""
-        cached = self.__dict__.get("_lengths")
-        if cached is None:
-            cached = self.attention_mask.sum(-1)
-            cached = cached.amax(-1) if cached.dim() > 1 else cached
-            self.__dict__["_lengths"] = cached
-        return cached
+        lengths = self.attention_mask.sum(-1)
+        return lengths.amax(-1) if lengths.dim() > 1 else lengths
 
     def batch(self, indices, device, padding: str = "max_length", multiple: int = 1):
         """(inputs, labels) of the examples at `indices` on `device`; padding "longest": cut to
