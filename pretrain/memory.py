@@ -1,13 +1,20 @@
 """Where a rank's memory goes, measured during the first training step and logged once:
 
 - parameters: the model's tensors this rank holds (a ZeRO-3 rank: its partitions);
-- gradients: every gradient tensor alive when the optimizer steps (the model's, and those of the
-  fp32 master copies or ZeRO partitions DeepSpeed steps), each storage once;
+- gradients: the gradients the optimizer steps with (the model's, and those of the fp32 master
+  copies or ZeRO partitions DeepSpeed steps, over its per-group steps), each storage once per step call;
 - optimizer state: the optimizer's moments and step counters, and DeepSpeed's fp32 master
   copies (ZeRO partitions, bf16's masters) when they are tensors of their own;
 - activations peak: the most bytes that autograd kept for backward at any moment of the step
-  (its saved tensors, counted when saved and released when freed, each storage once). Tensors
-  that recomputation keeps outside autograd (a fully recomputed layer's input) are not included.
+  (its saved tensors, counted when saved and released when freed, each storage once), the
+  parameters it saves (a linear's weight) left out: they are counted as parameters. A
+  recomputed region's own tensors are not included (torch's checkpoint saves them to hooks of its
+  own, and they live only during that region's backward); its inputs are (checkpoint saves them
+  through the meter's hooks);
+- device peak (GPUs): torch.cuda.max_memory_allocated over the step, everything at once.
+
+The trainer logs each figure beside the planner's prediction for the rank (pretrain/plan), so
+every run checks the planner.
 """
 from __future__ import annotations
 
@@ -46,12 +53,16 @@ class _Saved:
 class ActivationMeter:
     """saved_tensors_hooks that count the bytes autograd keeps for backward, and their peak."""
 
-    def __init__(self):
+    def __init__(self, parameters=()):
+        self.parameters = {id(p) for p in parameters}  # left out: counted as parameters
         self.live: dict[tuple, list] = {}  # storage key -> [bytes, references]
         self.current = 0
         self.peak = 0
 
     def _pack(self, tensor: torch.Tensor):
+        base = tensor if tensor._base is None else tensor._base
+        if id(base) in self.parameters:  # a parameter, or a view of one (a linear's weight.t())
+            return tensor
         storage = tensor.untyped_storage()
         key = (storage.data_ptr(), tensor.device)
         entry = self.live.get(key)
@@ -75,33 +86,43 @@ class ActivationMeter:
 
     @staticmethod
     def _unpack(holder):
-        return holder.tensor
+        return holder.tensor if isinstance(holder, _Saved) else holder
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
 
 class FirstStepMemory:
-    """Measures the first optimizer step of a run; `report()` is the breakdown in MB."""
+    """Measures the first optimizer step of a run; `report()` is the breakdown in bytes.
 
-    def __init__(self, model: torch.nn.Module, engine):
-        self.model, self.engine = model, engine
-        self.meter = ActivationMeter()
+    DeepSpeed's ZeRO optimizers step the client optimizer once per param group (ZeRO-1/2) or
+    sub-group (ZeRO-3), each with its gradient made just before and freed after: the gradients
+    are those of every such call (each call's storages once), the masters those stepped in any."""
+
+    def __init__(self, model: torch.nn.Module, engine, device: torch.device):
+        self.model, self.engine, self.device = model, engine, device
+        self.meter = ActivationMeter(model.parameters())
         self.gradients = 0
+        self._stepped: dict[tuple, torch.Tensor] = {}  # the tensors the optimizer stepped (masters persist)
         self._optimizer = optimizer = internals.client_optimizer(engine)
-        self._hook = optimizer.register_step_pre_hook(self._measure_gradients)
+        self._hook = optimizer.register_step_pre_hook(self._at_step)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
 
-    def _measure_gradients(self, optimizer, args, kwargs) -> None:
+    def _at_step(self, optimizer, args, kwargs) -> None:
         stepped = [p for group in optimizer.param_groups for p in group["params"]]
-        self.gradients = _storage_bytes([p.grad for p in stepped] + [p.grad for p in self.model.parameters()])
-        self._hook.remove()  # once
+        self.gradients += _storage_bytes([p.grad for p in stepped] + [p.grad for p in self.model.parameters()])
+        for p in stepped:
+            self._stepped.setdefault((p.untyped_storage().data_ptr(), p.device), p)
 
-    def report(self) -> dict[str, float]:
+    def report(self) -> dict[str, int]:
+        self._hook.remove()  # the first step only
         params = [internals.zero3_partition(p) if internals.is_zero3_param(p) else p for p in self.model.parameters()]
         state = [v for s in self._optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         own = {(p.untyped_storage().data_ptr(), p.device) for p in params}
-        masters = [p for group in self._optimizer.param_groups for p in group["params"]
-                   if (p.untyped_storage().data_ptr(), p.device) not in own]
-        return {"parameters_mb": _storage_bytes(params) / MB, "gradients_mb": self.gradients / MB,
-                "optimizer_state_mb": _storage_bytes(state + masters) / MB,
-                "activations_peak_mb": self.meter.peak / MB}
+        masters = [p for key, p in self._stepped.items() if key not in own]
+        report = {"parameters": _storage_bytes(params), "gradients": self.gradients,
+                  "optimizer_state": _storage_bytes(state + masters), "activations_peak": self.meter.peak}
+        if self.device.type == "cuda":
+            report["device_peak"] = torch.cuda.max_memory_allocated(self.device)
+        return report

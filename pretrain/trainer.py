@@ -20,12 +20,13 @@ from .samples.batches import FixedMicroBatches, MicroBatchIterator
 from .checkpoint import exact as checkpoint_saving, load as checkpoint_loading
 from .checkpoint.format import CheckpointError
 from .model.bert import PretrainingLoss, build_model, init_weights
-from .model.names import logical_parameters
-from .memory import FirstStepMemory
+from .model.flops import encoder_flops_per_row, head_flops_per_sample
+from .memory import MB, FirstStepMemory
+from .plan import predict_rank_memory
 from .model.rng import RngTracker, seed_streams
 from .errors import UserError
 from .optim import Lamb, build_optimizer, layout_for_deepspeed, make_lr_scheduler
-from .optim.groups import group_by_kind
+from .optim.groups import optimizer_param_groups
 from .preprocess.atomic import atomic_outputs
 from .optim.guard import APPLIED, AT_MIN_SCALE, NonFiniteGuard, StepOutcome, classify, wrap_optimizer_step
 from .optim.norms import counted_once, exact_clipping_for
@@ -44,42 +45,6 @@ PHASE_LABELS = {"data": "data", "forward": "fwd", "backward": "bwd", "forward_ba
 
 class NonFiniteTraining(UserError, RuntimeError):
     """Too many steps in a row had a NaN/Inf loss or gradient: the run diverged."""
-
-
-def optimizer_param_groups(model: torch.nn.Module, optimizer_cfg) -> list[dict]:
-    """Group parameters by the configured weight-decay and layer-adaptation exclusions (by kind)."""
-    trainable = [(lp.param, lp.kind) for lp in logical_parameters(model) if lp.param.requires_grad]
-    return [
-        {"params": params, "weight_decay": optimizer_cfg.weight_decay if decay else 0.0, "layer_adaptation": adapt}
-        for decay, adapt, params in group_by_kind(trainable, optimizer_cfg.no_weight_decay,
-                                                  optimizer_cfg.no_layer_adaptation)
-    ]
-
-
-def model_flops_per_sample(cfg: Config) -> float:
-    """Training FLOPs one sample needs (forward + backward = 3 x forward; matmuls only).
-
-    Per layer and token: Q, K, V and output projections 4 * 2h^2, MLP 2 * 2h*ffn, attention
-    scores and context 2 * 2*s*h. Heads: pooler + NSP per sequence; MLM transform and the
-    vocabulary projection at the masked positions only (sparse prediction). Recomputation for
-    activation checkpointing is not counted (it is overhead, not model work).
-    """
-    return encoder_flops_per_row(cfg) + head_flops_per_sample(cfg)
-
-
-def encoder_flops_per_row(cfg: Config) -> float:
-    """model_flops_per_sample's encoder part: one row of seq_length tokens (a padded sample, or a
-    packed row of several)."""
-    m, s = cfg.model, cfg.data.seq_length
-    h, f = m.hidden_size, m.ffn_size
-    return 3.0 * m.num_layers * s * (8 * h * h + 4 * h * f + 4 * s * h)
-
-
-def head_flops_per_sample(cfg: Config) -> float:
-    """model_flops_per_sample's heads: per sample however it is packed."""
-    m = cfg.model
-    h, v, p = m.hidden_size, m.vocab_size, cfg.data.max_predictions_per_seq
-    return 3.0 * (2 * h * h + 4 * h + p * (2 * h * h + 2 * h * v))
 
 
 TOKEN_COUNTS = ("real_tokens", "computed_tokens")
@@ -111,6 +76,7 @@ class Trainer:
         self.steps_skipped = 0  # steps whose update was skipped (non-finite, or an fp16 overflow)
         self._bad_run: list[tuple[int, tuple[str, ...]]] = []  # the current run of non-finite steps, what was non-finite
         self._last_outcome: StepOutcome = APPLIED
+        self.first_step_memory: list[dict] | None = None  # every rank's measured and planned memory, after step 1
         self.pipelined = parallel.pp_size > 1
         self.grad_accum = cfg.grad_accum_steps(parallel.world_size)
 
@@ -468,7 +434,7 @@ class Trainer:
         last_step = t.train_steps if not t.exit_after_steps else min(t.train_steps, self.step + t.exit_after_steps)
         window_start, window = time.perf_counter(), []  # the steps since the last log line
         profiler = step_profiler(t, self.parallel.rank, self.parallel.device)
-        memory = FirstStepMemory(self.model, self.engine)  # this run's first step, logged once
+        memory = FirstStepMemory(self.model, self.engine, self.parallel.device)  # this run's first step, logged once
         try:
             while self.step < last_step:
                 started = time.perf_counter()
@@ -582,13 +548,23 @@ class Trainer:
             flush=True,
         )
 
-    def _log_memory(self, mine: dict[str, float]) -> None:
-        """Every rank's breakdown, one line each on the logging rank (one collective, once)."""
-        for rank, report in enumerate(device.all_gather_object(mine)):
-            self.log(f"memory of rank {rank} in step {self.step}: parameters {report['parameters_mb']:,.1f} MB | "
-                     f"gradients {report['gradients_mb']:,.1f} MB | optimizer state "
-                     f"{report['optimizer_state_mb']:,.1f} MB | activations peak {report['activations_peak_mb']:,.1f} MB")
-        self._scalars("memory", mine)  # the logging rank's own
+    def _log_memory(self, measured: dict[str, int]) -> None:
+        """Every rank's measured breakdown beside the planner's prediction for it, one line per
+        rank on the logging rank (one collective, once); kept in `first_step_memory`."""
+        try:
+            planned = predict_rank_memory(self.cfg, self.parallel.world_size, self.parallel.pp_rank,
+                                          self.parallel.device.type, self.parallel.dp_rank).breakdown()
+        except Exception as error:  # a planner bug must not stop a training run: say it, go on
+            planned = {}
+            self.log(f"memory planner failed on rank {self.parallel.rank}: {type(error).__name__}: {error}")
+        self.first_step_memory = device.all_gather_object({"measured": measured, "planned": planned})
+        for rank, report in enumerate(self.first_step_memory):
+            self.log(f"memory of rank {rank} in step {self.step}: "
+                     + " | ".join(_memory_item(label, key, report) for key, label in MEMORY_ITEMS
+                                  if key in report["measured"]))
+        mine = self.first_step_memory[self.parallel.rank]
+        self._scalars("memory", {f"{key}_mb": value / MB for key, value in mine["measured"].items()})
+        self._scalars("memory", {f"planned_{key}_mb": value / MB for key, value in mine["planned"].items()})
 
     @property
     def _nsp_keys(self) -> tuple[str, ...]:
@@ -638,6 +614,18 @@ class EvalResults:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with atomic_outputs([self.path]) as temps, open(temps[self.path], "w", encoding="utf-8") as f:
             json.dump(self.results, f, indent=1)
+
+
+# FirstStepMemory's figures as the log line names them
+MEMORY_ITEMS = (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer_state", "optimizer state"),
+                ("activations_peak", "activations peak"), ("device_peak", "device peak"))
+
+
+def _memory_item(label: str, key: str, report: dict) -> str:
+    text = f"{label} {report['measured'][key] / MB:,.1f} MB"
+    if key in report["planned"]:
+        text += f" (planned {report['planned'][key] / MB:,.1f})"
+    return text
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

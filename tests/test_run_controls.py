@@ -139,8 +139,9 @@ def test_memory_breakdown_of_each_rank_and_what_recomputation_saves(tmp_path):
             for mode in ("none", "selective", "full")]
     run_ranks(["tests/_train_worker.py", str(out), "1", "1", *runs], 2, timeout=600)
     results = json.loads(out.read_text())
-    line = re.compile(r"memory of rank (\d) in step 1: parameters ([\d.,]+) MB \| gradients ([\d.,]+) MB \| "
-                      r"optimizer state ([\d.,]+) MB \| activations peak ([\d.,]+) MB")
+    planned = r" MB \(planned [\d.,]+\)"
+    line = re.compile(rf"memory of rank (\d) in step 1: parameters ([\d.,]+){planned} \| gradients ([\d.,]+){planned} \| "
+                      rf"optimizer state ([\d.,]+){planned} \| activations peak ([\d.,]+){planned}")
     peaks = {}
     for mode, result in results.items():
         found = [line.fullmatch(text) for text in result["log"] if text.startswith("memory of rank")]

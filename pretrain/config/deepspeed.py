@@ -57,15 +57,7 @@ def build_deepspeed_config(cfg: Config, world_size: int) -> dict:
     if t.deepspeed_config is None:
         return ds
     src = t.deepspeed_config
-    try:
-        with open(src, encoding="utf-8") as f:
-            user = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"train.deepspeed_config: file not found: {src}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{src}: invalid JSON: {e}") from None
-    if not isinstance(user, dict):
-        raise ConfigError(f"{src}: top level must be a JSON object, got {type(user).__name__}")
+    user = read_user_deepspeed_config(src)
     if "bfloat16" in user:  # DeepSpeed's old spelling; it reads "bf16" first, so ours would win silently
         raise ConfigError(f"{src}: use 'bf16' instead of the deprecated 'bfloat16' key")
 
@@ -111,6 +103,20 @@ def build_deepspeed_config(cfg: Config, world_size: int) -> dict:
     if problems:
         raise ConfigError(problems)
     return deep_merge(ds, user)
+
+
+def read_user_deepspeed_config(src: str) -> dict:
+    """train.deepspeed_config's JSON object, or a ConfigError naming the file."""
+    try:
+        with open(src, encoding="utf-8") as f:
+            user = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"train.deepspeed_config: file not found: {src}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{src}: invalid JSON: {e}") from None
+    if not isinstance(user, dict):
+        raise ConfigError(f"{src}: top level must be a JSON object, got {type(user).__name__}")
+    return user
 
 
 def _same_value(a: Any, b: Any) -> bool:

@@ -40,7 +40,7 @@ into the other and the two sides never compete for the cores. Per invocation:
 
 FLOPs and MFU
 -------------
-FLOPs per sample are ``pretrain.trainer.model_flops_per_sample``: matrix-product FLOPs the
+FLOPs per sample are ``pretrain.model.flops.model_flops_per_sample``: matrix-product FLOPs the
 model needs (2 per multiply-add), training = 3 x forward (backward = 2 x forward), the MLM
 transform and vocabulary projection counted only at the masked positions (max_predictions_per_seq),
 attention scores/context included, element-wise work and activation recomputation not counted.
@@ -66,7 +66,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = {"base": (REPO / "configs" / "bert-base.yaml", 8), "mini": (REPO / "configs" / "bert-mini.yaml", 16)}
 PRECISIONS = ("fp32", "bf16")
-FLOPS_NOTE = ("FLOPs: pretrain.trainer.model_flops_per_sample (matmul FLOPs the model needs, fwd+bwd = 3 x fwd, "
+FLOPS_NOTE = ("FLOPs: pretrain.model.flops.model_flops_per_sample (matmul FLOPs the model needs, fwd+bwd = 3 x fwd, "
               "MLM decoder only at masked positions); the same count for both sides. MFU against the GEMM peak "
               "of the run's precision (best 2048^3 torch.mm, same threads, same process, before and after the steps).")
 
@@ -207,7 +207,8 @@ def child_ours(args) -> dict:
 
     from pretrain.device import configure_math
     from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
-    from pretrain.trainer import Trainer, model_flops_per_sample
+    from pretrain.model.flops import model_flops_per_sample
+    from pretrain.trainer import Trainer
 
     ds_logger.setLevel(logging.WARNING)
     cfg = bench_config(args.config, args.batch, args.seq, args.precision, args.optimizer, args.warmup + args.steps)
@@ -284,7 +285,7 @@ def child_hf(args) -> dict:
     import torch
 
     from pretrain.device import configure_math
-    from pretrain.trainer import model_flops_per_sample
+    from pretrain.model.flops import model_flops_per_sample
 
     device = bench_device()
     cfg = bench_config(args.config, args.batch, args.seq, args.precision, args.optimizer, args.warmup + args.steps)

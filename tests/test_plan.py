@@ -1,0 +1,131 @@
+"""The planner's fast parts: the parameters it reads off the model, the layouts it weighs (the
+trainer's own validation), its step-time model, and tools/plan.py's table and pick. Its memory
+predictions against real engines are in tests/test_memory_plan.py."""
+import json
+
+import pytest
+
+from pretrain.config import load_config
+from pretrain.plan.layouts import Layout, candidate_layouts, shapes_only
+from pretrain.plan.shapes import stage_parameters
+from pretrain.plan.step_time import Hardware, predict_step_time
+
+LARGE_PHASE2 = "configs/bert-large-phase2.yaml"
+A100 = Hardware(gpus_per_node=8, flops={"bf16": 156e12, "fp16": 156e12, "fp32": 78e12},
+                intra_node_bandwidth=150e9, inter_node_bandwidth=25e9)
+
+
+@pytest.mark.parametrize("config", ["configs/bert-base.yaml", "configs/bert-large.yaml"])
+def test_parameters_are_hugging_faces_plus_the_vocabulary_padding(config):
+    """Independent reference: transformers' BertForPreTraining of the same shape holds every
+    parameter ours does, less the padded vocabulary rows (embedding and decoder bias)."""
+    from transformers import BertConfig, BertForPreTraining
+
+    cfg = load_config(config)
+    m = cfg.model
+    hf = BertForPreTraining(BertConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+                                       num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                                       intermediate_size=m.ffn_size, max_position_embeddings=m.max_position_embeddings,
+                                       type_vocab_size=m.type_vocab_size))
+    hf_numel = sum(p.numel() for p in hf.parameters())  # the decoder weight is tied: counted once
+    padding = m.padded_vocab_size(1) - m.vocab_size
+    (whole,) = stage_parameters(cfg, 1, 1)
+    assert whole.numel == hf_numel + padding * (m.hidden_size + 1)
+    assert whole.tensors == len(list(hf.parameters()))
+
+    # TP2: every sharded tensor halves (vocabulary padded to 128 x 2), the replicated ones stay
+    (tp2,) = stage_parameters(cfg, 2, 1)
+    h, f, layers, vocab2 = m.hidden_size, m.ffn_size, m.num_layers, m.padded_vocab_size(2)
+    sharded = layers * (4 * h * h + 3 * h + 2 * h * f + f) + vocab2 * h + vocab2  # Q/K/V/O, MLP, biases, vocab
+    assert tp2.numel == whole.numel + (vocab2 - m.padded_vocab_size(1)) * (h + 1) - sharded // 2
+
+
+def test_pipeline_stages_are_deepspeeds_cut():
+    """Stages as DeepSpeed's type:TransformerLayer partition makes them: equal layers, the
+    embeddings on the first, the heads and the tied decoder on the last (the word embedding on
+    both), and together every parameter once plus the second copy of the tied embedding."""
+    cfg = load_config("configs/bert-large.yaml")
+    (whole,) = stage_parameters(cfg, 1, 1)
+    stages = stage_parameters(cfg, 1, 4)
+    assert [s.transformer_layers for s in stages] == [6, 6, 6, 6]
+    assert [(s.first, s.last) for s in stages] == [(True, False), (False, False), (False, False), (False, True)]
+    embedding = cfg.model.padded_vocab_size(1) * cfg.model.hidden_size
+    assert sum(s.numel for s in stages) == whole.numel + embedding
+    assert stages[1].numel == stages[2].numel < min(stages[0].numel, stages[3].numel)
+
+
+def test_layouts_are_what_the_trainer_accepts():
+    cfg = load_config(LARGE_PHASE2)
+    layouts, refused = candidate_layouts(cfg, 64, 8)
+    assert layouts and all(l.gpus == 64 and l.tp <= 8 for l in layouts)
+    for layout in layouts[::97]:
+        run = layout.apply(cfg)
+        shapes_only(run).validate(world_size=64)
+        assert (run.parallel.tensor_parallel, run.parallel.pipeline_parallel, run.train.micro_batch_size) == \
+               (layout.tp, layout.pp, layout.micro_batch)
+    assert not any(l.pp > 1 and l.zero > 1 for l in layouts)
+    assert not any(l.zero == 0 and l.precision != "fp32" for l in layouts)
+    assert {l.pp for l in layouts} == {1, 2, 4, 8}  # divide both the 24 layers and the 64 devices
+    reasons = " ".join(refused)
+    assert "cannot be combined with pipeline parallelism" in reasons and "must be divisible by" in reasons
+    assert cfg.parallel.tensor_parallel == 1  # the user's config is not modified
+
+
+def test_step_time_model():
+    cfg = load_config(LARGE_PHASE2)
+
+    def time(tp=1, pp=1, dp=64, zero=1, micro=8, recompute="none", precision="bf16", hw=A100):
+        layout = Layout(tp, pp, dp, zero, micro, recompute, precision)
+        stages = [s.numel for s in stage_parameters(cfg, tp, pp)]
+        return predict_step_time(layout.apply(cfg), layout, hw, stages, 4)
+
+    base = time()
+    assert base.tp == base.pp == base.bubble == 0 and base.dp > 0
+    # the compute of 2048 samples of BERT-large at 512 over 64 devices at 156 TFLOP/s
+    h, f = 1024, 4096
+    flops = 2048 * 3 * 24 * (512 * (8 * h * h + 4 * h * f) + 4 * 512**2 * h) / 64  # the heads add ~2%
+    assert base.compute == pytest.approx(flops / 156e12, rel=0.05)
+    assert time(recompute="full").compute == pytest.approx(4 / 3 * base.compute, rel=0.05)
+    assert base.compute < time(recompute="selective").compute < time(recompute="full").compute
+    assert time(precision="fp32").compute == pytest.approx(2 * base.compute)
+    assert time(zero=2).dp > time(zero=1).dp and time(zero=3).dp > time(zero=2).dp
+    tp2 = time(tp=2, dp=32)
+    assert tp2.tp > 0 and tp2.compute == pytest.approx(base.compute, rel=0.02)  # same work per device
+    pp4 = time(pp=4, dp=16)
+    micro_batches = 2048 // (8 * 16)
+    assert pp4.bubble == pytest.approx(3 / micro_batches * pp4.compute) and pp4.pp > 0
+    # a DP group that leaves the node pays the network's bandwidth
+    one_node = time(dp=8, micro=8, hw=A100)
+    assert one_node.dp < base.dp
+
+
+def test_plan_tool_picks_a_fitting_layout(capsys):
+    from tools.plan import main
+
+    assert main(["--config", LARGE_PHASE2, "--gpus", "64", "--device-memory", "6GB", "--precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "refused by the trainer's config rules" in out
+    pick = out.splitlines()[-1].split()
+    assert "parallel.tensor_parallel=" in pick[0] and "train.precision=bf16" in pick
+
+    assert main(["--config", LARGE_PHASE2, "--gpus", "64", "--device-memory", "6GB", "--precision", "bf16",
+                 "--json", "--zero", "1", "--recompute", "none"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    fitting = [r for r in rows if r["fits"]]
+    assert fitting and all(r["zero"] == 1 and r["recompute"] == "none" for r in rows)
+    times = [r["step_seconds"]["total"] for r in fitting]
+    assert times == sorted(times)
+    usable = 6e9 - 2e9  # --reserve 2GB
+    assert all(r["memory_bytes"]["total"] <= usable for r in fitting)
+    assert all(r["memory_bytes"]["total"] > usable and "GiB usable" in r["why_not"] for r in rows if not r["fits"])
+    assert any(not r["fits"] for r in rows)
+
+
+def test_plan_tool_says_when_nothing_fits(capsys):
+    from tools.plan import main
+
+    assert main(["--config", LARGE_PHASE2, "--gpus", "8", "--device-memory", "1GB", "--reserve", "0.5GB"]) == 1
+    assert "no layout fits" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", LARGE_PHASE2, "--gpus", "12", "--device-memory", "40GB"])
+    assert exit_.value.code == 2

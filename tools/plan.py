@@ -1,0 +1,190 @@
+"""Will it fit, and which layout is fastest? Every layout of a config on N devices, its memory per
+rank and its step time predicted, ranked.
+
+usage: python tools/plan.py --config FILE --gpus N [--gpus-per-node 8] --device-memory 80GB
+         [--reserve 2GB] [--peak-tflops 312] [--fp32-tflops T] [--efficiency 0.5]
+         [--intra-node-bandwidth 150GB/s] [--inter-node-bandwidth 25GB/s] [--latency-us 20] [--layer-overhead-ms 0.2]
+         [--precision bf16,fp16,fp32] [--recompute none,selective,full] [--zero 0,1,2,3]
+         [--micro-batch 4,8,16] [--device cuda|cpu] [--top 15] [--all] [--json] [section.key=value ...]
+
+For the config's model and data shapes, every layout (tensor x pipeline x data parallel, ZeRO
+stage, micro-batch, recomputation, precision) the trainer accepts is predicted per rank (the
+most loaded pipeline stage): parameters, gradients, optimizer state (masters included),
+activations (1F1B's in-flight micro-batches, the MLM head at masked positions), DeepSpeed's
+communication buffers, the framework's workspace; and its step time from the FLOPs each rank
+computes at the device's achievable rate (peak x efficiency) and the TP, PP and DP traffic over
+the given bandwidths. The table lists the fastest layouts that fit, then the fastest that do
+not and why; the last line is the pick, as overrides for `python -m pretrain`. Layouts the
+trainer would refuse are counted by its reason. Sizes take B, KB, MB, GB (10^n) or KiB, MiB,
+GiB (2^n); nvidia-smi's total "81920MiB" can be given as it is. Exit status: 0 a layout fits,
+1 none fits (or bad input), 2 bad usage.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from pretrain.cli import positive_int, run_command
+
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def size(text: str) -> int:
+    """'80GB', '81920MiB', '2.5GB' -> bytes (argparse type)."""
+    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*", text, flags=re.IGNORECASE)
+    if not found:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 80GB, 81920MiB)")
+    return int(float(found.group(1)) * UNITS[(found.group(2) or "").upper()])
+
+
+def bandwidth(text: str) -> float:
+    """'150GB/s' -> bytes per second (argparse type)."""
+    return float(size(re.sub(r"/s\s*$", "", text.strip())))
+
+
+def choices(kind, allowed=None):
+    def parse(text: str) -> list:
+        values = [kind(v) for v in text.split(",") if v]
+        bad = [v for v in values if allowed is not None and v not in allowed]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(map(str, allowed or []))}")
+        return values
+    return parse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from pretrain.config.choices import PRECISIONS, RECOMPUTE
+
+    parser = argparse.ArgumentParser(prog="python tools/plan.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="the pretraining config (YAML, with its base: files)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    parser.add_argument("--gpus", type=positive_int, required=True, help="devices of the job")
+    parser.add_argument("--gpus-per-node", type=positive_int, default=8)
+    parser.add_argument("--device-memory", type=size, required=True, help="memory of one device, e.g. 80GB")
+    parser.add_argument("--reserve", type=size, default=size("2GB"),
+                        help="kept off the plan: CUDA context, NCCL buffers, allocator fragmentation (default 2GB)")
+    parser.add_argument("--peak-tflops", type=float, default=312.0,
+                        help="dense bf16/fp16 matrix-product peak of one device (default 312: A100)")
+    parser.add_argument("--fp32-tflops", type=float, default=None,
+                        help="fp32 peak (default: half the 16-bit peak, TF32, with train.tf32; 1/16 without)")
+    parser.add_argument("--efficiency", type=float, default=0.5,
+                        help="share of the peak the model's matrix products reach (default 0.5)")
+    parser.add_argument("--intra-node-bandwidth", type=bandwidth, default=bandwidth("150GB/s"),
+                        help="collective bandwidth of one device inside a node (default 150GB/s: NVLink)")
+    parser.add_argument("--inter-node-bandwidth", type=bandwidth, default=bandwidth("25GB/s"),
+                        help="collective bandwidth of one device across nodes (default 25GB/s: 200 Gb/s per GPU)")
+    parser.add_argument("--latency-us", type=float, default=20.0, help="per collective or message (default 20)")
+    parser.add_argument("--layer-overhead-ms", type=float, default=0.2,
+                        help="time a layer's forward + backward takes beyond its FLOPs, per micro-batch: kernel "
+                             "launches, element-wise ops (default 0.2)")
+    parser.add_argument("--precision", type=choices(str, PRECISIONS), default=list(PRECISIONS))
+    parser.add_argument("--recompute", type=choices(str, RECOMPUTE), default=list(RECOMPUTE))
+    parser.add_argument("--zero", type=choices(int, (0, 1, 2, 3)), default=[0, 1, 2, 3])
+    parser.add_argument("--micro-batch", type=choices(int), default=None,
+                        help="micro-batch sizes to weigh (default: powers of two dividing each rank's share)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="whose kernels the activations follow (default cuda)")
+    parser.add_argument("--top", type=positive_int, default=15, help="fitting layouts listed (default 15)")
+    parser.add_argument("--all", action="store_true", help="list every layout")
+    parser.add_argument("--json", action="store_true", help="one JSON object per layout instead of the table")
+    args = parser.parse_args(argv)
+    if not 0 < args.efficiency <= 1:
+        parser.error(f"--efficiency must be in (0, 1], got {args.efficiency}")
+    if args.gpus % min(args.gpus, args.gpus_per_node):
+        parser.error(f"--gpus {args.gpus} must be a multiple of --gpus-per-node {args.gpus_per_node} "
+                     "(or fewer than one node)")
+    if args.reserve >= args.device_memory:
+        parser.error("--reserve must be less than --device-memory")
+    return args
+
+
+def hardware(args, cfg):
+    from pretrain.plan.step_time import Hardware
+
+    peak = args.peak_tflops * 1e12
+    fp32 = args.fp32_tflops * 1e12 if args.fp32_tflops else peak / (2 if cfg.train.tf32 else 16)
+    rate = {"bf16": peak, "fp16": peak, "fp32": fp32}
+    return Hardware(gpus_per_node=min(args.gpus, args.gpus_per_node),
+                    flops={k: v * args.efficiency for k, v in rate.items()},
+                    intra_node_bandwidth=args.intra_node_bandwidth, inter_node_bandwidth=args.inter_node_bandwidth,
+                    latency=args.latency_us * 1e-6, layer_overhead=args.layer_overhead_ms * 1e-3)
+
+
+GiB = 2**30
+
+
+def row_json(row) -> dict:
+    layout, memory = row.layout, row.memory
+    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero": layout.zero, "micro_batch": layout.micro_batch,
+            "recompute": layout.recompute, "precision": layout.precision, "stage": row.stage,
+            "memory_bytes": {**memory.breakdown(), "total": memory.total},
+            "step_seconds": {"total": row.time.total, "compute": row.time.compute, "bubble": row.time.bubble,
+                             "tp": row.time.tp, "pp": row.time.pp, "dp": row.time.dp},
+            "samples_per_second": row.samples_per_second, "fits": row.fits, "why_not": row.why,
+            "overrides": layout.overrides()}
+
+
+HEADER = (f"{'':>3} {'layout':<15} {'ZeRO':>4} {'micro':>5} {'recompute':<9} {'prec':<4} | {'states':>6} "
+          f"{'activ':>6} {'other':>6} {'total':>6} GiB | {'step s':>7} {'samples/s':>9} | comm s (tp/pp/dp)")
+
+
+def row_line(index: int, row) -> str:
+    lay, mem, t = row.layout, row.memory, row.time
+    states = mem.parameters + mem.gradients + mem.optimizer_state
+    other = mem.total - states - mem.activations_peak
+    line = (f"{index:>3} {lay.label():<15} {lay.zero:>4} {lay.micro_batch:>5} {lay.recompute:<9} {lay.precision:<4} | "
+            f"{states / GiB:>6.1f} {mem.activations_peak / GiB:>6.1f} {other / GiB:>6.1f} {mem.total / GiB:>6.1f}     | "
+            f"{t.total:>7.3f} {row.samples_per_second:>9.0f} | {t.tp:.3f}/{t.pp:.3f}/{t.dp:.3f}")
+    return line if row.fits else f"{line}  DOES NOT FIT: {row.why}"
+
+
+def body(args) -> int:
+    from pretrain.config import load_config
+    from pretrain.plan.planner import Budget, plan
+
+    cfg = load_config(args.config, args.overrides)
+    choices_given = dict(precisions=args.precision, recompute=args.recompute, zero_stages=args.zero,
+                         micro_batches=args.micro_batch)
+    budget = Budget(args.device_memory, args.reserve)
+    rows, refused = plan(cfg, args.gpus, budget, hardware(args, cfg), args.device, **choices_given)
+    fitting = [row for row in rows if row.fits]
+    if args.json:
+        for row in rows:
+            print(json.dumps(row_json(row)))
+        return 0 if fitting else 1
+    m, d, t = cfg.model, cfg.data, cfg.train
+    print(f"{args.config}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
+          f"seq {d.seq_length}, {d.max_predictions_per_seq} predictions, global batch {t.global_batch_size}; "
+          f"{args.gpus} devices ({min(args.gpus, args.gpus_per_node)} per node) of {args.device_memory / GiB:.1f} GiB, "
+          f"{budget.usable / GiB:.1f} GiB usable each")
+    print(f"{len(rows)} layouts the trainer accepts, {len(fitting)} fit; memory of the most loaded rank "
+          "(states = parameters + gradients + optimizer state; other = DeepSpeed's buffers + workspace)")
+    print(HEADER)
+    shown = rows if args.all else fitting[:args.top] + [r for r in rows if not r.fits][:5]
+    for row in shown:
+        print(row_line(rows.index(row) + 1, row))
+    if refused:
+        print(f"refused by the trainer's config rules ({sum(refused.values())} layouts):")
+        for reason, count in sorted(refused.items(), key=lambda kv: -kv[1])[:8]:
+            print(f"  {count:>5} x {reason}")
+    if not fitting:
+        print("no layout fits: more devices, a larger --device-memory, or a smaller micro-batch / sequence")
+        return 1
+    best = fitting[0]
+    print(f"pick: {best.layout.label()} ZeRO-{best.layout.zero}, micro-batch {best.layout.micro_batch}, "
+          f"recompute {best.layout.recompute}, {best.layout.precision}: {best.memory.total / GiB:.1f} GiB of "
+          f"{budget.usable / GiB:.1f}, {best.time.total:.3f} s/step")
+    print("  " + " ".join(best.layout.overrides()))
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_command(parse_args, body, argv, name="plan")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
