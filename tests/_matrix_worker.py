@@ -80,6 +80,7 @@ def train(cfg, parallel, poisons=(), rank=0) -> dict:
     except Exception as error:  # the run controls' own error is what the stop looks at
         result["error"] = [type(error).__name__, str(error)]
     result["history"] = history
+    result["memory"] = trainer.first_step_memory  # every rank's measured and planned bytes (step 1)
     result["evaluation"] = trainer.evaluate()  # the weights the run ended with
     result["skipped_steps"] = trainer.steps_skipped
     return result

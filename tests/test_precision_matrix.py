@@ -17,6 +17,8 @@ numerics a cluster job depends on:
   above the minimum, fp16 overflows are the loss scaler's own skips and never stop the job;
 - resuming the step-2 checkpoint in a fresh trainer repeats steps 3-6, the stop and the
   evaluation exactly;
+- the memory planner's prediction of every rank's parameters, gradients and optimizer state is
+  exact, its activation peak within 10% of the measured one (on GPUs also the allocated peak);
 - every rank proves the configuration took effect: DeepSpeed's optimizer wrapper, the parameter
   dtype, the dtypes gradients are accumulated and reduced in, the TP/PP/DP sizes megatron-core
   and DeepSpeed work with, the device and backend, where parameters and optimizer tensors live.
@@ -159,6 +161,17 @@ def test_run_controls_and_numerics(matrix, device, world, name):
         assert (rank["grad_accumulation"], rank["grad_communication"]) == (gradients, gradients), rank
         assert rank["device"].startswith(device_type) and rank["backend"] == backend, rank
         assert rank["parameters"] == rank["optimizer_tensors"] == [rank["device"]], rank
+
+    # the planner's prediction of every rank's memory (pretrain/plan, logged after step 1): model
+    # states to the byte; the activation peak (exact on the CPU, tests/test_memory_plan.py) and, on
+    # GPUs, the device's allocated peak within 10%
+    for rank, report in enumerate(straight["memory"]):
+        measured, planned = report["measured"], report["planned"]
+        for key in ("parameters", "gradients", "optimizer_state"):
+            assert measured[key] == planned[key], (rank, key, measured[key], planned[key])
+        assert planned["activations_peak"] == pytest.approx(measured["activations_peak"], rel=0.1), (rank, report)
+        if device == "cuda":
+            assert planned["device_peak"] == pytest.approx(measured["device_peak"], rel=0.1), (rank, report)
 
     # a NaN loss at step 3: skipped on every rank, weights and learning rate held, training goes on
     history, norms = straight["history"], straight["norms"]
