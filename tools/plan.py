@@ -2,8 +2,9 @@
 rank and its step time predicted, ranked.
 
 usage: python tools/plan.py --config FILE --gpus N [--gpus-per-node 8] --device-memory 80GB
-         [--reserve 2GB] [--peak-tflops 312] [--fp32-tflops T] [--efficiency 0.5]
-         [--intra-node-bandwidth 150GB/s] [--inter-node-bandwidth 25GB/s] [--latency-us 20] [--layer-overhead-ms 0.2]
+         [--reserve 2GB] [--peak-tflops 312] [--fp32-tflops T] [--efficiency 0.7]
+         [--intra-node-bandwidth 150GB/s] [--inter-node-bandwidth 25GB/s] [--memory-bandwidth 1500GB/s]
+         [--latency-us 20] [--layer-overhead-ms 0.1]
          [--precision bf16,fp16,fp32] [--recompute none,selective,full] [--zero 0,1,2,3]
          [--micro-batch 4,8,16] [--device cuda|cpu] [--top 15] [--all] [--json] [section.key=value ...]
 
@@ -71,16 +72,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="dense bf16/fp16 matrix-product peak of one device (default 312: A100)")
     parser.add_argument("--fp32-tflops", type=float, default=None,
                         help="fp32 peak (default: half the 16-bit peak, TF32, with train.tf32; 1/16 without)")
-    parser.add_argument("--efficiency", type=float, default=0.5,
-                        help="share of the peak the model's matrix products reach (default 0.5)")
+    parser.add_argument("--efficiency", type=float, default=0.7,
+                        help="share of the peak the model's matrix products reach (default 0.7; element-wise "
+                             "work is counted apart, at --memory-bandwidth)")
     parser.add_argument("--intra-node-bandwidth", type=bandwidth, default=bandwidth("150GB/s"),
                         help="collective bandwidth of one device inside a node (default 150GB/s: NVLink)")
     parser.add_argument("--inter-node-bandwidth", type=bandwidth, default=bandwidth("25GB/s"),
                         help="collective bandwidth of one device across nodes (default 25GB/s: 200 Gb/s per GPU)")
+    parser.add_argument("--memory-bandwidth", type=bandwidth, default=bandwidth("1500GB/s"),
+                        help="device memory bandwidth: element-wise work, the optimizer step (default 1500GB/s: A100 40GB)")
     parser.add_argument("--latency-us", type=float, default=20.0, help="per collective or message (default 20)")
-    parser.add_argument("--layer-overhead-ms", type=float, default=0.2,
+    parser.add_argument("--layer-overhead-ms", type=float, default=0.1,
                         help="time a layer's forward + backward takes beyond its FLOPs, per micro-batch: kernel "
-                             "launches, element-wise ops (default 0.2)")
+                             "launches, element-wise ops (default 0.1)")
     parser.add_argument("--precision", type=choices(str, PRECISIONS), default=list(PRECISIONS))
     parser.add_argument("--recompute", type=choices(str, RECOMPUTE), default=list(RECOMPUTE))
     parser.add_argument("--zero", type=choices(int, (0, 1, 2, 3)), default=[0, 1, 2, 3])
@@ -111,7 +115,8 @@ def hardware(args, cfg):
     return Hardware(gpus_per_node=min(args.gpus, args.gpus_per_node),
                     flops={k: v * args.efficiency for k, v in rate.items()},
                     intra_node_bandwidth=args.intra_node_bandwidth, inter_node_bandwidth=args.inter_node_bandwidth,
-                    latency=args.latency_us * 1e-6, layer_overhead=args.layer_overhead_ms * 1e-3)
+                    memory_bandwidth=args.memory_bandwidth, latency=args.latency_us * 1e-6,
+                    layer_overhead=args.layer_overhead_ms * 1e-3)
 
 
 GiB = 2**30
@@ -123,7 +128,8 @@ def row_json(row) -> dict:
             "recompute": layout.recompute, "precision": layout.precision, "stage": row.stage,
             "memory_bytes": {**memory.breakdown(), "total": memory.total},
             "step_seconds": {"total": row.time.total, "compute": row.time.compute, "bubble": row.time.bubble,
-                             "tp": row.time.tp, "pp": row.time.pp, "dp": row.time.dp},
+                             "tp": row.time.tp, "pp": row.time.pp, "dp": row.time.dp,
+                             "optimizer": row.time.optimizer},
             "samples_per_second": row.samples_per_second, "fits": row.fits, "why_not": row.why,
             "overrides": layout.overrides()}
 

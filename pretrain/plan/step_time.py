@@ -7,12 +7,16 @@ The model (each term named in `StepTime`):
   TP, three times the forward for forward + backward, plus what recomputation runs again: the
   whole layer forward with `full`, the attention core with `selective`) and, on the last stage,
   the heads (pooler and MLM transform replicated over TP, the vocabulary projection split),
-  at the device's achievable FLOP/s for the precision, plus a fixed time per layer and
-  micro-batch (kernel launches, framework);
+  at the device's matrix-product FLOP/s for the precision; their element-wise work
+  (layer_elementwise_bytes: LayerNorms, dropouts and residuals are replicated over TP) at the
+  device's memory bandwidth; and a fixed time per layer and micro-batch (kernel launches);
 - tp: Megatron's all-reduces of [micro, seq, hidden] activations, 2 per layer in forward, 2 in
   backward, 2 more with full recomputation, and the vocabulary-parallel embedding's 1;
 - pp: one activation forward and one gradient backward per micro-batch per stage boundary;
   with 1F1B the step is (micro-batches + stages - 1) times the slowest stage's micro-batch;
+- optimizer: the step's reads and writes of weights, gradients and moments (36 bytes per element
+  this rank steps: all of its stage's with ZeRO-0, 1/DP of them with ZeRO 1-3) over the
+  device's memory bandwidth;
 - dp: DeepSpeed's gradient traffic, none of it assumed hidden behind backward: ZeRO-0 and
   ZeRO-1 reduce once per step (ZeRO-1 then all-gathers the updated parameters), ZeRO-2
   reduce-scatters every micro-batch's gradients, ZeRO-3 also gathers the parameters in every
@@ -42,8 +46,16 @@ class Hardware:
     flops: dict  # precision -> achievable matrix-product FLOP/s of one device
     intra_node_bandwidth: float  # bytes/s one device moves in a collective inside a node
     inter_node_bandwidth: float  # bytes/s one device moves across nodes
+    memory_bandwidth: float = 1.5e12  # bytes/s the device's element-wise work moves
+    optimizer_bandwidth: float | None = None  # bytes/s of the optimizer step (None: memory_bandwidth)
     latency: float = 20e-6  # seconds per collective or message
     layer_overhead: float = 0.0  # seconds per layer and micro-batch beyond its FLOPs (fwd + bwd)
+
+
+# bytes the optimizer step reads and writes per element it steps: LAMB/AdamW read the weight,
+# gradient and both moments and write weight and moments (7 x 4), LAMB's norms read weight and
+# update once more (2 x 4)
+OPTIMIZER_BYTES_PER_ELEMENT = 36
 
 
 @dataclass(frozen=True)
@@ -53,10 +65,24 @@ class StepTime:
     tp: float
     pp: float
     dp: float
+    optimizer: float  # the optimizer step over the elements this rank steps
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tp + self.pp + self.dp
+        return self.compute + self.bubble + self.tp + self.pp + self.dp + self.optimizer
+
+
+def layer_elementwise_bytes(model_cfg, seq_length: int, tp: int, precision: str, recompute: str) -> float:
+    """Bytes one layer's element-wise work reads and writes for one row, forward + backward (about
+    twice the forward's), and what recomputation repeats. Per token, forward: the replicated part,
+    which tensor parallelism does not split (2 LayerNorms, 2 dropouts, 2 residual additions: about
+    20 passes over h), and the split one (GELU over ffn/TP, softmax and dropout over the local
+    heads' scores: about 6 passes over heads/TP x seq)."""
+    s, h, f, a = seq_length, model_cfg.hidden_size, model_cfg.ffn_size, model_cfg.num_attention_heads
+    scores = 6 * a / tp * s * s
+    forward = BYTES[precision] * (20 * s * h + 2 * s * f / tp + scores)
+    again = {"full": forward, "selective": BYTES[precision] * scores}.get(recompute, 0.0)
+    return 3 * forward + again
 
 
 def _spans_nodes(ranks: list[int], gpus_per_node: int) -> bool:
@@ -96,13 +122,16 @@ def predict_step_time(cfg, layout: Layout, hw: Hardware, stage_numels: list[int]
     elif layout.recompute == "selective":
         per_layer += attention_core_forward_flops(m, seq)
     encoder = layers * micro * per_layer / t
+    elementwise = layers * micro * layer_elementwise_bytes(m, seq, t, layout.precision, layout.recompute)
     vocab = m.padded_vocab_size(t)
     pooler = pooler_forward_flops(m) if cfg.binary_head else 0.0
     # the transform is replicated over TP, the vocabulary projection split
     mlm = d.max_predictions_per_seq * mlm_forward_flops(m, vocab // t)
     heads = 3 * micro * (pooler + mlm)
+    softmax = 3 * 4 * 4 * micro * d.max_predictions_per_seq * (vocab // t)  # the loss's fp32 passes over the logits
     # the slowest stage: every stage has as many layers, the last one the heads too
-    per_micro = (encoder + heads) / flops_per_second + hw.layer_overhead * layers
+    per_micro = ((encoder + heads) / flops_per_second + (elementwise + softmax) / hw.memory_bandwidth
+                 + hw.layer_overhead * layers)
 
     activation = micro * seq * hidden * act
     tp_bw = _group_bandwidth(topology, "model", hw)
@@ -131,4 +160,6 @@ def predict_step_time(cfg, layout: Layout, hw: Hardware, stage_numels: list[int]
         dp_time = micro_batches * _one_way(grads, dp, dp_bw, hw.latency) + _one_way(params, dp, dp_bw, hw.latency)
     else:
         dp_time = micro_batches * (2 * _one_way(params, dp, dp_bw, hw.latency) + _one_way(grads, dp, dp_bw, hw.latency))
-    return StepTime(compute, bubble, tp, pp_time, dp_time)
+    stepped = numel / dp if layout.zero > 0 else numel
+    optimizer = OPTIMIZER_BYTES_PER_ELEMENT * stepped / (hw.optimizer_bandwidth or hw.memory_bandwidth)
+    return StepTime(compute, bubble, tp, pp_time, dp_time, optimizer)
