@@ -213,5 +213,30 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _memory_module(device: torch.device):
+    """torch.cuda, or torch.fakegpu in the CPU test mode: the devices whose allocations are counted."""
+    return getattr(torch, device.type) if device.type in ("cuda", "fakegpu") else None
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak of the device's allocated memory (nothing on the CPU)."""
+    module = _memory_module(device)
+    if module is not None:
+        module.reset_peak_memory_stats(device)
+
+
+def device_memory_allocated(device: torch.device) -> int | None:
+    """The device's allocated bytes now; None on the CPU."""
+    module = _memory_module(device)
+    return module.memory_allocated(device) if module is not None else None
+
+
+def peak_memory_allocated(device: torch.device) -> int | None:
+    """The device's allocated peak in bytes since the last reset; None on the CPU (no allocator
+    of its own to read)."""
+    module = _memory_module(device)
+    return module.max_memory_allocated(device) if module is not None else None
+
+
 def barrier(group=None) -> None:
     dist.barrier(group=group)

@@ -11,7 +11,8 @@
   recomputed region's own tensors are not included (torch's checkpoint saves them to hooks of its
   own, and they live only during that region's backward); its inputs are (checkpoint saves them
   through the meter's hooks);
-- device peak (GPUs): torch.cuda.max_memory_allocated over the step, everything at once.
+- device peak (GPUs, and fakegpu): the device's allocated peak over the second step (the first
+  with optimizer state; torch.cuda.max_memory_allocated), everything at once.
 
 The trainer logs each figure beside the planner's prediction for the rank (pretrain/plan), so
 every run checks the planner.
@@ -22,7 +23,7 @@ import weakref
 
 import torch
 
-from . import internals
+from . import device as devices, internals
 
 MB = 2**20
 
@@ -93,21 +94,25 @@ class ActivationMeter:
 
 
 class FirstStepMemory:
-    """Measures the first optimizer step of a run; `report()` is the breakdown in bytes.
+    """Measures the first steps of a run; `report()` is the breakdown in bytes.
 
-    DeepSpeed's ZeRO optimizers step the client optimizer once per param group (ZeRO-1/2) or
-    sub-group (ZeRO-3), each with its gradient made just before and freed after: the gradients
-    are those of every such call (each call's storages once), the masters those stepped in any."""
+    The model states and the activations are those of the first step; the device peak that of
+    the second (the first with the optimizer's state, which its first step creates), or of the
+    first when the run has one. DeepSpeed's ZeRO optimizers step the client optimizer once per
+    param group (ZeRO-1/2) or sub-group (ZeRO-3), each with its gradient made just before and
+    freed after: the gradients are those of every such call (each call's storages once), the
+    masters those stepped in any."""
 
-    def __init__(self, model: torch.nn.Module, engine, device: torch.device):
+    def __init__(self, model: torch.nn.Module, engine, device: torch.device, allocated_before: int = 0):
         self.model, self.engine, self.device = model, engine, device
+        self.allocated_before = allocated_before  # the device's bytes before the run began: not its own
         self.meter = ActivationMeter(model.parameters())
         self.gradients = 0
+        self.steps = 0
         self._stepped: dict[tuple, torch.Tensor] = {}  # the tensors the optimizer stepped (masters persist)
         self._optimizer = optimizer = internals.client_optimizer(engine)
         self._hook = optimizer.register_step_pre_hook(self._at_step)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        devices.reset_peak_memory(device)
 
     def _at_step(self, optimizer, args, kwargs) -> None:
         stepped = [p for group in optimizer.param_groups for p in group["params"]]
@@ -115,14 +120,20 @@ class FirstStepMemory:
         for p in stepped:
             self._stepped.setdefault((p.untyped_storage().data_ptr(), p.device), p)
 
+    def step_done(self) -> None:
+        self.steps += 1
+        if self.steps == 1:
+            self._hook.remove()  # the first step's optimizer calls only
+            devices.reset_peak_memory(self.device)
+
     def report(self) -> dict[str, int]:
-        self._hook.remove()  # the first step only
         params = [internals.zero3_partition(p) if internals.is_zero3_param(p) else p for p in self.model.parameters()]
         state = [v for s in self._optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         own = {(p.untyped_storage().data_ptr(), p.device) for p in params}
         masters = [p for key, p in self._stepped.items() if key not in own]
         report = {"parameters": _storage_bytes(params), "gradients": self.gradients,
                   "optimizer_state": _storage_bytes(state + masters), "activations_peak": self.meter.peak}
-        if self.device.type == "cuda":
-            report["device_peak"] = torch.cuda.max_memory_allocated(self.device)
+        peak = devices.peak_memory_allocated(self.device)
+        if peak is not None:
+            report["device_peak"] = peak - self.allocated_before
         return report

@@ -13,6 +13,7 @@ import deepspeed
 import torch
 
 from . import device, internals
+from .device import peak_memory_allocated as device_peak_memory
 from .config import Config, build_deepspeed_config
 from .console import duration, rank_printer
 from .samples.provider import pretraining_datasets
@@ -76,10 +77,12 @@ class Trainer:
         self.steps_skipped = 0  # steps whose update was skipped (non-finite, or an fp16 overflow)
         self._bad_run: list[tuple[int, tuple[str, ...]]] = []  # the current run of non-finite steps, what was non-finite
         self._last_outcome: StepOutcome = APPLIED
-        self.first_step_memory: list[dict] | None = None  # every rank's measured and planned memory, after step 1
+        self.first_step_memory: list[dict] | None = None  # every rank's measured and planned memory, after step 2
         self.pipelined = parallel.pp_size > 1
         self.grad_accum = cfg.grad_accum_steps(parallel.world_size)
 
+        # what the device held before this run (another run's leftovers in a test process): not its memory
+        self._allocated_before = device.device_memory_allocated(parallel.device) or 0
         device.configure_math(parallel.device, cfg.train.tf32)
         unsupported = device.precision_problem(parallel.device, cfg.train.precision)
         if unsupported:
@@ -434,21 +437,23 @@ class Trainer:
         last_step = t.train_steps if not t.exit_after_steps else min(t.train_steps, self.step + t.exit_after_steps)
         window_start, window = time.perf_counter(), []  # the steps since the last log line
         profiler = step_profiler(t, self.parallel.rank, self.parallel.device)
-        memory = FirstStepMemory(self.model, self.engine, self.parallel.device)  # this run's first step, logged once
+        memory = FirstStepMemory(self.model, self.engine, self.parallel.device, self._allocated_before)  # logged once
         try:
             while self.step < last_step:
                 started = time.perf_counter()
                 learning_rate = self.engine.get_lr()[0]  # the rate this step uses
                 profiler.before_step(self.step + 1)
-                if memory is not None:
+                if memory is not None and memory.steps == 0:
                     with memory.meter.hooks():
                         step_metrics = self._step(data_iter)  # stays on the device until the log line
                 else:
                     step_metrics = self._step(data_iter)
                 self.step += 1
                 if memory is not None:
-                    self._log_memory(memory.report())
-                    memory = None
+                    memory.step_done()
+                    if memory.steps == 2 or self.step == last_step:  # the device peak of a step with optimizer state
+                        self._log_memory(memory.report())
+                        memory = None
                 profiler.after_step(self.step)
                 self.consumed_samples += t.global_batch_size
                 self._progress(f"step {self.step}")
@@ -639,7 +644,9 @@ def _main_thread() -> bool:
 
 
 def _peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+    """The device's allocated peak (GPUs, fakegpu); the process's peak resident memory on the CPU."""
+    peak = device_peak_memory(device)
+    if peak is not None:
+        return peak / 2**30
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
     return kb / 2**20 if sys.platform != "darwin" else kb / 2**30

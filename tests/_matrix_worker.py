@@ -20,6 +20,7 @@ The logging rank writes, per config and run: the per-step metrics, what became o
 parameter norm after each, the evaluation, the error that stopped the run, and what proves the
 configuration took effect on every rank (wrapper, parameter and gradient dtypes, devices, sizes).
 """
+import gc
 import json
 import os
 import sys
@@ -60,6 +61,7 @@ def what_took_effect(trainer, parallel) -> dict:
 
 def train(cfg, parallel, poisons=(), rank=0) -> dict:
     cfg.validate(world_size=parallel.world_size)
+    gc.collect()  # the previous run's engine: its buffers would count in this run's device memory
     trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
     for run_poison in poisons:
         poison(trainer, dict(run_poison, rank=rank), parallel.rank)

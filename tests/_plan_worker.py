@@ -6,9 +6,10 @@ RUN_JSON: {"name": ..., "tp": TP, "pp": PP, "overrides": [...]} on top of the te
 One job runs every layout of its world size in turn (the process group stays, the TP/PP/DP
 groups are built anew), so its processes start once. The logging rank writes, per run, what the
 trainer logged after its first step (`Trainer.first_step_memory`: every rank's measured and
-planned bytes) and what proves the layout took effect on every rank (megatron's TP size,
+planned bytes; the device's allocated bytes before the run, which must be none) and what proves the layout took effect on every rank (megatron's TP size,
 DeepSpeed's DP size and stage, its optimizer wrapper, the parameters' dtype and device).
 """
+import gc
 import json
 import os
 import sys
@@ -46,13 +47,16 @@ def main():
             layout = run["tp"], run["pp"]
             parallel = init_parallel(launch, run["tp"], run["pp"], timeout_minutes=3)
         overrides = TINY + [f"parallel.tensor_parallel={run['tp']}", f"parallel.pipeline_parallel={run['pp']}",
-                            "train.train_steps=1", "scheduler.warmup_steps=0"] + run["overrides"]
+                            "train.train_steps=2", "scheduler.warmup_steps=0"] + run["overrides"]
         cfg = load_config(None, overrides)
         cfg.validate(world_size=parallel.world_size)
+        gc.collect()  # the previous run's engine: its buffers must not count in this run's device peak
+        before = device.device_memory_allocated(parallel.device)
         trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
         trainer.train()
-        results[run["name"]] = {"memory": trainer.first_step_memory,
+        results[run["name"]] = {"memory": trainer.first_step_memory, "allocated_before": before,
                                 "took_effect": device.all_gather_object(took_effect(trainer, parallel))}
+        del trainer
     finish(parallel, out_path, results)
 
 

@@ -164,13 +164,13 @@ def test_run_controls_and_numerics(matrix, device, world, name):
 
     # the planner's prediction of every rank's memory (pretrain/plan, logged after step 1): model
     # states to the byte; the activation peak (exact on the CPU, tests/test_memory_plan.py) and, on
-    # GPUs, the device's allocated peak within 10%
+    # GPUs and fakegpu, the device's allocated peak (step 2: with the optimizer's state) within 10%
     for rank, report in enumerate(straight["memory"]):
         measured, planned = report["measured"], report["planned"]
         for key in ("parameters", "gradients", "optimizer_state"):
             assert measured[key] == planned[key], (rank, key, measured[key], planned[key])
         assert planned["activations_peak"] == pytest.approx(measured["activations_peak"], rel=0.1), (rank, report)
-        if device == "cuda":
+        if device in ("cuda", "fakegpu"):  # fakegpu counts its storages as CUDA's allocator does
             assert planned["device_peak"] == pytest.approx(measured["device_peak"], rel=0.1), (rank, report)
 
     # a NaN loss at step 3: skipped on every rank, weights and learning rate held, training goes on

@@ -140,7 +140,7 @@ def test_memory_breakdown_of_each_rank_and_what_recomputation_saves(tmp_path):
     run_ranks(["tests/_train_worker.py", str(out), "1", "1", *runs], 2, timeout=600)
     results = json.loads(out.read_text())
     planned = r" MB \(planned [\d.,]+\)"
-    line = re.compile(rf"memory of rank (\d) in step 1: parameters ([\d.,]+){planned} \| gradients ([\d.,]+){planned} \| "
+    line = re.compile(rf"memory of rank (\d) in step 2: parameters ([\d.,]+){planned} \| gradients ([\d.,]+){planned} \| "
                       rf"optimizer state ([\d.,]+){planned} \| activations peak ([\d.,]+){planned}")
     peaks = {}
     for mode, result in results.items():

@@ -46,6 +46,10 @@ Behaviour worth knowing
   bit-identical to the same computation on CPU.
 - torch.save/torch.load of fakegpu tensors round-trips (loads back onto fakegpu).
 - DeepSpeed's accelerator stays a "synchronized device" (no side streams), like the CPU one.
+- memory statistics as CUDA's allocator reports them: torch.fakegpu.memory_allocated and
+  max_memory_allocated count the bytes of every live storage of the device (its own allocations
+  and the CPU kernels' results it takes over), reset_peak_memory_stats resets the peak; without
+  CUDA's 512-byte block rounding and with no cache (memory_reserved = memory_allocated).
 
 Not supported (fails with an error, never silently wrong)
 - sparse / non-strided layouts on fakegpu: nn.Embedding(sparse=True) backward raises
@@ -59,7 +63,6 @@ Not supported (fails with an error, never silently wrong)
   with arguments from the 'Autocastfakegpu' backend" (no autocast kernels are registered); use
   explicit dtypes.
 - streams: one default stream per device, events record host time, everything is synchronous.
-- memory statistics (torch.fakegpu.memory_allocated etc. report 0; DeepSpeed reports RSS).
 - torch.compile on fakegpu: untested.
 """
 from __future__ import annotations

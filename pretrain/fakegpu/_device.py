@@ -174,13 +174,23 @@ class stream:
         return False
 
 
+def _ordinal(device) -> int:
+    idx = _index(device)
+    return current_device() if idx is None else idx
+
+
 def memory_allocated(device=None) -> int:
-    return 0
+    """Bytes of the device's live storages (as torch.cuda.memory_allocated, without its 512-byte rounding)."""
+    return _ext.memory_allocated(_ordinal(device))
 
 
 def max_memory_allocated(device=None) -> int:
-    return 0
+    return _ext.max_memory_allocated(_ordinal(device))
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    _ext.reset_peak_memory_stats(_ordinal(device))
 
 
 def memory_reserved(device=None) -> int:
-    return 0
+    return memory_allocated(device)  # no caching: what is allocated is what is held

@@ -28,6 +28,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <mutex>
 #include <cstdlib>
 #include <string>
 #include <unordered_map>
@@ -68,14 +69,43 @@ static void set_device(DeviceIndex idx) {
 }
 
 // ------------------------------------------------------------------------------- allocator
-static void free_host(void* p) { c10::free_cpu(p); }
+// Device memory is counted as CUDA's caching allocator reports it (torch.cuda.memory_allocated,
+// max_memory_allocated): the bytes of every live storage of a device, fakegpu's own allocations
+// and the CPU kernels' results it took over alike, and their peak since the last reset.
+static std::mutex g_memory_mutex;
+static int64_t g_allocated[64] = {};
+static int64_t g_peak[64] = {};
+
+static void count_bytes(DeviceIndex dev, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(g_memory_mutex);
+  g_allocated[dev] += bytes;
+  if (g_allocated[dev] > g_peak[dev]) g_peak[dev] = g_allocated[dev];
+}
+
+// What a counted device storage's DataPtr owns: its own host memory (`raw`), or a CPU storage
+// whose memory it took over (`keep`).
+struct Counted {
+  c10::Storage keep;
+  void* raw;
+  int64_t bytes;
+  DeviceIndex dev;
+};
+
+static void delete_counted(void* ctx) {
+  auto* c = static_cast<Counted*>(ctx);
+  count_bytes(c->dev, -c->bytes);
+  if (c->raw) c10::free_cpu(c->raw);
+  delete c;
+}
 
 struct FakeAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     void* p = n ? c10::alloc_cpu(n) : nullptr;
-    return {p, p, &free_host, Device(kFake, current_device())};
+    DeviceIndex dev = current_device();
+    count_bytes(dev, static_cast<int64_t>(n));
+    return {p, new Counted{c10::Storage(), p, static_cast<int64_t>(n), dev}, &delete_counted, Device(kFake, dev)};
   }
-  c10::DeleterFnPtr raw_deleter() const override { return &free_host; }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }  // no raw_allocate: the context is not the data
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     if (count) std::memcpy(dest, src, count);
   }
@@ -208,9 +238,20 @@ static void* raw_data(const c10::Storage& st) {
   return const_cast<void*>(st.unsafeGetStorageImpl()->data_ptr().get());
 }
 
-// A CPU storage over the memory of `st` (any device) that keeps `st` alive.
+// A DataPtr on `dev` over the memory of `st` that keeps `st` alive; on fakegpu the bytes become
+// device memory (counted until the last storage using them goes).
+static c10::DataPtr alias_data_ptr(const c10::Storage& st, Device dev) {
+  if (dev.type() == kFake) {
+    auto bytes = static_cast<int64_t>(st.nbytes());
+    count_bytes(dev.index(), bytes);
+    return c10::DataPtr(raw_data(st), new Counted{st, nullptr, bytes, dev.index()}, &delete_counted, dev);
+  }
+  return c10::DataPtr(raw_data(st), new c10::Storage(st), &delete_storage_ctx, dev);
+}
+
+// A storage on `dev` over the memory of `st` (any device) that keeps `st` alive.
 static c10::Storage alias_storage(const c10::Storage& st, Device dev, c10::Allocator* alloc) {
-  c10::DataPtr dp(raw_data(st), new c10::Storage(st), &delete_storage_ctx, dev);
+  c10::DataPtr dp = alias_data_ptr(st, dev);
   return c10::Storage(c10::make_intrusive<c10::StorageImpl>(
       c10::StorageImpl::use_byte_size_t(), st.nbytes(), std::move(dp), alloc, /*resizable=*/true));
 }
@@ -350,9 +391,7 @@ struct FallbackState {
       if (raw_data(alias) != raw_data(orig) || alias.nbytes() != orig.nbytes()) {
         auto* oi = orig.unsafeGetStorageImpl();
         if (raw_data(alias) != raw_data(orig)) {
-          c10::DataPtr dp(raw_data(alias), new c10::Storage(alias), &delete_storage_ctx,
-                          Device(kFake, orig.device().index()));
-          oi->set_data_ptr_noswap(std::move(dp));
+          oi->set_data_ptr_noswap(alias_data_ptr(alias, Device(kFake, orig.device().index())));
         }
         oi->set_nbytes(alias.nbytes());
       }
@@ -788,6 +827,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_device", [](int i) { fakegpu::set_device(static_cast<c10::DeviceIndex>(i)); });
   m.def("default_generator", [](int i) { return fakegpu::default_generator(static_cast<c10::DeviceIndex>(i)); });
   m.def("_set_allow_cpu_in_backend", [](bool v) { FakeCCLBackend::allow_cpu = v; });
+  m.def("memory_allocated", [](int i) {
+    fakegpu::check_index(static_cast<c10::DeviceIndex>(i));
+    std::lock_guard<std::mutex> lock(fakegpu::g_memory_mutex);
+    return fakegpu::g_allocated[i];
+  });
+  m.def("max_memory_allocated", [](int i) {
+    fakegpu::check_index(static_cast<c10::DeviceIndex>(i));
+    std::lock_guard<std::mutex> lock(fakegpu::g_memory_mutex);
+    return fakegpu::g_peak[i];
+  });
+  m.def("reset_peak_memory_stats", [](int i) {
+    fakegpu::check_index(static_cast<c10::DeviceIndex>(i));
+    std::lock_guard<std::mutex> lock(fakegpu::g_memory_mutex);
+    fakegpu::g_peak[i] = fakegpu::g_allocated[i];
+  });
   py::object backend_base = py::module_::import("torch._C._distributed_c10d").attr("Backend");
   py::class_<FakeCCLBackend, fakegpu::NoGilPtr<FakeCCLBackend>>(m, "FakeCCLBackend", backend_base)
       .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& inner, int rank, int size) {
