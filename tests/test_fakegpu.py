@@ -297,6 +297,28 @@ def _single_checks():
         same(out, ref.detach())
         same(lin_f.weight.grad, lin.weight.grad)
 
+    @check
+    def memory_counted_as_cudas_allocator_reports_it():
+        import gc
+
+        gc.collect()
+        fake = torch.fakegpu
+        base = fake.memory_allocated(dev)
+        a = torch.empty(1000, device=dev)  # fakegpu's own allocation
+        assert fake.memory_allocated(dev) == base + 4000
+        b = a * 2  # a CPU kernel's result, taken over as device memory
+        view = b[10:]  # a view: no new storage
+        assert fake.memory_allocated(dev) == base + 8000, fake.memory_allocated(dev) - base
+        fake.reset_peak_memory_stats(dev)
+        c = torch.randn(10000, device=dev)
+        del c
+        assert fake.max_memory_allocated(dev) == base + 48000 and fake.memory_allocated(dev) == base + 8000
+        x = torch.ones(100).to(dev)  # a copy onto the device
+        x.resize_(1000)  # grown in place: the old storage's bytes go, the new ones come
+        assert fake.memory_allocated(dev) == base + 12000, fake.memory_allocated(dev) - base
+        del a, b, view, x
+        assert fake.memory_allocated(dev) == base and fake.memory_reserved(dev) == base
+
     return checks
 
 
@@ -316,7 +338,7 @@ def _run_single_worker() -> None:
     print(MARK + json.dumps(results), flush=True)
 
 
-SINGLE_CHECKS = ["mlp_forward_backward_equals_cpu", "dropout_and_rng_follow_cpu", "sdpa_forward_backward", "lstm_forward_backward",
+SINGLE_CHECKS = ["memory_counted_as_cudas_allocator_reports_it", "mlp_forward_backward_equals_cpu", "dropout_and_rng_follow_cpu", "sdpa_forward_backward", "lstm_forward_backward",
                  "bf16_matmul_and_embedding", "sparse_embedding_grad_is_unsupported", "views_alias_storage",
                  "inplace_resize_set_empty", "device_moves_and_serialization", "default_device_is_cpu",
                  "mixed_device_ops_fail_like_cuda", "cpu_generator_fails_like_cuda",
