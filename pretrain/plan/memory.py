@@ -12,6 +12,7 @@ are estimates from the shapes (no allocator to read them from on the CPU); the r
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 from ..config import Config
@@ -86,8 +87,6 @@ def _workspace(cfg, layout: Layout, kernels) -> int:
     flowing = 2 * B * b * s * (h + m.ffn_size // layout.tp)  # activation gradients of one layer
     recomputed = 0
     if m.recompute != "none":  # one layer's activations exist again during its backward
-        import copy
-
         plain = copy.deepcopy(cfg)
         plain.model.recompute = "none"
         recomputed = layer_bytes(plain, layout.tp, b, layout.precision, kernels)
