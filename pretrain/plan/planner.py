@@ -1,6 +1,6 @@
 """Every layout of a config on N devices, its predicted memory per rank and step time, ranked.
 
-    rows = plan(cfg, budget, hardware)   # sorted by predicted step time, fitting ones first
+    rows, refused = plan(cfg, gpus, budget, hardware)   # fitting layouts first, by predicted step time
 
 The memory of a layout is its most loaded rank's (the pipeline stage with the most; with one
 stage all ranks hold the same); a layout fits when that total stays within the budget (the
