@@ -1,5 +1,6 @@
 """Rank entry point of the memory planner's tests (tests/test_memory_plan.py): one training step
-per run, every rank's measured memory and the planner's prediction for it.
+per run (the CPU has no device peak, which needs a second step), every rank's measured memory
+and the planner's prediction for it.
 
 usage: python tests/_plan_worker.py OUT.json RUN_JSON...
 RUN_JSON: {"name": ..., "tp": TP, "pp": PP, "overrides": [...]} on top of the tests' tiny config.
@@ -47,7 +48,7 @@ def main():
             layout = run["tp"], run["pp"]
             parallel = init_parallel(launch, run["tp"], run["pp"], timeout_minutes=3)
         overrides = TINY + [f"parallel.tensor_parallel={run['tp']}", f"parallel.pipeline_parallel={run['pp']}",
-                            "train.train_steps=2", "scheduler.warmup_steps=0"] + run["overrides"]
+                            "train.train_steps=1", "scheduler.warmup_steps=0"] + run["overrides"]
         cfg = load_config(None, overrides)
         cfg.validate(world_size=parallel.world_size)
         gc.collect()  # the previous run's engine: its buffers must not count in this run's device peak
