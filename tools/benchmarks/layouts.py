@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,16 +29,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from tools.benchmarks.train import _free_port  # noqa: E402
+
 CONFIGS = {"mini": REPO / "configs" / "bert-mini.yaml", "small": REPO / "configs" / "bert-small.yaml"}
 # name -> (tensor parallel, pipeline parallel, ranks); ranks share the machine's 2 cores
 LAYOUTS = {"single": (1, 1, 1), "dp2": (1, 1, 2), "tp2": (2, 1, 2), "pp2": (1, 2, 2)}
 CORES = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bench_config(args, tp: int, pp: int):
