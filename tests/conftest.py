@@ -49,7 +49,8 @@ def pytest_configure(config):
         config.addinivalue_line("filterwarnings", line)
     config.addinivalue_line(
         "markers", "gpu(n=1): needs n CUDA GPUs. Skipped with the reason on a machine without CUDA; fails instead "
-                   "of skipping where CUDA is present (too few GPUs) or REQUIRE_GPU=1.")
+                   "of skipping where CUDA is present (too few GPUs) or REQUIRE_GPU=N promises n or more "
+                   "(a test needing more than REQUIRE_GPU's N is skipped with the reason).")
     config.addinivalue_line(
         "markers", "netns: needs network namespaces (root and iproute2's `ip`). Skipped with the reason where "
                    "they cannot be created; fails instead with REQUIRE_NETNS=1.")
@@ -71,6 +72,19 @@ def gpu_shortfall(config, needed: int) -> str | None:
 
 def _required(env: str) -> bool:
     return os.environ.get(env, "0") not in ("", "0")
+
+
+def promised_gpus() -> int:
+    """REQUIRE_GPU=N: the GPUs this machine is promised to have (0: none promised). A GPU test
+    needing up to N fails where it cannot run; one needing more is skipped with the reason (a
+    one-GPU machine runs the one-GPU tests and skips the rest, by name)."""
+    value = os.environ.get(REQUIRE_GPU_ENV, "").strip()
+    if value in ("", "0"):
+        return 0
+    if not value.isdigit():
+        raise pytest.UsageError(f"{REQUIRE_GPU_ENV}={value!r}: give the number of GPUs this machine must have "
+                                "(e.g. REQUIRE_GPU=1), or 0")
+    return int(value)
 
 
 def _netns_reason(config) -> str | None:
@@ -98,7 +112,10 @@ def pytest_runtest_setup(item):
     if reason is None:
         return
     present = item.config._gpu_count > 0
-    if _required(REQUIRE_GPU_ENV) or present:
+    promised = promised_gpus()
+    if promised and needed > promised:
+        pytest.skip(f"GPU test: {reason}; {REQUIRE_GPU_ENV}={promised} promises {promised}")
+    if promised or present:
         pytest.fail(f"GPU test {item.nodeid} {reason} ({REQUIRE_GPU_ENV}={os.environ.get(REQUIRE_GPU_ENV, 'unset')}, "
                     f"CUDA {'present' if present else 'absent'}): GPU tests fail rather than skip "
                     "where a GPU is expected", pytrace=False)

@@ -295,9 +295,9 @@ def test_gpu_tests_skip_without_a_gpu_and_fail_when_one_is_required():
     if session_gpu_count():
         pytest.skip("the switch is about machines without a GPU")
 
-    def pytest_run(env):
+    def pytest_run(env, select="extract_features and cuda"):
         return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                               "tests/test_devices.py", "-k", "extract_features and cuda"], cwd=REPO,
+                               "tests/test_devices.py", "-k", select], cwd=REPO,
                               capture_output=True, text=True, timeout=300, env=dict(os.environ, **env))
 
     skipped = pytest_run({"REQUIRE_GPU": "0"})
@@ -307,3 +307,7 @@ def test_gpu_tests_skip_without_a_gpu_and_fail_when_one_is_required():
     assert failed.returncode == 1 and "1 error" in failed.stdout, failed.stdout[-2000:]  # failed in set-up
     assert "needs 1 CUDA GPU(s), this machine has 0 (REQUIRE_GPU=1, CUDA absent): GPU tests fail rather than skip" \
         in failed.stdout
+    # a one-GPU machine (tools/gpu/check.sh): the tests needing more GPUs than promised skip, by name
+    beyond = pytest_run({"REQUIRE_GPU": "1"}, "fill_mask_tp2 and cuda")
+    assert beyond.returncode == 0 and "1 skipped" in beyond.stdout, beyond.stdout[-2000:]
+    assert "needs 2 CUDA GPU(s), this machine has 0; REQUIRE_GPU=1 promises 1" in beyond.stdout

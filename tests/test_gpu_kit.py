@@ -1,0 +1,132 @@
+"""The GPU check kit (tools/gpu/: prepare.sh, check.sh, bench.py), so that it cannot rot between
+the rare GPU machines it is for.
+
+- The rehearsal (slow): prepare.sh into a temporary folder for this machine's Python, download
+  and wheel builds included; a stand-in for the GPU image (a fresh venv with exactly the packages
+  prepare.sh says the image holds, nothing of ours); check.sh on it with the CPU test device
+  standing in for the GPU (BERT_FAKE_GPU=1) and a short benchmark. It must install ours from the
+  carried wheels only (pip's check of their requirements included), run a tier scenario from the
+  kit's copy of the tests, and write the junit XML, the benchmark JSON and the summary.
+- The benchmark's bookkeeping (fast): the order runs are measured in, the budget's cut, the
+  comparisons against Hugging Face's side and NVIDIA's published figure.
+"""
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from distributed import REPO
+
+sys.path.insert(0, str(REPO / "tools" / "gpu"))
+import bench  # noqa: E402  (tools/gpu/bench.py)
+
+LIMIT_MIB = 64
+
+
+def parse(argv):
+    return bench.parse_args(argv)[1]
+
+
+def test_runs_are_measured_padded_and_hf_first_then_packed_then_the_rest():
+    args = parse(["--models", "large,base", "--seqs", "128,512", "--variants", bench.DEFAULT_VARIANTS])
+    ids = [job["id"] for job in bench.job_list(args)]
+    assert ids[:6] == ["large-s128-ours-zero1", "large-s128-hf", "large-s128-ours-packed",
+                       "large-s512-ours-zero1", "large-s512-hf", "large-s512-ours-packed"]
+    assert ids[12:14] == ["large-s128-ours-zero0", "large-s128-ours-adamw"]
+    assert len(ids) == 20
+    assert {job["batch"] for job in bench.job_list(args) if job["seq"] == 512} == {32}  # NVIDIA's batches
+
+
+def test_a_spent_budget_records_every_run_as_not_run():
+    args = parse(["--models", "tiny", "--seqs", "32", "--batch", "32:4", "--variants", "ours-zero1,hf"])
+    calibration, results, _ = bench.run_children(bench.job_list(args), {}, budget_s=0, log=lambda text: None)
+    assert calibration is None
+    assert {r["status"] for r in results.values()} == {"not run"}
+    assert all("budget (0 s)" in r["error"] for r in results.values())
+
+
+def test_comparisons_against_hf_and_nvidia():
+    args = parse(["--models", "large", "--seqs", "128", "--variants", "ours-zero1,hf,ours-packed"])
+    jobs = bench.job_list(args)
+    measured = {"ours-zero1": (1148.0, 80000.0), "hf": (1000.0, 70000.0), "ours-packed": (1500.0, 120000.0)}
+    results = {f"large-s128-{v}": {"status": "ok", "measured": {"sequences_per_s": s, "real_tokens_per_s": t}}
+               for v, (s, t) in measured.items()}
+    [row] = bench.comparisons(jobs, results)
+    assert row["ours_zero1_over_hf"] == pytest.approx(1.148)
+    assert row["packed_over_padded_real_tokens"] == pytest.approx(1.5)
+    assert row["nvidia_dle_a100_sequences_per_s"] == 574 and row["nvidia_dle_batch"] == 256
+    assert row["ours_zero1_over_nvidia_a100"] == pytest.approx(2.0)
+    assert row["ours_adamw_over_hf"] is None  # not measured: no ratio made up
+
+
+def test_bad_arguments_are_named():
+    for argv, words in ((["--models", "huge"], "unknown model 'huge'"),
+                        (["--variants", "ours-zero9"], "unknown variant 'ours-zero9'"),
+                        (["--seqs", "256"], "no batch for seq 256")):
+        done = subprocess.run([sys.executable, "tools/gpu/bench.py", *argv], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2 and words in done.stderr, done.stderr
+
+
+@pytest.mark.slow
+def test_the_kit_is_prepared_installed_and_run_on_the_cpu_test_device(tmp_path):
+    kit, image, out = tmp_path / "kit", tmp_path / "image", tmp_path / "out"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    prepared = subprocess.run(["bash", "tools/gpu/prepare.sh", str(kit)], cwd=REPO, capture_output=True, text=True,
+                              timeout=900, env=dict(os.environ, GPU_KIT_PYTHON_VERSION=version))
+    assert prepared.returncode == 0, prepared.stdout[-3000:] + prepared.stderr[-3000:]
+    wheels = sorted(p.name for p in (kit / "wheels").glob("*.whl"))
+    for name in ("bert_pretrain-", "deepspeed-", "megatron_core-", "pydantic-", "blingfire-", "seqeval-"):
+        assert any(w.startswith(name) for w in wheels), f"no {name}* wheel in {wheels}"
+    for wheel in wheels:
+        assert wheel in prepared.stdout, f"prepare.sh does not list {wheel}"
+    size = sum(p.stat().st_size for p in kit.rglob("*") if p.is_file())
+    assert size < LIMIT_MIB * 2**20 and f"MiB in all (limit {LIMIT_MIB} MiB)" in prepared.stdout
+
+    # the stand-in image: the image's packages (prepare.sh's list, torch at the version here) and nothing of ours
+    import torch
+
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", str(image)], check=True, timeout=300)
+    packages = [p for p in (kit / "image-packages.txt").read_text().split() if p != "torch"]
+    installed = subprocess.run([str(image / "bin" / "python"), "-m", "pip", "install", "-q",
+                                f"torch=={torch.__version__.split('+')[0]}", *packages],
+                               capture_output=True, text=True, timeout=1200)
+    assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
+
+    env = dict(os.environ, BERT_FAKE_GPU="1", GPU_CHECK_PYTHON=str(image / "bin" / "python"),
+               GPU_CHECK_BENCH_ARGS="--models tiny --seqs 32 --batch 32:8 --precision fp32 --steps 2 --warmup 1 "
+                                    "--variants ours-zero1,hf,ours-packed")
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(["bash", str(kit / "check.sh"), str(kit), str(out)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=1200, env=env)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    summary = (out / "summary.txt").read_text()
+    assert summary.splitlines()[0].startswith("gpu-check: install: ok (torch ") and "(image, " in summary
+    assert "gpu-check: GPU tier: ok: 1 passed, 0 failed, 0 errors, 1 skipped" in summary
+    assert "gpu-check: benchmark: ok: 3 ok, 0 failed, 0 not run" in summary and "all parts passed" in summary
+    assert summary.strip() in done.stdout.strip() or all(line in done.stdout for line in summary.splitlines())
+
+    cases = ET.parse(out / "gpu-tier.xml").getroot().iter("testcase")
+    outcomes = {case.get("name"): "skipped" if case.find("skipped") is not None else "passed" for case in cases}
+    assert outcomes == {"test_fp16_takes_no_step_at_construction[lamb-1-fakegpu]": "passed",
+                        "test_fp16_takes_no_step_at_construction[lamb-1-cuda]": "skipped"}
+
+    report = json.loads((out / "bench.json").read_text())
+    assert report["schema"] == bench.SCHEMA and report["device"]["type"] == "fakegpu"
+    assert report["calibration"]["gemm_tflops"] > 0 and report["calibration"]["copy_gb_per_s"] > 0
+    runs = {run["variant"]: run for run in report["runs"]}
+    assert {v: r["status"] for v, r in runs.items()} == {"ours-zero1": "ok", "hf": "ok", "ours-packed": "ok"}
+    for run in runs.values():
+        measured = run["measured"]
+        assert measured["parameter_device"] == "fakegpu:0"
+        assert measured["sequences_per_s"] > 0 and 0 < measured["real_token_share"] <= 1
+        assert measured["peak_memory_gib"] > 0  # the device's allocator, as CUDA's reports it
+    assert runs["ours-packed"]["measured"]["real_token_share"] > runs["ours-zero1"]["measured"]["real_token_share"]
+    planned = runs["ours-zero1"]["planned"]
+    assert planned["step_s"] > 0 and planned["memory_gib"] > 0
+    assert runs["ours-zero1"]["measured"]["peak_memory_gib"] == pytest.approx(planned["memory_gib"], rel=0.15)
