@@ -280,8 +280,6 @@ def hf_batch(inputs, labels) -> dict:
 
 def child_hf(args) -> dict:
     """Hugging Face BertForPreTraining train step: forward+loss, backward, clip, optimizer step."""
-    import contextlib
-
     import torch
 
     from pretrain.device import configure_math
@@ -296,26 +294,38 @@ def child_hf(args) -> dict:
     optimizer = hf_optimizer(model, cfg)
     drawn = make_batches(cfg, args.warmup + args.steps, device)
     batches = iter([hf_batch(*b) for b in drawn])
-    # HF's standard mixed precision on the device it runs on: fp32 weights, bf16 autocast
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.precision == "bf16" \
-        else contextlib.nullcontext
     losses = []
+    step = hf_step(model, optimizer, batches, device, args.precision, cfg.optimizer.grad_clip, losses)
+    times = time_steps(step, args.warmup, args.steps, device)
+    peak = max(peak, gemm_peak(args.precision, device))  # a peak: the better of before and after the steps
+    return {"times": times, "losses": [float(loss) for loss in losses], "flops_per_sample": model_flops_per_sample(cfg),
+            "peak_gflops": peak, "real_token_share": real_token_share(drawn),
+            "device": str(next(model.parameters()).device), **device_memory(device)}
+
+
+def hf_step(model, optimizer, batches, device, precision: str, grad_clip: float, losses: list):
+    """A function that runs one Hugging Face training step per call on the next of `batches`:
+    forward and loss under HF's standard mixed precision on the device it runs on (fp32 weights,
+    bf16 autocast), backward, gradient-norm clipping, the optimizer step; each loss is appended
+    to `losses` as a device tensor (read after the timing)."""
+    import contextlib
+
+    import torch
+
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision == "bf16" \
+        else contextlib.nullcontext
 
     def step():
         with autocast():
             loss = model(**next(batches)).loss
         loss.backward()
-        if cfg.optimizer.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(loss.detach())
 
-    times = time_steps(step, args.warmup, args.steps, device)
-    peak = max(peak, gemm_peak(args.precision, device))  # a peak: the better of before and after the steps
-    return {"times": times, "losses": losses, "flops_per_sample": model_flops_per_sample(cfg), "peak_gflops": peak,
-            "real_token_share": real_token_share(drawn),
-            "device": str(next(model.parameters()).device), **device_memory(device)}
+    return step
 
 
 def device_memory(device) -> dict:

@@ -184,11 +184,9 @@ def hf_optimizer(model, cfg, device):
 
 
 def measure_hf(job: dict, settings: dict, parallel) -> dict:
-    import contextlib
-
     import torch
 
-    from tools.benchmarks.train import hf_batch, hf_model
+    from tools.benchmarks.train import hf_batch, hf_model, hf_step
 
     cfg = run_config(job, settings)
     device = parallel.device
@@ -200,19 +198,8 @@ def measure_hf(job: dict, settings: dict, parallel) -> dict:
     real = [int(inputs[2].sum()) for inputs, _ in drawn]
     batches = iter([hf_batch(*b) for b in drawn])
     del drawn
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if settings["precision"] == "bf16" \
-        else contextlib.nullcontext
     losses = []
-
-    def step():
-        with autocast():
-            loss = model(**next(batches)).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-
+    step = hf_step(model, optimizer, batches, device, settings["precision"], cfg.optimizer.grad_clip, losses)
     times = timed(step, device, settings["warmup"], settings["steps"])
     where, dtype = str(next(model.parameters()).device), str(next(model.parameters()).dtype)
     del model, optimizer
