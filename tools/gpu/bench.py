@@ -394,8 +394,8 @@ def run_children(jobs: list[dict], settings: dict, budget_s: float, log) -> tupl
                 if record["kind"] == "calibration":
                     facts = record.pop("device")
                     calibration = {k: v for k, v in record.items() if k != "kind"}
-                    log(f"calibration on {facts.get('name', facts['type'])}: bf16-class GEMM "
-                        f"{calibration['gemm_tflops']:.1f} TFLOP/s ({calibration['precision']}, n={calibration['gemm_n']}), "
+                    log(f"calibration on {facts.get('name', facts['type'])}: {calibration['precision']} GEMM "
+                        f"{calibration['gemm_tflops']:.1f} TFLOP/s (n={calibration['gemm_n']}), "
                         f"copy {calibration['copy_gb_per_s']:.0f} GB/s")
                 elif record["kind"] == "started":
                     started = record["id"]

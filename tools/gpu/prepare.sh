@@ -47,6 +47,11 @@ OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
+# the files of the working tree that git knows or would add (a file deleted but not committed is left out)
+sources() {
+  (cd "$REPO" && git ls-files -co --exclude-standard -- "$@" | while IFS= read -r f; do [ ! -e "$f" ] || echo "$f"; done)
+}
+
 echo "prepare.sh: wheels for CPython $PYTHON_VERSION manylinux x86_64"
 TARGET=(--only-binary=:all: --no-deps --implementation cp --python-version "$PYTHON_VERSION"
         --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
@@ -55,13 +60,15 @@ TARGET=(--only-binary=:all: --no-deps --implementation cp --python-version "$PYT
 for pkg in "${BUILT[@]}"; do
   "$PY" -m pip wheel -q --no-deps -w "$OUT/wheels" "$pkg"
 done
-"$PY" -m pip wheel -q --no-deps -w "$WORK/project" "$REPO"
+# the project's wheel, built from a copy of the sources (setuptools writes build/ beside what it builds)
+mkdir -p "$WORK/source"
+sources | (cd "$REPO" && tar -cf - -T -) | tar -xf - -C "$WORK/source"
+"$PY" -m pip wheel -q --no-deps -w "$WORK/project" "$WORK/source"
 cp "$WORK"/project/bert_pretrain-*.whl "$OUT/wheels/"
 
 # The parts of the repository that are not in the wheel: tests, tools (the benchmark and the check),
 # configs, the launcher. The library itself comes from the wheel.
-(cd "$REPO" && git ls-files -co --exclude-standard -- tests tools configs launcher.sh pyproject.toml setup.cfg) \
-  | (cd "$REPO" && tar -cf - -T -) | tar -xf - -C "$OUT/src"
+sources tests tools configs launcher.sh pyproject.toml setup.cfg | (cd "$REPO" && tar -cf - -T -) | tar -xf - -C "$OUT/src"
 cp "$REPO/tools/gpu/check.sh" "$OUT/check.sh"
 printf '%s\n' "${IMAGE_PACKAGES[@]}" > "$OUT/image-packages.txt"
 printf '%s\n' "${NOT_CARRIED[@]}" > "$OUT/not-carried.txt"
