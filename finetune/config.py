@@ -9,9 +9,6 @@ from typing import Any, Sequence
 from pretrain.config import ConfigError, load_sections
 from pretrain.config.precision import precision_problems
 
-from .task_names import TASK_NAMES
-from .tasks import TASKS
-
 
 @dataclass
 class TaskSection:
@@ -37,6 +34,9 @@ class TaskSection:
     context: str = "document"  # document: windows over each -DOCSTART- document; sentence: each sentence alone
 
     def problems(self) -> list[str]:
+        # the registry, imported here: the task modules import this module's sections (no circle)
+        from .tasks import TASK_NAMES, TASKS
+
         p = []
         if self.name not in TASK_NAMES:
             p.append(f"task.name {self.name!r} must be one of {', '.join(TASK_NAMES)}")
@@ -174,6 +174,8 @@ class FinetuneConfig:
     def validate(self, world_size: int, feature_based: bool = False) -> None:
         """Every section's rules, then the batch arithmetic over the world size; one ConfigError.
         feature_based: the run trains a tagger on frozen features (features section) instead."""
+        from .tasks import TASKS  # the registry (see TaskSection.problems)
+
         p, tr = self.parallel, self.train
         problems = self.task.problems() + self.model.problems() + p.problems()
         if feature_based:

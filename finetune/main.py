@@ -14,7 +14,7 @@ import sys
 
 from pretrain.cli import accept_launcher_args, run_command, run_distributed
 
-from .task_names import TASK_NAMES  # torch-free: the tasks themselves are imported by start()
+from .tasks import TASK_NAMES  # torch-free: the tasks themselves are imported when one is asked for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

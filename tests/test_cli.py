@@ -252,12 +252,12 @@ def test_hf_to_native_defaults_to_one_process():
 
 
 def test_finetune_help_answers_without_torch():
-    """`python -m finetune --help` (and a misspelt task) parse with the torch-free task names, which
-    are the tasks' own names in their order."""
-    from finetune.task_names import TASK_NAMES
-    from finetune.tasks import TASKS
+    """`python -m finetune --help` (and a misspelt task) parse with the torch-free task registry,
+    whose names are the tasks' own (each kind's module defines its tasks by name)."""
+    from finetune.tasks import TASK_NAMES, TASKS
 
     assert TASK_NAMES == tuple(TASKS)
+    assert [TASKS[name].name for name in TASK_NAMES] == list(TASK_NAMES)
     probe = ("import sys\nfrom finetune.main import parse_args\ntry:\n    parse_args(['--help'])\n"
              "except SystemExit:\n    pass\nprint('torch loaded' if 'torch' in sys.modules else 'no torch')")
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -19,14 +19,13 @@ from torch import nn
 
 from pretrain.errors import UserError
 
+from ..config import ModelSection, TaskSection
 from ..inputs import Batches
 
-if TYPE_CHECKING:  # annotations only (the config imports the task registry)
+if TYPE_CHECKING:  # annotations only
     from tokenizers import Tokenizer
 
     from pretrain.config import ModelConfig
-
-    from ..config import ModelSection, TaskSection
 
 Log = Callable[..., None]
 

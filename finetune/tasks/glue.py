@@ -32,16 +32,15 @@ import torch.nn.functional as F
 
 from pretrain.textfile import read_lines, read_text
 
+from ..config import ModelSection, TaskSection
 from ..inputs import TextFeatures
 from .base import Dataset, Evaluation, Log, Read, ReadReport, Task, TaskDataError, TestFile
 
-if TYPE_CHECKING:  # annotations only (the config imports the task registry)
+if TYPE_CHECKING:  # annotations only
     from tokenizers import Tokenizer
     from torch import nn
 
     from pretrain.config import ModelConfig
-
-    from ..config import ModelSection, TaskSection
 
 csv.field_size_limit(sys.maxsize)  # some GLUE sentences are long; the default limit is 128 KiB
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..config import ModelSection, TaskSection
 from ..inputs import Batches
 from ..ner_metrics import tagging_scores
 from ..windows import max_context_owners, windows
@@ -31,13 +32,11 @@ from .base import Dataset, Evaluation, Log, Read, Task, TaskDataError
 from .tagging import (CONLL2003_LABELS, SCHEMES, Document, conll_text, in_scheme, iob1_evidence, iob2_labels,
                       read_tagged, split_tag, to_iob2)
 
-if TYPE_CHECKING:  # annotations only (the config imports the task registry)
+if TYPE_CHECKING:  # annotations only
     from tokenizers import Tokenizer
     from torch import nn
 
     from pretrain.config import ModelConfig
-
-    from ..config import ModelSection, TaskSection
 
 IGNORE = -100  # label of positions outside the loss (cross_entropy's ignore_index)
 CONTEXTS = ("document", "sentence")

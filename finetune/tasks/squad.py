@@ -30,18 +30,17 @@ import torch.nn.functional as F
 
 from pretrain.textfile import read_text
 
+from ..config import ModelSection, TaskSection
 from ..inputs import Batches
 from ..squad_metrics import evaluate_v1, evaluate_v2
 from ..windows import is_max_context, windows
 from .base import Dataset, Evaluation, Log, Read, ReadReport, Task, TaskDataError
 
-if TYPE_CHECKING:  # annotations only (the config imports the task registry)
+if TYPE_CHECKING:  # annotations only
     from tokenizers import Tokenizer
     from torch import nn
 
     from pretrain.config import ModelConfig
-
-    from ..config import ModelSection, TaskSection
 
 
 @dataclass(frozen=True)

@@ -15,17 +15,16 @@ import torch.nn.functional as F
 
 from pretrain.textfile import read_text
 
+from ..config import ModelSection, TaskSection
 from ..inputs import TextFeatures
 from .base import Dataset, Evaluation, Log, Read, ReadReport, Task, TaskDataError
 from .glue import Example, prediction_table
 
-if TYPE_CHECKING:  # annotations only (the config imports the task registry)
+if TYPE_CHECKING:  # annotations only
     from tokenizers import Tokenizer
     from torch import nn
 
     from pretrain.config import ModelConfig
-
-    from ..config import ModelSection, TaskSection
 
 CHOICES = 4
 ENDINGS = tuple(f"ending{i}" for i in range(CHOICES))
@@ -76,6 +75,7 @@ class SwagTask(Task):
 
 
 SWAG = SwagTask()
+SWAG_TASKS = {SWAG.name: SWAG}
 
 
 @dataclass
