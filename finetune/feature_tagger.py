@@ -29,7 +29,7 @@ from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer
 from pretrain.console import progress, rank_printer
 from pretrain.device import configure_math, describe, reduce_floats
 from pretrain.model.rng import RngTracker, seed_streams
-from pretrain.preprocess.atomic import atomic_outputs
+from pretrain.common.atomic import atomic_outputs
 
 from .config import FinetuneConfig
 from .model import build_encoder, encoder_inputs, load_encoder

@@ -18,10 +18,10 @@ import torch
 from pretrain.checkpoint.format import CheckpointError
 from pretrain.checkpoint.load import read_any
 from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer
-from pretrain.diskspace import disk_full_named
-from pretrain.errors import UserError
+from pretrain.common.diskspace import disk_full_named
+from pretrain.common.errors import UserError
 from pretrain.model.rng import RngTracker, seed_streams
-from pretrain.textfile import read_lines as read_text_lines
+from pretrain.common.textfile import read_lines as read_text_lines
 
 from .inputs import fixed_length_tokenizer
 from .model import build_encoder, encoder_inputs, load_encoder

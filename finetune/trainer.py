@@ -27,12 +27,12 @@ from pretrain.checkpoint.load import read_any
 from pretrain.checkpoint.sharding import unpad_vocab
 from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer, save_vocab
 from pretrain.config import deepspeed_settings
-from pretrain.diskspace import disk_full_named
-from pretrain.preprocess.atomic import atomic_outputs
+from pretrain.common.diskspace import disk_full_named
+from pretrain.common.atomic import atomic_outputs
 from pretrain.samples.batches import micro_batch_indices
 from pretrain.device import (DeviceError, all_gather, all_gather_object, all_reduce, configure_math, describe,
                             precision_problem, to_host)
-from pretrain.errors import UserError
+from pretrain.common.errors import UserError
 from pretrain.internals import is_tp_sharded, no_optimizer_steps, report_grad_norm
 from pretrain.model.names import logical_parameters
 from pretrain.model.rng import RngTracker, seed_streams

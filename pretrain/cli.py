@@ -17,7 +17,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from .errors import UserError
+from .common.errors import UserError
 from .quiet import hide_library_warnings
 
 if TYPE_CHECKING:  # the real imports start torch: only run_distributed pays for them

@@ -21,7 +21,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .errors import UserError
+from .common.errors import UserError
 
 FAKE_GPU_ENV = "BERT_FAKE_GPU"
 # Backends that have no CPU implementation: a CPU tensor in their collectives is a device bug.

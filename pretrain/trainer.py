@@ -25,10 +25,10 @@ from .model.flops import encoder_flops_per_row, head_flops_per_sample
 from .memory import MB, FirstStepMemory
 from .plan import predict_rank_memory
 from .model.rng import RngTracker, seed_streams
-from .errors import UserError
+from .common.errors import UserError
 from .optim import Lamb, build_optimizer, layout_for_deepspeed, make_lr_scheduler
 from .optim.groups import optimizer_param_groups
-from .preprocess.atomic import atomic_outputs
+from .common.atomic import atomic_outputs
 from .optim.guard import APPLIED, AT_MIN_SCALE, NonFiniteGuard, StepOutcome, classify, wrap_optimizer_step
 from .optim.norms import counted_once, exact_clipping_for
 from .parallel import Parallel

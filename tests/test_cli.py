@@ -14,7 +14,7 @@ import pretrain.parallel
 from distributed import REPO
 from pretrain.cli import run_command, run_distributed
 from pretrain.device import MAX_CONNECTIONS_ENV
-from pretrain.errors import UsageError, UserError
+from pretrain.common.errors import UsageError, UserError
 from pretrain.parallel import LaunchEnv
 
 from conftest import LAUNCH_KEYS

@@ -29,8 +29,8 @@ import os
 import sys
 
 from pretrain.cli import accept_launcher_args, positive_int, run_command, run_distributed
-from pretrain.errors import UsageError, UserError
-from pretrain.textfile import read_lines
+from pretrain.common.errors import UsageError, UserError
+from pretrain.common.textfile import read_lines
 
 MASK = "[MASK]"
 

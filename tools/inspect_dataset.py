@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from pretrain.cli import run_command
-from pretrain.errors import UsageError
+from pretrain.common.errors import UsageError
 
 
 def parse_args(argv=None) -> argparse.Namespace:

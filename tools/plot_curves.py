@@ -21,7 +21,7 @@ import os
 import sys
 
 from pretrain.cli import run_command
-from pretrain.errors import UserError
+from pretrain.common.errors import UserError
 
 
 class PlotError(UserError, ValueError):

@@ -18,7 +18,7 @@ import os
 import sys
 
 from pretrain.cli import INTERRUPTED, positive_int, run_command
-from pretrain.errors import UserError
+from pretrain.common.errors import UserError
 
 # Library imports happen inside run(): worker processes start by re-importing this file, and
 # must not pay for megatron-core (torch) on the way.

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pretrain.errors import UserError
+from pretrain.common.errors import UserError
 
 from ..config import ModelSection, TaskSection
 from ..inputs import Batches

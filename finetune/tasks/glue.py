@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pretrain.textfile import read_lines, read_text
+from pretrain.common.textfile import read_lines, read_text
 
 from ..config import ModelSection, TaskSection
 from ..inputs import TextFeatures

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pretrain.textfile import read_lines
+from pretrain.common.textfile import read_lines
 
 from .base import ReadReport, TaskDataError
 

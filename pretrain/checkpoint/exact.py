@@ -17,23 +17,15 @@ import shutil
 import numpy as np
 import torch
 
+from ..common.atomic import replace_durably
+from ..common.diskspace import disk_full_named
 from ..config import Config
 from ..device import all_gather_object, barrier
-from ..diskspace import disk_full_named
 from ..model.rng import seed_streams
 from .format import (LATEST, META, PARTIAL, REPLACED, TAG_PATTERN, CheckpointError, check_compatible, checkpoint_files,
                      complete_tags, content_problems, damaged, fingerprints, latest_tag, layout_of, model_shape_of,
                      read_meta, rng_file, tag_for, verify_checkpoint, with_older_checkpoints)
 from .tokenizer_files import save_vocab
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_dir(path: str) -> None:
@@ -131,9 +123,9 @@ def save_checkpoint(engine, save_dir: str, step: int, consumed_samples: int, cfg
                 "files": {name: os.path.getsize(os.path.join(staging, name)) for name in names},
                 "crc32": dict(sorted(sums.items())),
             }
-            _atomic_write(os.path.join(staging, META), json.dumps(meta, indent=2))
+            replace_durably(os.path.join(staging, META), json.dumps(meta, indent=2))
             _publish(staging, os.path.join(save_dir, tag))
-            _atomic_write(os.path.join(save_dir, LATEST), tag)
+            replace_durably(os.path.join(save_dir, LATEST), tag)
             _fsync_dir(save_dir)
             _prune(save_dir, keep_last, keep=tag)
     barrier()

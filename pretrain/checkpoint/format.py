@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from ..config import Config, ConfigError
-from ..errors import UserError
+from ..common.errors import UserError
 from ..model.layers import TransformerLayer, WordEmbedding
 from ..model.names import HF_NAME_TABLE, TIED_EMBEDDING_KEY, spec_modules
 from .filenames import CONFIG_JSON, LATEST, META, TOKENIZER_JSON, VOCAB_FILE  # noqa: F401 (re-exported)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import Config
-from ..diskspace import disk_full_named
+from ..common.diskspace import disk_full_named
 from ..model.bert import full_initial_value
 from ..model.names import spec_modules
 from ..optim.groups import group_by_kind

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from ..errors import UserError
+from ..common.errors import UserError
 
 
 class ConfigError(UserError, ValueError):

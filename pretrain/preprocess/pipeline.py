@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from ..console import progress
-from ..errors import UserError
-from .atomic import atomic_outputs, remove_quietly, temp_path
+from ..common.errors import UserError
+from ..common.atomic import atomic_outputs, remove_quietly, temp_path
 from .corpus import (
     DEFAULT_CHUNK_BYTES,
     INPUT_FORMATS,

@@ -1,4 +1,6 @@
-"""Writing a set of output files so that an interrupted run never leaves one that looks complete.
+"""Writing outputs so that an interrupted run never leaves one that looks complete: the project's
+one atomic writer (atomic_outputs for files written by a program, replace_durably for a small text
+file that must be replaced in one step, such as a checkpoint's `latest`).
 
 Each final path gets a temporary sibling (``name.tmp-<pid>.ext``, same directory, so the rename is
 atomic); they are renamed over the final names only after everything was written. Files that
@@ -13,9 +15,9 @@ import contextlib
 import os
 from typing import Iterator, Sequence
 
-from ..diskspace import disk_full_named
+from .diskspace import disk_full_named
 
-__all__ = ["temp_path", "atomic_outputs", "remove_quietly"]
+__all__ = ["temp_path", "atomic_outputs", "replace_durably", "remove_quietly"]
 
 
 def temp_path(final: str, tag: str | None = None) -> str:
@@ -50,3 +52,20 @@ def atomic_outputs(finals: Sequence[str], tag: str | None = None) -> Iterator[di
     remove_quietly(list(reversed(finals)))
     for final in finals:
         os.replace(temps[final], final)
+
+
+def replace_durably(path: str, text: str) -> None:
+    """`text` into `path` so that a reader finds the old file or the whole new one, never a part and
+    never none (a checkpoint's metadata and its `latest` pointer): written to a temporary sibling,
+    flushed to the disk, renamed over `path`. Unlike atomic_outputs, nothing is removed first. The
+    caller names a full disk (disk_full_named) around it, as around its other writes."""
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly([tmp])
+        raise

@@ -1,0 +1,3 @@
+"""What every layer of the library uses and none owns: the user-facing error classes (errors.py),
+reading users' text files with the file, line and byte named (textfile.py), a full disk named
+(diskspace.py), and the one atomic writer of outputs and small files (atomic.py)."""
