@@ -26,8 +26,8 @@ from torch import nn
 from pretrain.checkpoint.format import CheckpointError
 from pretrain.checkpoint.load import read_any
 from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer
-from pretrain.console import progress, rank_printer
-from pretrain.device import configure_math, describe, reduce_floats
+from pretrain.observability.console import progress, rank_printer
+from pretrain.distributed.device import configure_math, describe, reduce_floats
 from pretrain.model.rng import RngTracker, seed_streams
 from pretrain.common.atomic import atomic_outputs
 

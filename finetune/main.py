@@ -39,7 +39,7 @@ def main(argv=None) -> int:
 
 def start(args: argparse.Namespace) -> int:
     from pretrain.config import ConfigError
-    from pretrain.parallel import discover_launch_env
+    from pretrain.distributed.parallel import discover_launch_env
 
     from .config import load_finetune_config
 

@@ -30,18 +30,18 @@ from pretrain.config import deepspeed_settings
 from pretrain.common.diskspace import disk_full_named
 from pretrain.common.atomic import atomic_outputs
 from pretrain.samples.batches import micro_batch_indices
-from pretrain.device import (DeviceError, all_gather, all_gather_object, all_reduce, configure_math, describe,
+from pretrain.distributed.device import (DeviceError, all_gather, all_gather_object, all_reduce, configure_math, describe,
                             precision_problem, to_host)
 from pretrain.common.errors import UserError
-from pretrain.internals import is_tp_sharded, no_optimizer_steps, report_grad_norm
+from pretrain.distributed.internals import is_tp_sharded, no_optimizer_steps, report_grad_norm
 from pretrain.model.names import logical_parameters
 from pretrain.model.rng import RngTracker, seed_streams
-from pretrain.console import progress, rank_printer
+from pretrain.observability.console import progress, rank_printer
 from pretrain.optim import make_lr_scheduler
 from pretrain.optim.groups import group_by_kind
 from pretrain.optim.guard import wrap_optimizer_step
 from pretrain.optim.norms import exact_clipping_for
-from pretrain.watchdog import Watchdog
+from pretrain.resilience.watchdog import Watchdog
 
 from .config import FinetuneConfig
 from .inputs import Batches, length_grouped

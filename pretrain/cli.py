@@ -18,10 +18,10 @@ import sys
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from .common.errors import UserError
-from .quiet import hide_library_warnings
+from .observability.quiet import hide_library_warnings
 
 if TYPE_CHECKING:  # the real imports start torch: only run_distributed pays for them
-    from .parallel import LaunchEnv, Parallel
+    from .distributed.parallel import LaunchEnv, Parallel
 
 INTERRUPTED = 130  # the shell's status for a process stopped by SIGINT
 TERMINATED = 143  # ... and by SIGTERM
@@ -104,15 +104,15 @@ def run_distributed(work: Callable[["Parallel"], int | None], tensor_parallel: i
     exported to os.environ first, because DeepSpeed (its engine, deepspeed.comm, PipelineModule)
     reads RANK, LOCAL_RANK and the master address from there, not from us. With tensor
     parallelism CUDA_DEVICE_MAX_CONNECTIONS=1 is set there too (unless the user set it), before
-    any CUDA context exists, whichever launcher started the rank (pretrain/device.py), and torch's
+    any CUDA context exists, whichever launcher started the rank (pretrain/distributed/device.py), and torch's
     hang diagnostics are switched on (flight recorder; on NCCL dump on timeout, desync report).
     Every rank meets the same bad input: only the logging rank raises the UserError (for
     run_command to print), the others return its status quietly, so it is printed once; every
-    rank tells launcher.sh not to restart (pretrain/launch_status.py).
+    rank tells launcher.sh not to restart (pretrain/resilience/launch_status.py).
     """
-    from . import launch_status
-    from .device import prepare_cuda_environment, prepare_hang_diagnostics
-    from .parallel import discover_launch_env, init_parallel, shutdown_parallel
+    from .resilience import launch_status
+    from .distributed.device import prepare_cuda_environment, prepare_hang_diagnostics
+    from .distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
 
     launch = discover_launch_env() if launch is None else launch
     launch.export_to(os.environ)

@@ -37,7 +37,7 @@ def start(args: argparse.Namespace) -> int:
     if args.world_size:
         world_size = args.world_size
     else:
-        from .parallel import discover_launch_env  # torch and DeepSpeed: not for the launcher's check
+        from .distributed.parallel import discover_launch_env  # torch and DeepSpeed: not for the launcher's check
 
         world_size = discover_launch_env().world_size
     try:
@@ -70,7 +70,7 @@ def start(args: argparse.Namespace) -> int:
         print(f"{args.config}: valid for {world_size} rank(s)")
         return 0
 
-    from . import launch_status
+    from .resilience import launch_status
     from .cli import INTERRUPTED
     from .trainer import Trainer
 

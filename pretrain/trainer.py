@@ -12,34 +12,34 @@ import time
 import deepspeed
 import torch
 
-from . import device, internals
-from .device import peak_memory_allocated as device_peak_memory
-from .config import Config, build_deepspeed_config
-from .console import duration, rank_printer
-from .samples.provider import pretraining_datasets
-from .samples.batches import FixedMicroBatches, MicroBatchIterator
 from .checkpoint import exact as checkpoint_saving, load as checkpoint_loading
 from .checkpoint.format import CheckpointError
+from .common.atomic import atomic_outputs
+from .common.errors import UserError
+from .config import Config, build_deepspeed_config
+from .distributed import device, internals
+from .distributed.device import peak_memory_allocated as device_peak_memory
+from .distributed.parallel import Parallel
 from .model.bert import PretrainingLoss, build_model, init_weights
 from .model.flops import encoder_flops_per_row, head_flops_per_sample
-from .memory import MB, FirstStepMemory
-from .plan import predict_rank_memory
 from .model.rng import RngTracker, seed_streams
-from .common.errors import UserError
+from .observability.console import duration, rank_printer
+from .observability.device_memory import MB, FirstStepMemory
+from .observability.profiling import step_profiler
+from .observability.timers import NoTimers, PhaseTimers
 from .optim import Lamb, build_optimizer, layout_for_deepspeed, make_lr_scheduler
 from .optim.groups import optimizer_param_groups
-from .common.atomic import atomic_outputs
 from .optim.guard import APPLIED, AT_MIN_SCALE, NonFiniteGuard, StepOutcome, classify, wrap_optimizer_step
 from .optim.norms import counted_once, exact_clipping_for
-from .parallel import Parallel
-from .profiling import step_profiler
-from .timers import NoTimers, PhaseTimers
-from .watchdog import Watchdog, process_state
+from .plan import predict_rank_memory
+from .resilience.watchdog import Watchdog, process_state
+from .samples.batches import FixedMicroBatches, MicroBatchIterator
+from .samples.provider import pretraining_datasets
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# how the console line names each phase of pretrain/timers.py
+# how the console line names each phase of pretrain/observability/timers.py
 PHASE_LABELS = {"data": "data", "forward": "fwd", "backward": "bwd", "forward_backward": "fwd+bwd",
                 "grad_reduce": "reduce", "optimizer": "opt"}
 

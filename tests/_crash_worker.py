@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 
-from pretrain.quiet import hide_library_warnings
+from pretrain.observability.quiet import hide_library_warnings
 
 hide_library_warnings()
 
@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from _train_worker import TINY  # noqa: E402
 from pretrain.checkpoint.format import tag_for  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
-from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
+from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
 from pretrain.trainer import Trainer  # noqa: E402
 
 

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from pretrain.quiet import hide_library_warnings
+from pretrain.observability.quiet import hide_library_warnings
 
 hide_library_warnings()  # the known noise only: anything new shows up in the test run
 
@@ -26,7 +26,7 @@ from pretrain.model.bert import PretrainingLoss, build_model, init_weights  # no
 import pretrain.model.layers as layers  # noqa: E402
 from pretrain.model.layers import EmbeddingTail, TransformerLayer  # noqa: E402
 from pretrain.model.rng import RngTracker, seed_streams  # noqa: E402
-from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
+from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
 
 
 def max_spread_over_tp(tensor, group, size):

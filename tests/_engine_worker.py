@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import torch
 
 from _train_worker import TINY
-from pretrain import internals
+from pretrain.distributed import internals
 from pretrain.config import load_config
 from pretrain.optim.layout import layout_for_deepspeed
-from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
+from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
 from pretrain.trainer import Trainer
 
 

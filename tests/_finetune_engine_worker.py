@@ -8,7 +8,7 @@ import sys
 
 from finetune.config import load_finetune_config
 from finetune.trainer import Finetuner
-from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
+from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
 
 
 def main():

@@ -10,13 +10,13 @@ import json
 import os
 import sys
 
-from pretrain.quiet import hide_library_warnings
+from pretrain.observability.quiet import hide_library_warnings
 
 hide_library_warnings()
 
 from finetune.config import load_finetune_config  # noqa: E402
 from finetune.trainer import Finetuner  # noqa: E402
-from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
+from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
 
 
 def outputs_of(runner) -> dict:

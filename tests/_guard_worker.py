@@ -13,14 +13,14 @@ import sys
 
 import torch
 
-from pretrain.quiet import hide_library_warnings
+from pretrain.observability.quiet import hide_library_warnings
 
 hide_library_warnings()
 
 from _train_worker import TINY, finish  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 from pretrain.model.bert import PretrainingLoss  # noqa: E402
-from pretrain.parallel import discover_launch_env, init_parallel  # noqa: E402
+from pretrain.distributed.parallel import discover_launch_env, init_parallel  # noqa: E402
 from pretrain.trainer import Trainer  # noqa: E402
 
 

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from pretrain.quiet import hide_library_warnings
+from pretrain.observability.quiet import hide_library_warnings
 
 hide_library_warnings()  # the known noise only: anything new shows up in the test run
 
@@ -23,7 +23,7 @@ from _train_worker import TINY  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 from pretrain.samples.batches import collate, split_inputs_labels  # noqa: E402
 from pretrain.samples.synthetic import SyntheticDataset  # noqa: E402
-from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
+from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
 from pretrain.trainer import Trainer  # noqa: E402
 
 

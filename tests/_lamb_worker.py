@@ -200,7 +200,7 @@ def run_deepspeed(rank, world, stage, use_layout, bf16=False):
         config["bf16"] = {"enabled": True}
         if stage == 1:
             config["data_types"] = {"grad_accum_dtype": "fp32"}
-    from pretrain.internals import no_optimizer_steps
+    from pretrain.distributed.internals import no_optimizer_steps
 
     with no_optimizer_steps(opt):  # FP16_UnfusedOptimizer (bf16 ZeRO-0) would step once, as the trainer guards
         engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config)

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
+from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
 from pretrain.samples import batches
 from pretrain.samples.synthetic import SyntheticDataset
 

@@ -27,15 +27,15 @@ import sys
 
 import torch
 
-from pretrain.quiet import hide_library_warnings
+from pretrain.observability.quiet import hide_library_warnings
 
 hide_library_warnings()
 
 from _guard_worker import poison  # noqa: E402
 from _train_worker import TINY, finish, where_it_ran  # noqa: E402
-from pretrain import device, internals  # noqa: E402
+from pretrain.distributed import device, internals  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
-from pretrain.parallel import discover_launch_env, init_parallel  # noqa: E402
+from pretrain.distributed.parallel import discover_launch_env, init_parallel  # noqa: E402
 from pretrain.trainer import Trainer  # noqa: E402
 
 BASE = ["train.train_steps=8", "scheduler.warmup_steps=4", "train.eval_steps=2", "data.num_workers=0",

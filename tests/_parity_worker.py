@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from pretrain.quiet import hide_library_warnings
+from pretrain.observability.quiet import hide_library_warnings
 
 hide_library_warnings()  # the known noise only: anything new shows up in the test run
 
@@ -22,7 +22,7 @@ from pretrain.samples.synthetic import SyntheticDataset  # noqa: E402
 from pretrain.model.bert import PretrainingLoss, build_model  # noqa: E402
 from pretrain.checkpoint.sharding import load_hf_state_dict  # noqa: E402
 from pretrain.model.rng import RngTracker, seed_streams  # noqa: E402
-from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
+from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS, HEADS, SEQ, PREDICTIONS = 250, 64, 2, 4, 32, 6
 

@@ -15,14 +15,14 @@ import json
 import os
 import sys
 
-from pretrain.quiet import hide_library_warnings
+from pretrain.observability.quiet import hide_library_warnings
 
 hide_library_warnings()
 
 from _train_worker import TINY, finish  # noqa: E402
-from pretrain import device  # noqa: E402
+from pretrain.distributed import device  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
-from pretrain.parallel import discover_launch_env, init_parallel  # noqa: E402
+from pretrain.distributed.parallel import discover_launch_env, init_parallel  # noqa: E402
 from pretrain.trainer import Trainer  # noqa: E402
 
 

@@ -15,7 +15,7 @@ import torch
 
 from _train_worker import TINY
 from pretrain.config import load_config
-from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
+from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
 from pretrain.trainer import Trainer
 
 READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")

@@ -34,7 +34,7 @@ TINY = [
 def where_it_ran(trainer, parallel) -> dict:
     """What proves the device took effect: the rank's device and backend, and where the model's
     parameters (ZeRO-3: their partitions) and the optimizer's tensors actually live."""
-    from pretrain import internals
+    from pretrain.distributed import internals
     from pretrain.optim.layout import layout_for_deepspeed
 
     params = [internals.zero3_partition(p) if internals.is_zero3_param(p) else p for p in trainer.model.parameters()]
@@ -49,7 +49,7 @@ def layout_report(trainer, parallel) -> dict:
     sizes megatron-core and DeepSpeed work with, what the rank holds, the optimizer wrapper."""
     from megatron.core import parallel_state as ps
 
-    from pretrain import internals
+    from pretrain.distributed import internals
     from pretrain.model.names import logical_parameters
     from pretrain.optim.norms import counted_once
 
@@ -106,12 +106,12 @@ def use_per_shard_trust_ratios(trainer) -> None:
 
 
 def main():
-    from pretrain.quiet import hide_library_warnings
+    from pretrain.observability.quiet import hide_library_warnings
 
     hide_library_warnings()  # the known noise only: anything new shows up in the test run
-    from pretrain import device
+    from pretrain.distributed import device
     from pretrain.config import load_config
-    from pretrain.parallel import discover_launch_env, init_parallel
+    from pretrain.distributed.parallel import discover_launch_env, init_parallel
     from pretrain.trainer import Trainer
 
     out_path, job_tp, job_pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -142,7 +142,7 @@ def main():
 
 def finish(parallel, out_path: str, results: dict) -> None:
     """The logging rank writes the results; every rank leaves the process groups."""
-    from pretrain.parallel import shutdown_parallel
+    from pretrain.distributed.parallel import shutdown_parallel
 
     if parallel.rank == parallel.logging_rank:
         with open(out_path, "w") as f:

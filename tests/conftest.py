@@ -42,7 +42,7 @@ def launch_environment_untouched(request):
 
 def pytest_configure(config):
     from distributed import hide_gpus
-    from pretrain.quiet import pytest_filters
+    from pretrain.observability.quiet import pytest_filters
 
     hide_gpus()  # the CPU tiers select the CPU on any machine; the GPU tier asks for the GPUs back
     for line in pytest_filters():  # the programs' own list of library noise, nothing broader

@@ -10,12 +10,12 @@ from unittest import mock
 
 import pytest
 
-import pretrain.parallel
+import pretrain.distributed.parallel
 from distributed import REPO
 from pretrain.cli import run_command, run_distributed
-from pretrain.device import MAX_CONNECTIONS_ENV
+from pretrain.distributed.device import MAX_CONNECTIONS_ENV
 from pretrain.common.errors import UsageError, UserError
-from pretrain.parallel import LaunchEnv
+from pretrain.distributed.parallel import LaunchEnv
 
 from conftest import LAUNCH_KEYS
 
@@ -125,8 +125,8 @@ def fake_groups(monkeypatch):
                       tensor_parallel, pipeline_parallel, timeout_minutes))
         return SimpleNamespace(rank=launch.rank, logging_rank=1)
 
-    monkeypatch.setattr(pretrain.parallel, "init_parallel", init_parallel)
-    monkeypatch.setattr(pretrain.parallel, "shutdown_parallel", lambda: calls.append(("shutdown",)))
+    monkeypatch.setattr(pretrain.distributed.parallel, "init_parallel", init_parallel)
+    monkeypatch.setattr(pretrain.distributed.parallel, "shutdown_parallel", lambda: calls.append(("shutdown",)))
     with mock.patch.dict(os.environ):
         for key in (*LAUNCH_KEYS, MAX_CONNECTIONS_ENV):
             os.environ.pop(key, None)
@@ -187,7 +187,7 @@ def user_facing_errors():
     from finetune.trainer import FinetuneError
     from pretrain.checkpoint.format import CheckpointError
     from pretrain.config import ConfigError
-    from pretrain.device import DeviceError
+    from pretrain.distributed.device import DeviceError
     from pretrain.preprocess.corpus import CorpusError
     from pretrain.preprocess.indexed import DataError
     from pretrain.preprocess.pipeline import Interrupted, PreprocessError
@@ -207,7 +207,7 @@ def user_facing_errors():
 def test_one_base_for_the_users_errors():
     for error, older_base in user_facing_errors():
         assert issubclass(error, UserError) and issubclass(error, older_base), error
-    from pretrain.device import DevicePlacementError
+    from pretrain.distributed.device import DevicePlacementError
 
     # a CPU tensor on an NCCL group is our bug: its traceback must stay
     assert not issubclass(DevicePlacementError, UserError)

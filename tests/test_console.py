@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-import pretrain.console as console
-from pretrain.console import PlainProgress, progress, rank_printer
+import pretrain.observability.console as console
+from pretrain.observability.console import PlainProgress, progress, rank_printer
 
 
 class Clock:
@@ -79,7 +79,7 @@ def test_lines_of_several_ranks_carry_time_and_rank(capsys):
 
 def test_phase_times_are_exclusive(monkeypatch):
     """A phase inside another stops the outer one's clock (the all-reduce inside backward)."""
-    import pretrain.timers as timers
+    import pretrain.observability.timers as timers
 
     now = [0.0]
     monkeypatch.setattr(timers.time, "perf_counter", lambda: now[0])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain import device
+from pretrain.distributed import device
 from pretrain.checkpoint.exact import restore_rng_state, rng_state
 from pretrain.model.rng import MODEL_PARALLEL_STREAM, RngTracker, seed_streams
 

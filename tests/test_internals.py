@@ -1,4 +1,4 @@
-"""The DeepSpeed and megatron-core internals we rely on are named in pretrain/internals.py only,
+"""The DeepSpeed and megatron-core internals we rely on are named in pretrain/distributed/internals.py only,
 and each one still exists in the installed versions.
 
 An upgrade that renames `_hp_mapping` or `single_partition_of_fp32_groups` fails here, with the
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain import internals
+from pretrain.distributed import internals
 
 REPO = Path(__file__).resolve().parents[1]
 # Our own NamedTuples (model.names.ParamName, checkpoint.format.HfParameter) have a field of this
@@ -28,7 +28,7 @@ SHARED_WITH_OUR_NAMES = {"partition_dim"}
 def test_every_pinned_name_exists_in_the_installed_library(module):
     source = inspect.getsource(importlib.import_module(module))
     missing = [name for name in internals.PINNED[module] if not re.search(rf"\b{re.escape(name)}\b", source)]
-    assert not missing, f"{module} no longer mentions {missing}: pretrain/internals.py must follow the upgrade"
+    assert not missing, f"{module} no longer mentions {missing}: pretrain/distributed/internals.py must follow the upgrade"
 
 
 def test_the_wrapper_classes_we_dispatch_on_exist():
@@ -47,7 +47,7 @@ def test_the_wrapper_classes_we_dispatch_on_exist():
 def _product_sources():
     for folder in ("pretrain", "finetune", "tools"):
         for path in sorted((REPO / folder).rglob("*.py")):
-            if path != REPO / "pretrain" / "internals.py":
+            if path != REPO / "pretrain" / "distributed" / "internals.py":
                 yield path
 
 
@@ -61,7 +61,7 @@ def test_no_other_module_names_an_internal():
             match = pattern.search(code)
             if match and not code.lstrip().startswith(('"', "'")):
                 found.append(f"{path.relative_to(REPO)}:{number}: .{match.group(1)}")
-    assert not found, "DeepSpeed/megatron-core internals outside pretrain/internals.py:\n" + "\n".join(found)
+    assert not found, "DeepSpeed/megatron-core internals outside pretrain/distributed/internals.py:\n" + "\n".join(found)
 
 
 def test_the_scan_sees_an_internal(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import LAUNCH_KEYS
 from distributed import REPO, free_port
-from pretrain.parallel import LaunchEnv, _first_slurm_host, discover_launch_env, init_parallel, shutdown_parallel
+from pretrain.distributed.parallel import LaunchEnv, _first_slurm_host, discover_launch_env, init_parallel, shutdown_parallel
 
 
 def test_torchrun_variables():
@@ -33,7 +33,7 @@ def test_slurm_nodelist(nodelist, first):
 def test_srun_pmi_variables_with_an_mpi_that_sees_one_rank(monkeypatch):
     """Under a real srun with a PMI plugin, an MPI library that cannot speak it reports rank 0 of
     1 in every task: SLURM's own variables must win then, or all tasks write one save_dir."""
-    import pretrain.parallel as parallel
+    import pretrain.distributed.parallel as parallel
 
     lone = parallel.LaunchEnv(0, 1, 0, "127.0.0.1", 29500, "mpi")
     monkeypatch.setattr(parallel, "_mpi_launch_env", lambda env: lone)

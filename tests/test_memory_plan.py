@@ -1,6 +1,6 @@
 """The planner's memory prediction against what real engines hold: every rank's parameters,
 gradients and optimizer state to the byte, and the activation peak the trainer measures (saved
-tensors, pretrain/memory.py) within 1% (the issue asks for 10%), across TP/PP/DP layouts, fp32
+tensors, pretrain/observability/device_memory.py) within 1% (the issue asks for 10%), across TP/PP/DP layouts, fp32
 and bf16, ZeRO 0-3, recomputation none/selective/full, sequence 128 and 512, one micro-batch
 and pipelines holding several in flight. The trainer itself logs both after its first step
 (Trainer.first_step_memory); tests/_plan_worker.py runs the layouts of one world size in one job.

@@ -11,8 +11,8 @@ import pytest
 
 from distributed import REPO, free_port
 from _train_worker import TINY
-from pretrain.rendezvous import describe_missing
-from pretrain.watchdog import stuck_ranks
+from pretrain.distributed.rendezvous import describe_missing
+from pretrain.resilience.watchdog import stuck_ranks
 
 
 def start_alone(rank: int, world: int = 2) -> tuple[int, str, float]:

@@ -1,4 +1,4 @@
-"""The watchdog in one process (pretrain/watchdog.py): no progress for the timeout gives the rank's
+"""The watchdog in one process (pretrain/resilience/watchdog.py): no progress for the timeout gives the rank's
 account (step, phase, what last finished), every thread's stack and exit status 124; progress keeps
 it quiet; a timeout of 0 starts no thread. The trainers' use of it, end to end: test_hangs.py."""
 import io
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pretrain.watchdog import HUNG_EXIT_STATUS, Watchdog
+from pretrain.resilience.watchdog import HUNG_EXIT_STATUS, Watchdog
 
 TIMEOUT_MINUTES = 0.01  # 0.6 s
 

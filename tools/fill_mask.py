@@ -142,7 +142,7 @@ def predict(model, encodings, info, vocab_size: int, top_k: int, parallel, batch
     """For each encoding, for each [MASK] in order: (position, [(id, probability), ...] best first)."""
     import torch
 
-    from pretrain.device import all_gather
+    from pretrain.distributed.device import all_gather
 
     mask_id, pad_id = info.special_ids[MASK], info.special_ids["[PAD]"]
     results = []
@@ -224,7 +224,7 @@ def start(args: argparse.Namespace) -> int:
     # stdout carries the predictions (--json: nothing else): the libraries' chatter goes to stderr
     # (DeepSpeed's logger keeps the stream it found at import)
     with contextlib.redirect_stdout(sys.stderr):
-        from pretrain.parallel import discover_launch_env
+        from pretrain.distributed.parallel import discover_launch_env
 
         launch = discover_launch_env()
         if launch.world_size % args.tp:

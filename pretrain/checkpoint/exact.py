@@ -20,7 +20,7 @@ import torch
 from ..common.atomic import replace_durably
 from ..common.diskspace import disk_full_named
 from ..config import Config
-from ..device import all_gather_object, barrier
+from ..distributed.device import all_gather_object, barrier
 from ..model.rng import seed_streams
 from .format import (LATEST, META, PARTIAL, REPLACED, TAG_PATTERN, CheckpointError, check_compatible, checkpoint_files,
                      complete_tags, content_problems, damaged, fingerprints, latest_tag, layout_of, model_shape_of,

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ..internals import client_optimizer, set_position
+from ..distributed.internals import client_optimizer, set_position
 from ..model.names import logical_parameters
 from ..model.rng import seed_streams
 from ..optim import Lamb, layout_for_deepspeed

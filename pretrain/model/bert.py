@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
-from ..device import all_reduce
-from ..internals import full_shape, is_zero3_param
+from ..distributed.device import all_reduce
+from ..distributed.internals import full_shape, is_zero3_param
 from .layers import (
     EmbeddingTail,
     MlmHead,

@@ -39,8 +39,8 @@ from megatron.core import ModelParallelConfig, tensor_parallel
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from torch import nn
 
-from ..device import all_reduce
-from ..internals import CpuGemmOverride
+from ..distributed.device import all_reduce
+from ..distributed.internals import CpuGemmOverride
 from .cpu_bf16 import upcast_bf16
 from .rng import RngTracker, checkpoint_with_rng
 

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from torch import nn
 
-from ..internals import tp_partition_dim
+from ..distributed.internals import tp_partition_dim
 from .layers import EmbeddingTail, MlmHead, MlmOutputBias, PretrainingHeads, TransformerLayer, WordEmbedding
 
 TIED_EMBEDDING_KEY = "word_embeddings"

@@ -27,7 +27,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .. import device as devices
+from ..distributed import device as devices
 
 LOSS, GRADIENTS = 0, 1
 WHAT = ("loss", "gradients")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..device import all_reduce
+from ..distributed.device import all_reduce
 from .layout import NormLayout, Segment
 
 

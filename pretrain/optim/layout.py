@@ -24,7 +24,7 @@ from typing import Iterable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from ..internals import (FlatPartitions, WholeCopies, Zero3Groups, client_optimizer, hp_fragment, is_tp_sharded,
+from ..distributed.internals import (FlatPartitions, WholeCopies, Zero3Groups, client_optimizer, hp_fragment, is_tp_sharded,
                          optimizer_wrapper, zero3_partition_info)
 
 

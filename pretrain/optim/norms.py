@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from .. import device, internals
+from ..distributed import device, internals
 from ..model.names import WORD_EMBEDDINGS, LogicalParam, logical_parameters
 
 

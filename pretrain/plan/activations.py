@@ -1,7 +1,7 @@
 """What autograd keeps for backward, per rank: the tensors each layer of pretrain/model saves, by
 recomputation mode, device kernels, precision and layout.
 
-The unit is one micro-batch on one pipeline stage, exactly as pretrain/memory.py's
+The unit is one micro-batch on one pipeline stage, exactly as pretrain/observability/device_memory.py's
 ActivationMeter counts it (every storage once, parameters left out): the peak of a step is at
 the end of a micro-batch's forward (nothing new is saved in backward), times the micro-batches
 a stage holds at once under 1F1B: min(stages - stage, micro-batches) (the first stage the most).

@@ -2,7 +2,7 @@
 rank's parameters under each optimizer wrapper the trainer gets, to the byte, and the buffers
 around them.
 
-The three figures are defined as pretrain/memory.py's FirstStepMemory measures them (storages,
+The three figures are defined as pretrain/observability/device_memory.py's FirstStepMemory measures them (storages,
 each once): parameters, the model's storages (ZeRO-1/2 and BF16_Optimizer: one flat buffer per
 param group; ZeRO-3: the rank's partitions); gradients, every gradient the client optimizer
 steps with in a step, over DeepSpeed's per-group (ZeRO-1/2) or per-sub-group (ZeRO-3) steps,

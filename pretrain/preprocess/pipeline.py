@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ..console import progress
+from ..observability.console import progress
 from ..common.errors import UserError
 from ..common.atomic import atomic_outputs, remove_quietly, temp_path
 from .corpus import (

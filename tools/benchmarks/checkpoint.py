@@ -43,14 +43,14 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
     set_threads(args.threads)
-    from pretrain.quiet import hide_library_warnings
+    from pretrain.observability.quiet import hide_library_warnings
 
     hide_library_warnings()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
     from pretrain.checkpoint import exact
     from pretrain.checkpoint.format import checkpoint_files, content_problems, fingerprints, read_meta
-    from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
+    from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
     from pretrain.trainer import Trainer
 
     cfg = bench_config(args.config, 1, 128, "fp32", "lamb", 1)

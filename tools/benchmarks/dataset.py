@@ -83,7 +83,7 @@ def trainer_wait(prefix: str, vocab_file: str, config: str, steps: int, workers:
 
     from pretrain.config import load_config
     from pretrain.samples.token_ids import WordPieceVocab
-    from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
+    from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
     from pretrain.trainer import Trainer
 
     vocab = WordPieceVocab.from_file(vocab_file)

@@ -79,7 +79,7 @@ def child_ours(args, fixed: bool) -> dict:
                       LOCAL_RANK="0")
     from finetune.config import load_finetune_config
     from finetune.trainer import Finetuner
-    from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
+    from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
 
     overrides = [
         "task.name=mrpc", f"task.data_dir={args.data}", f"model.init_from={args.model}", f"task.max_seq_length={args.seq}",
@@ -170,7 +170,7 @@ def child(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from pretrain.quiet import hide_library_warnings
+    from pretrain.observability.quiet import hide_library_warnings
 
     hide_library_warnings()
     runs = {"ours-fixed": lambda: child_ours(args, fixed=True), "ours": lambda: child_ours(args, fixed=False),

@@ -51,7 +51,7 @@ def bench_config(args, tp: int, pp: int):
 
 def child_layout(args) -> dict:
     """One rank of a layout's run: the median step time (rank 0 reports)."""
-    from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
+    from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
     from pretrain.trainer import Trainer
 
     tp, pp, ranks = LAYOUTS[args.child]
@@ -83,7 +83,7 @@ def child_rate(args) -> dict:
     import torch
 
     from pretrain.model.flops import encoder_flops_per_row, head_flops_per_sample
-    from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
+    from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
     from pretrain.plan.shapes import stage_parameters
     from pretrain.plan.step_time import OPTIMIZER_BYTES_PER_ELEMENT, layer_elementwise_bytes
     from pretrain.trainer import Trainer
@@ -130,7 +130,7 @@ def child_link(args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from pretrain.parallel import discover_launch_env
+    from pretrain.distributed.parallel import discover_launch_env
 
     launch = discover_launch_env()
     dist.init_process_group("gloo", init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
@@ -210,7 +210,7 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.child:
-        from pretrain.quiet import hide_library_warnings
+        from pretrain.observability.quiet import hide_library_warnings
 
         hide_library_warnings()
         import torch

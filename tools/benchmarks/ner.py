@@ -79,7 +79,7 @@ def one_rank_world():
 
     from deepspeed.utils import logger as ds_logger
 
-    from pretrain.parallel import discover_launch_env, init_parallel
+    from pretrain.distributed.parallel import discover_launch_env, init_parallel
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

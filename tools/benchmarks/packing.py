@@ -149,12 +149,12 @@ def main() -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
-    from pretrain.quiet import hide_library_warnings
+    from pretrain.observability.quiet import hide_library_warnings
 
     hide_library_warnings()
     import torch
 
-    from pretrain.parallel import discover_launch_env, init_parallel
+    from pretrain.distributed.parallel import discover_launch_env, init_parallel
 
     torch.set_num_threads(args.threads)
     work = Path(args.work_dir)

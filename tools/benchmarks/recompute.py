@@ -35,12 +35,12 @@ MODES = ("none", "selective", "full")
 
 def child(args) -> dict:
     set_threads(args.threads)
-    from pretrain.quiet import hide_library_warnings
+    from pretrain.observability.quiet import hide_library_warnings
 
     hide_library_warnings()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
-    from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
+    from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
     from pretrain.trainer import Trainer
 
     cfg = bench_config(args.config, args.batch, args.seq, "fp32", "adamw", args.warmup + args.steps)

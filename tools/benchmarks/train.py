@@ -76,8 +76,8 @@ FLOPS_NOTE = ("FLOPs: pretrain.model.flops.model_flops_per_sample (matmul FLOPs 
 
 def bench_device():
     """Where both sides run: the GPU when there is one (cuda:0), fakegpu in the CPU test mode
-    (BERT_FAKE_GPU=1), else the CPU; `pretrain.device` decides, as for training."""
-    from pretrain.device import select_device
+    (BERT_FAKE_GPU=1), else the CPU; `pretrain.distributed.device` decides, as for training."""
+    from pretrain.distributed.device import select_device
 
     return select_device(0)
 
@@ -182,7 +182,7 @@ def gemm_peak(precision: str, device, n: int = 2048) -> float:
 
 def child_peak(args) -> dict:
     from pretrain.config import TrainConfig
-    from pretrain.device import configure_math
+    from pretrain.distributed.device import configure_math
 
     device = bench_device()
     configure_math(device, TrainConfig().tf32)  # the fp32 GEMMs our trainer runs (TF32 on a GPU)
@@ -205,8 +205,8 @@ def child_ours(args) -> dict:
                       LOCAL_RANK="0")
     from deepspeed.utils import logger as ds_logger
 
-    from pretrain.device import configure_math
-    from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
+    from pretrain.distributed.device import configure_math
+    from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
     from pretrain.model.flops import model_flops_per_sample
     from pretrain.trainer import Trainer
 
@@ -282,7 +282,7 @@ def child_hf(args) -> dict:
     """Hugging Face BertForPreTraining train step: forward+loss, backward, clip, optimizer step."""
     import torch
 
-    from pretrain.device import configure_math
+    from pretrain.distributed.device import configure_math
     from pretrain.model.flops import model_flops_per_sample
 
     device = bench_device()
@@ -383,7 +383,7 @@ def run_child(kind: str, args, **extra) -> dict:
 
 def child_main(args) -> None:
     set_threads(args.threads)
-    from pretrain.quiet import hide_library_warnings
+    from pretrain.observability.quiet import hide_library_warnings
 
     hide_library_warnings()
     result = CHILDREN[args.child](args)

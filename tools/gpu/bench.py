@@ -65,7 +65,7 @@ GiB = 2**30
 # ------------------------------------------------------------------------------------------- child
 
 def synchronize(device) -> None:
-    from pretrain.device import synchronize as device_synchronize
+    from pretrain.distributed.device import synchronize as device_synchronize
 
     device_synchronize(device)
 
@@ -253,9 +253,9 @@ def child_main(args) -> None:
 
     import torch
 
-    from pretrain.device import configure_math, device_memory_allocated, peak_memory_allocated, reset_peak_memory
-    from pretrain.parallel import discover_launch_env, init_parallel, shutdown_parallel
-    from pretrain.quiet import hide_library_warnings
+    from pretrain.distributed.device import configure_math, device_memory_allocated, peak_memory_allocated, reset_peak_memory
+    from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
+    from pretrain.observability.quiet import hide_library_warnings
     from tools.benchmarks.train import _free_port
 
     hide_library_warnings()

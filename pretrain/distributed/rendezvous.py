@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .common.errors import UserError
+from ..common.errors import UserError
 
 KEY_PREFIX = "bert-rendezvous/"
 # ranks per node, as each launcher tells it (for naming the node of a missing rank)

@@ -21,7 +21,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .common.errors import UserError
+from ..common.errors import UserError
 
 FAKE_GPU_ENV = "BERT_FAKE_GPU"
 # Backends that have no CPU implementation: a CPU tensor in their collectives is a device bug.
@@ -47,7 +47,7 @@ def select_device(local_rank: int, environ=None) -> torch.device:
     too, so the two must agree), fakegpu:LOCAL_RANK in the CPU test mode, else the CPU."""
     env = os.environ if environ is None else environ
     if fake_gpu_requested(env):
-        from . import fakegpu
+        from .. import fakegpu
 
         fakegpu.enable()
         device = _checked_ordinal(fakegpu.DEVICE_TYPE, local_rank, fakegpu.device_count(), env)
@@ -128,7 +128,7 @@ def prepare_cuda_environment(tensor_parallel: int, environ=None) -> str | None:
 
 
 # What torch offers for hangs, on unless the user chose otherwise: the flight recorder (the last
-# collectives of every process group, for the watchdog's heartbeat: pretrain/watchdog.py, gloo and
+# collectives of every process group, for the watchdog's heartbeat: pretrain/resilience/watchdog.py, gloo and
 # NCCL), and on NCCL its dump to a file per rank when a collective times out, the desync report
 # naming the rank that did not join, and the monitor that ends a rank whose NCCL watchdog is stuck.
 HANG_DIAGNOSTICS_ENV = {
@@ -157,7 +157,7 @@ def backend_for(device: torch.device) -> str:
         return "nccl"
     if device.type == "cpu":
         return "gloo"
-    from . import fakegpu
+    from .. import fakegpu
 
     if device.type == fakegpu.DEVICE_TYPE:
         return fakegpu.BACKEND

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .device import backend_for, select_device
-from .quiet import without_noise_lines
+from ..observability.quiet import without_noise_lines
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ def init_parallel(launch: LaunchEnv, tensor_parallel: int, pipeline_parallel: in
                   timeout_minutes: float = 10.0, rendezvous_timeout_minutes: float = 10.0) -> Parallel:
     """Start torch.distributed (gloo on CPU, NCCL on GPU) and build the TP/PP/DP groups.
 
-    The rendezvous is `launch`'s, bounded by rendezvous_timeout_minutes (pretrain/rendezvous.py
+    The rendezvous is `launch`'s, bounded by rendezvous_timeout_minutes (pretrain/distributed/rendezvous.py
     names the ranks that did not come); os.environ is left alone. Export `launch` first
     (LaunchEnv.export_to, as cli.run_distributed does): DeepSpeed reads LOCAL_RANK from the
     environment here on a GPU and later in its engine.

@@ -23,7 +23,8 @@ import weakref
 
 import torch
 
-from . import device as devices, internals
+from ..distributed import device as devices
+from ..distributed import internals
 
 MB = 2**20
 
