@@ -220,7 +220,7 @@ printf '+'; printf ' %q' "${cmd[@]}"; printf '\n'
 (( dry_run == 0 )) || exit 0
 
 # --- run, restart, and answer signals ------------------------------------------------------------
-# The ranks write their pids and how they ended into this directory (pretrain/launch_status.py).
+# The ranks write their pids and how they ended into this directory (pretrain/resilience/launch_status.py).
 status_dir="$(mktemp -d "${TMPDIR:-/tmp}/launcher-status.XXXXXX")"
 export BERT_LAUNCH_STATUS_DIR="$status_dir"
 child=""
