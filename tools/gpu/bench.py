@@ -288,7 +288,7 @@ def child_main(args) -> None:
         try:
             measure = measure_hf if job["variant"] == "hf" else measure_ours
             raw, cfg = measure(job, settings, parallel)
-        except torch.OutOfMemoryError as error:
+        except torch.cuda.OutOfMemoryError as error:  # torch.OutOfMemoryError since 2.5
             record("result", id=job["id"], status="failed", error=f"out of memory: {str(error).splitlines()[0]}",
                    seconds=time.perf_counter() - started)
             continue
