@@ -30,8 +30,8 @@ from pretrain.config import deepspeed_settings
 from pretrain.common.diskspace import disk_full_named
 from pretrain.common.atomic import atomic_outputs
 from pretrain.samples.batches import micro_batch_indices
-from pretrain.distributed.device import (DeviceError, all_gather, all_gather_object, all_reduce, configure_math, describe,
-                            precision_problem, to_host)
+from pretrain.distributed.device import (DeviceError, all_gather, all_gather_object, all_reduce, configure_math,
+                                        describe, precision_problem, to_host)
 from pretrain.common.errors import UserError
 from pretrain.distributed.internals import is_tp_sharded, no_optimizer_steps, report_grad_norm
 from pretrain.model.names import logical_parameters

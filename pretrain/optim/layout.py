@@ -24,8 +24,8 @@ from typing import Iterable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from ..distributed.internals import (FlatPartitions, WholeCopies, Zero3Groups, client_optimizer, hp_fragment, is_tp_sharded,
-                         optimizer_wrapper, zero3_partition_info)
+from ..distributed.internals import (FlatPartitions, WholeCopies, Zero3Groups, client_optimizer, hp_fragment,
+                                     is_tp_sharded, optimizer_wrapper, zero3_partition_info)
 
 
 class Segment(NamedTuple):
