@@ -21,6 +21,10 @@ set -uo pipefail
 
 [ $# -eq 2 ] || { echo "usage: bash KIT_DIR/check.sh KIT_DIR OUT_DIR" >&2; exit 2; }
 KIT=$(cd "$1" && pwd) || exit 2
+if [ -n "$(ls -A "$2" 2>/dev/null)" ]; then  # never write over what is there
+  echo "check.sh: $2 exists and is not empty; give a new folder for the results" >&2
+  exit 2
+fi
 mkdir -p "$2" && OUT=$(cd "$2" && pwd) || exit 2
 PY=${GPU_CHECK_PYTHON:-python3}
 PARTS=${GPU_CHECK_PARTS:-tier,bench}
