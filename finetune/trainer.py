@@ -29,7 +29,7 @@ from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer, save_vocab
 from pretrain.config import deepspeed_settings
 from pretrain.common.diskspace import disk_full_named
 from pretrain.common.atomic import atomic_outputs
-from pretrain.samples.batches import micro_batch_indices
+from pretrain.data.samples.batches import micro_batch_indices
 from pretrain.distributed.device import (DeviceError, all_gather, all_gather_object, all_reduce, configure_math,
                                         describe, precision_problem, to_host)
 from pretrain.common.errors import UserError

@@ -54,7 +54,7 @@ def start(args: argparse.Namespace) -> int:
             if not torch.cuda.is_available():
                 problems.append("train.precision=fp16 needs a GPU (DeepSpeed has no fp16 on CPU); use bf16 or fp32")
         from .checkpoint.vocabulary import vocabulary_problems
-        from .samples.provider import data_file_problems
+        from .data.samples.provider import data_file_problems
 
         problems += data_file_problems(cfg) + vocabulary_problems(cfg)
         if args.restartable and not (cfg.train.save_dir and cfg.train.load_dir):

@@ -33,8 +33,8 @@ from .optim.guard import APPLIED, AT_MIN_SCALE, NonFiniteGuard, StepOutcome, cla
 from .optim.norms import counted_once, exact_clipping_for
 from .plan import predict_rank_memory
 from .resilience.watchdog import Watchdog, process_state
-from .samples.batches import FixedMicroBatches, MicroBatchIterator
-from .samples.provider import pretraining_datasets
+from .data.samples.batches import FixedMicroBatches, MicroBatchIterator
+from .data.samples.provider import pretraining_datasets
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -20,8 +20,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from pretrain.config import ModelConfig  # noqa: E402
-from pretrain.samples.batches import collate, split_inputs_labels  # noqa: E402
-from pretrain.samples.synthetic import SyntheticDataset  # noqa: E402
+from pretrain.data.samples.batches import collate, split_inputs_labels  # noqa: E402
+from pretrain.data.samples.synthetic import SyntheticDataset  # noqa: E402
 from pretrain.model.bert import PretrainingLoss, build_model, init_weights  # noqa: E402
 import pretrain.model.layers as layers  # noqa: E402
 from pretrain.model.layers import EmbeddingTail, TransformerLayer  # noqa: E402

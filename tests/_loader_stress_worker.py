@@ -3,7 +3,7 @@ gloo process group runs live collectives, as a rank's evaluation loaders once di
 
 usage: python tests/_loader_stress_worker.py STARTS START_METHOD
 On rank 0, each of STARTS rounds builds a loader with 2 worker processes started by START_METHOD (forkserver:
-ours, pretrain/samples/batches.py; fork: the old path, for comparison), draws every micro-batch of
+ours, pretrain/data/samples/batches.py; fork: the old path, for comparison), draws every micro-batch of
 an evaluation pass and stops its workers (asserting they are not the rank's own children: forked
 from the forkserver, not from the rank), while a second thread keeps all-reducing on its own
 process group with the other ranks (gloo's threads busy, as the gradient reduction keeps them).
@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
-from pretrain.samples import batches
-from pretrain.samples.synthetic import SyntheticDataset
+from pretrain.data.samples import batches
+from pretrain.data.samples.synthetic import SyntheticDataset
 
 
 def parent_pid(pid: int) -> int:

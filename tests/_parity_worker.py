@@ -17,8 +17,8 @@ import torch.distributed as dist  # noqa: E402
 from transformers import BertConfig, BertForPreTraining  # noqa: E402
 
 from pretrain.config import ModelConfig  # noqa: E402
-from pretrain.samples.batches import collate, collate_packed, split_inputs_labels  # noqa: E402
-from pretrain.samples.synthetic import SyntheticDataset  # noqa: E402
+from pretrain.data.samples.batches import collate, collate_packed, split_inputs_labels  # noqa: E402
+from pretrain.data.samples.synthetic import SyntheticDataset  # noqa: E402
 from pretrain.model.bert import PretrainingLoss, build_model  # noqa: E402
 from pretrain.checkpoint.sharding import load_hf_state_dict  # noqa: E402
 from pretrain.model.rng import RngTracker, seed_streams  # noqa: E402

@@ -9,7 +9,7 @@ import json
 import os
 import random
 
-from pretrain.preprocess.encode import ChunkEncoder
+from pretrain.data.preprocess.encode import ChunkEncoder
 
 WORDS = ("the a of and to in was she he it her his that had for with as but not be on at by which "
          "Emma Harriet Knightley Elton Weston Highbury Hartfield Donwell London Mr Mrs Miss "

@@ -12,15 +12,15 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-from pretrain.samples.bert_dataset import (CorpusSpec, SampleSettings, TokenStore, build_split_dataset,
+from pretrain.data.samples.bert_dataset import (CorpusSpec, SampleSettings, TokenStore, build_split_dataset,
                                         split_document_ranges)
-from pretrain.preprocess.indexed import DataError
-from pretrain.samples.masking import MaskingConfig, mask_tokens
-from pretrain.samples.batches import MicroBatchIterator
-from pretrain.samples.segments import SegmentSettings, build_segments
-from pretrain.samples.shuffle import FeistelPermutation
-from pretrain.preprocess.tokenizer import bert_wordpiece_tokenizer
-from pretrain.samples.token_ids import VocabError, WordPieceVocab
+from pretrain.data.preprocess.indexed import DataError
+from pretrain.data.samples.masking import MaskingConfig, mask_tokens
+from pretrain.data.samples.batches import MicroBatchIterator
+from pretrain.data.samples.segments import SegmentSettings, build_segments
+from pretrain.data.samples.shuffle import FeistelPermutation
+from pretrain.data.preprocess.tokenizer import bert_wordpiece_tokenizer
+from pretrain.data.samples.token_ids import VocabError, WordPieceVocab
 
 SPECIALS = ["[PAD]", "[unused0]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = [f"w{i}" for i in range(150)]
@@ -386,7 +386,7 @@ class FailingDataset(torch.utils.data.Dataset):
     description = "a test corpus"
 
     def __init__(self, bad: int):
-        from pretrain.samples.synthetic import SyntheticDataset
+        from pretrain.data.samples.synthetic import SyntheticDataset
 
         self.inner, self.bad = SyntheticDataset(200, 32, 5, 1000, seed=1), bad
 
@@ -400,7 +400,7 @@ class FailingDataset(torch.utils.data.Dataset):
 
 
 def test_loader_process_that_raises_or_dies_names_the_samples():
-    from pretrain.samples.batches import LoaderError
+    from pretrain.data.samples.batches import LoaderError
 
     raising = MicroBatchIterator(FailingDataset(bad=9), 0, 2, 0, 1, torch.device("cpu"), num_workers=2)
     for _ in range(4):

@@ -188,11 +188,11 @@ def user_facing_errors():
     from pretrain.checkpoint.format import CheckpointError
     from pretrain.config import ConfigError
     from pretrain.distributed.device import DeviceError
-    from pretrain.preprocess.corpus import CorpusError
-    from pretrain.preprocess.indexed import DataError
-    from pretrain.preprocess.pipeline import Interrupted, PreprocessError
-    from pretrain.preprocess.tokenizer import TokenizerError
-    from pretrain.samples.token_ids import VocabError
+    from pretrain.data.preprocess.corpus import CorpusError
+    from pretrain.data.preprocess.indexed import DataError
+    from pretrain.data.preprocess.pipeline import Interrupted, PreprocessError
+    from pretrain.data.preprocess.tokenizer import TokenizerError
+    from pretrain.data.samples.token_ids import VocabError
     from pretrain.trainer import NonFiniteTraining
     from tools.fill_mask import FillMaskError
     from tools.plot_curves import PlotError

@@ -89,7 +89,7 @@ def finetune(overrides, nprocs=1, extra_args=()):
 
 
 def tokenizer():
-    from pretrain.preprocess.tokenizer import bert_wordpiece_tokenizer
+    from pretrain.data.preprocess.tokenizer import bert_wordpiece_tokenizer
 
     return bert_wordpiece_tokenizer({t: i for i, t in enumerate(VOCAB)}, lowercase=True)
 

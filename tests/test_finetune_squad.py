@@ -11,7 +11,7 @@ import torch
 from finetune.tasks.base import TaskDataError
 from finetune.tasks.squad import build_features, postprocess, read_squad
 from finetune.windows import windows as _windows
-from pretrain.preprocess.tokenizer import bert_wordpiece_tokenizer
+from pretrain.data.preprocess.tokenizer import bert_wordpiece_tokenizer
 from test_finetune_tasks import SPECIALS, WORDS, finetune, tiny  # noqa: F401  (tiny: a fixture)
 
 VOCAB = SPECIALS + WORDS + [f"x{i}" for i in range(15)]

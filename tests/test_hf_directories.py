@@ -14,7 +14,7 @@ from tokenizers.models import BPE, WordPiece
 from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, BertForPreTraining, BertModel, BertTokenizer
 
 from test_checkpoint_interop import SPECIALS
-from pretrain.preprocess.tokenizer import load_tokenizer
+from pretrain.data.preprocess.tokenizer import load_tokenizer
 from pretrain.checkpoint.hf import PRETRAINING_ARCHITECTURES
 from tools import convert_checkpoint
 

@@ -46,8 +46,8 @@ def hugging_face_model():
 def global_batches(overrides):
     """The trainer's global batches: samples 8s .. 8s+7 of its dataset at step s."""
     from pretrain.config import load_config
-    from pretrain.samples.provider import pretraining_datasets
-    from pretrain.samples.batches import collate, split_inputs_labels
+    from pretrain.data.samples.provider import pretraining_datasets
+    from pretrain.data.samples.batches import collate, split_inputs_labels
 
     cfg = load_config(None, TINY + overrides)
     data, _, _ = pretraining_datasets(cfg, is_builder=True, barrier=None, log=lambda *a: None)

@@ -25,7 +25,7 @@ from distributed import run_ranks
 pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
 
 # at the default data.num_workers: loader processes started from the forkserver, for training
-# and once for the evaluations (pretrain/samples/batches.py)
+# and once for the evaluations (pretrain/data/samples/batches.py)
 FOUR_LAYERS = ["model.num_layers=4", "train.eval_steps=2", "data.num_workers=2"]
 # AdamW also leaves the embeddings undecayed: "embeddings as configured" is checked both ways.
 RUNS = [{"name": "lamb", "overrides": ["optimizer.name=lamb"], "evaluate": True},

@@ -1,11 +1,11 @@
-"""Sequence packing of pretraining samples (pretrain/samples/packing.py): where every sample's
+"""Sequence packing of pretraining samples (pretrain/data/samples/packing.py): where every sample's
 tokens, positions and labels land, checked against the unpacked samples themselves."""
 import numpy as np
 import pytest
 
-from pretrain.samples.batches import collate, collate_packed
-from pretrain.samples.packing import PackingError, deal_rows, first_fit_decreasing, pack, packing_efficiency
-from pretrain.samples.synthetic import SyntheticDataset
+from pretrain.data.samples.batches import collate, collate_packed
+from pretrain.data.samples.packing import PackingError, deal_rows, first_fit_decreasing, pack, packing_efficiency
+from pretrain.data.samples.synthetic import SyntheticDataset
 
 
 def samples(count=24, seq=64, seed=3):

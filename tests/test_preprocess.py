@@ -21,18 +21,18 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, Indexe
 from tokenizers.implementations import BertWordPieceTokenizer
 
 from _preprocess_helpers import DyingAtStartEncoder, DyingEncoder, RaisingEncoder, documents, hard_wrap, write_jsonl
-from pretrain.preprocess.corpus import CorpusError
-from pretrain.preprocess.encode import SentenceSplitter
-from pretrain.preprocess.indexed import (
+from pretrain.data.preprocess.corpus import CorpusError
+from pretrain.data.preprocess.encode import SentenceSplitter
+from pretrain.data.preprocess.indexed import (
     DataError,
     StreamingIndexedDatasetBuilder,
     dataset_statistics,
     open_indexed_dataset,
 )
-from pretrain.preprocess.merge import merge_datasets
-from pretrain.preprocess.pipeline import PreprocessError, PreprocessOptions, format_report, preprocess
-from pretrain.preprocess.tokenizer import SPECIAL_TOKENS, TokenizerError
-from pretrain.preprocess.vocab_builder import VocabOptions, build_vocab
+from pretrain.data.preprocess.merge import merge_datasets
+from pretrain.data.preprocess.pipeline import PreprocessError, PreprocessOptions, format_report, preprocess
+from pretrain.data.preprocess.tokenizer import SPECIAL_TOKENS, TokenizerError
+from pretrain.data.preprocess.vocab_builder import VocabOptions, build_vocab
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = dict(progress=False)

@@ -15,8 +15,8 @@ import pytest
 from distributed import REPO, free_port
 from toy_corpus import write_jsonl
 
-from pretrain.samples.bert_dataset import TokenStore
-from pretrain.samples.token_ids import WordPieceVocab
+from pretrain.data.samples.bert_dataset import TokenStore
+from pretrain.data.samples.token_ids import WordPieceVocab
 
 pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
 

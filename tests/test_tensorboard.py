@@ -36,7 +36,7 @@ def test_scalars_written(tmp_path):
     samples = [e.step for e in events.Scalars("train-vs-samples/lm_loss")]
     assert samples == [16, 32]  # global batch 8
     # speed in real tokens: the share of the samples' tokens that are not padding, counted here
-    from pretrain.samples.synthetic import SyntheticDataset
+    from pretrain.data.samples.synthetic import SyntheticDataset
 
     data = SyntheticDataset(200, 32, 5, 100000, seed=1234)  # _train_worker's TINY data
     shares = [sum(int(data[i]["padding_mask"].sum()) for i in range(start, start + 16)) / (16 * 32)

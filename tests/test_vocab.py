@@ -14,15 +14,15 @@ import pytest
 import zstandard
 
 from _preprocess_helpers import documents, write_jsonl
-from pretrain.preprocess.corpus import CorpusError, expand_inputs, iter_documents
-from pretrain.preprocess.tokenizer import (
+from pretrain.data.preprocess.corpus import CorpusError, expand_inputs, iter_documents
+from pretrain.data.preprocess.tokenizer import (
     SPECIAL_TOKENS,
     TokenizerError,
     bert_wordpiece_tokenizer,
     load_tokenizer,
     read_vocab,
 )
-from pretrain.preprocess.vocab_builder import VocabOptions, build_vocab
+from pretrain.data.preprocess.vocab_builder import VocabOptions, build_vocab
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = [

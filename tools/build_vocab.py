@@ -53,7 +53,7 @@ def main(argv=None) -> int:
 
 
 def build(args: argparse.Namespace) -> None:
-    from pretrain.preprocess.vocab_builder import VocabOptions, build_vocab
+    from pretrain.data.preprocess.vocab_builder import VocabOptions, build_vocab
 
     options = VocabOptions(vocab_size=args.vocab_size, min_frequency=args.min_frequency,
                            limit_alphabet=args.limit_alphabet, lowercase=args.lowercase)

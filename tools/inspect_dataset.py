@@ -35,8 +35,8 @@ def main(argv=None) -> int:
 
 
 def inspect(args: argparse.Namespace) -> None:
-    from pretrain.preprocess.indexed import DataError, dataset_statistics, open_indexed_dataset
-    from pretrain.preprocess.tokenizer import TokenizerError, bert_wordpiece_tokenizer, read_vocab
+    from pretrain.data.preprocess.indexed import DataError, dataset_statistics, open_indexed_dataset
+    from pretrain.data.preprocess.tokenizer import TokenizerError, bert_wordpiece_tokenizer, read_vocab
 
     if args.decode and not (args.vocab_file or args.tokenizer_json):
         raise UsageError("--decode needs --vocab-file or --tokenizer-json")

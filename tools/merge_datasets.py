@@ -30,7 +30,7 @@ def main(argv=None) -> int:
 
 
 def merge(args: argparse.Namespace) -> None:
-    from pretrain.preprocess.merge import merge_datasets
+    from pretrain.data.preprocess.merge import merge_datasets
 
     result = merge_datasets(args.input, args.output_prefix)
     for prefix in result.inputs:

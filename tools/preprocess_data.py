@@ -80,7 +80,7 @@ def main(argv=None) -> int:
 
 
 def run(args: argparse.Namespace) -> int | None:
-    from pretrain.preprocess.pipeline import Interrupted, PreprocessOptions, format_report, preprocess
+    from pretrain.data.preprocess.pipeline import Interrupted, PreprocessOptions, format_report, preprocess
 
     options = PreprocessOptions(
         inputs=tuple(args.input), output_prefix=args.output_prefix, vocab_file=args.vocab_file,

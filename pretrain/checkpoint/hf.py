@@ -19,7 +19,7 @@ import torch
 
 from ..config import Config, ConfigError
 from ..common.diskspace import disk_full_named
-from ..preprocess.tokenizer import SPECIAL_TOKENS, TokenizerError, load_tokenizer, read_vocab
+from ..data.preprocess.tokenizer import SPECIAL_TOKENS, TokenizerError, load_tokenizer, read_vocab
 from ..model.names import MLM_BIAS, WORD_EMBEDDINGS
 from .format import (CONFIG_JSON, HEADS, LATEST, META, TOKENIZER_FILES, TOKENIZER_JSON, VOCAB_FILE, CheckpointError,
                      head_of, hf_parameter_info)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from ..preprocess.tokenizer import (BertTokenizerInfo, TokenizerError, load_tokenizer, read_vocab, tokenizer_model_type,
+from ..data.preprocess.tokenizer import (BertTokenizerInfo, TokenizerError, load_tokenizer, read_vocab, tokenizer_model_type,
                               tokenizer_vocab, wordpiece_vocab, write_vocab_file)
 from .format import TOKENIZER_FILES, TOKENIZER_JSON, VOCAB_FILE, CheckpointError
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from ..config import Config
-from ..samples.token_ids import VocabError, WordPieceVocab
+from ..data.samples.token_ids import VocabError, WordPieceVocab
 from .filenames import LATEST, TOKENIZER_JSON, VOCAB_FILE
 
 

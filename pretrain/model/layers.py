@@ -13,7 +13,7 @@ integer tensors (gloo cannot send bool).
   WordEmbedding    (mlm_logits_without_bias, nsp_logits)           tied decoder
   MlmOutputBias    (mlm_logits, nsp_logits)
 
-Packed batches (data.packing, pretrain/samples/packing.py: several samples per row) carry two
+Packed batches (data.packing, pretrain/data/samples/packing.py: several samples per row) carry two
 more tensors and a sample id per token instead of the padding mask; the tuple's length tells
 the layers which kind they hold:
 

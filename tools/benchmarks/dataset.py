@@ -55,8 +55,8 @@ def prepare(corpus_dir: Path, workdir: Path) -> tuple[str, str]:
 
 
 def sample_rates(prefix: str, vocab_file: str, samples: int, cache_dir: str) -> list[tuple[str, float, float]]:
-    from pretrain.samples.bert_dataset import CorpusSpec, SampleSettings, build_split_dataset
-    from pretrain.samples.token_ids import WordPieceVocab
+    from pretrain.data.samples.bert_dataset import CorpusSpec, SampleSettings, build_split_dataset
+    from pretrain.data.samples.token_ids import WordPieceVocab
 
     vocab = WordPieceVocab.from_file(vocab_file)
     rows = []
@@ -82,7 +82,7 @@ def trainer_wait(prefix: str, vocab_file: str, config: str, steps: int, workers:
     import torch.distributed as dist
 
     from pretrain.config import load_config
-    from pretrain.samples.token_ids import WordPieceVocab
+    from pretrain.data.samples.token_ids import WordPieceVocab
     from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
     from pretrain.trainer import Trainer
 

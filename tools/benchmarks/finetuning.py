@@ -113,7 +113,7 @@ def token_accounting(runner, args) -> dict:
 
     from finetune.inputs import length_grouped
     from finetune.trainer import LENGTH_GROUP_WINDOW
-    from pretrain.samples.packing import first_fit_decreasing
+    from pretrain.data.samples.packing import first_fit_decreasing
 
     lengths = runner.train_features.lengths.tolist()
     n = len(lengths)

@@ -86,8 +86,8 @@ def config(args, prefix: str, vocab: str, seq: int, packing: bool, work: Path):
 def padding_figures(cfg, count: int = SAMPLES) -> dict:
     import numpy as np
 
-    from pretrain.samples.packing import packing_efficiency
-    from pretrain.samples.provider import pretraining_datasets
+    from pretrain.data.samples.packing import packing_efficiency
+    from pretrain.data.samples.provider import pretraining_datasets
 
     train, _, _ = pretraining_datasets(cfg, is_builder=True, barrier=None, log=lambda *a, **k: None)
     lengths = np.array([int(train[i]["padding_mask"].sum()) for i in range(count)])

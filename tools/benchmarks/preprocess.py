@@ -171,16 +171,16 @@ def child_main(args) -> None:
         for doc in docs:
             blingfire.text_to_sentences(doc)
     elif args.child == "tokenizer":
-        from pretrain.preprocess.tokenizer import load_tokenizer
+        from pretrain.data.preprocess.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(vocab_file=args.vocab_file).tokenizer
         started = time.perf_counter()
         for i in range(0, len(docs), 1000):
             tokenizer.encode_batch(docs[i:i + 1000], add_special_tokens=False)
     elif args.child == "pipeline":
-        from pretrain.preprocess.corpus import iter_chunks
-        from pretrain.preprocess.encode import ChunkEncoder, EncodeOptions
-        from pretrain.preprocess.tokenizer import load_tokenizer
+        from pretrain.data.preprocess.corpus import iter_chunks
+        from pretrain.data.preprocess.encode import ChunkEncoder, EncodeOptions
+        from pretrain.data.preprocess.tokenizer import load_tokenizer
 
         path = Path(args.child_out).with_suffix(".tokenizer.json")
         load_tokenizer(vocab_file=args.vocab_file).tokenizer.save(str(path))

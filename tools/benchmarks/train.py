@@ -113,8 +113,8 @@ def bench_config(name: str, batch: int, seq: int, precision: str, optimizer: str
 
 def make_batches(cfg, count: int, device):
     """`count` micro-batches (inputs, labels) of our synthetic data on `device`, drawn before any timing."""
-    from pretrain.samples.batches import MicroBatchIterator
-    from pretrain.samples.synthetic import SyntheticDataset
+    from pretrain.data.samples.batches import MicroBatchIterator
+    from pretrain.data.samples.synthetic import SyntheticDataset
 
     d = cfg.data
     dataset = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions_per_seq, d.num_samples,

@@ -135,8 +135,8 @@ def run_config(job: dict, settings: dict):
 
 def draw_batches(cfg, count: int, device, packed: bool) -> list:
     """`count` micro-batches of our synthetic data on `device`, drawn before any timing."""
-    from pretrain.samples.batches import MicroBatchIterator
-    from pretrain.samples.synthetic import SyntheticDataset
+    from pretrain.data.samples.batches import MicroBatchIterator
+    from pretrain.data.samples.synthetic import SyntheticDataset
 
     d = cfg.data
     dataset = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions_per_seq, d.num_samples,

@@ -122,7 +122,7 @@ LOADER_START_METHOD = "forkserver"
 # (a loader process importing torch itself takes seconds); and signals left to the rank. The
 # dataset's own module is added: a corpus's (bert_dataset) brings megatron-core's indexed dataset,
 # 3 s of imports a synthetic dataset does not need.
-FORKSERVER_PRELOAD = ["pretrain.samples._forkserver_init", "torch", "torch.utils.data", "numpy"]
+FORKSERVER_PRELOAD = ["pretrain.data.samples._forkserver_init", "torch", "torch.utils.data", "numpy"]
 
 
 def _loader_context(num_workers: int, dataset):

@@ -3,7 +3,7 @@
 Layers, each a pure function of what it is given:
 - TokenStore: one `<prefix>.{bin,idx}` mapped read-only (sentences = items, documents).
 - a segment table per (corpus, split): sentence ranges of A and B and the pair label
-  (pretrain/samples/segments.py), built once and cached on disk (index_cache.py);
+  (pretrain/data/samples/segments.py), built once and cached on disk (index_cache.py);
 - corpus order per epoch: a keyed permutation (shuffle.py), epoch e of corpus c keyed by
   (seed, c, e), so no permutation is ever materialised;
 - blending: megatron-core's compiled build_blending_indices (the greedy rule that keeps every

@@ -25,7 +25,7 @@ from tokenizers.normalizers import BertNormalizer
 from tokenizers.pre_tokenizers import BertPreTokenizer
 from tokenizers.processors import TemplateProcessing
 
-from ..common.errors import UserError
+from ...common.errors import UserError
 
 __all__ = [
     "SPECIAL_TOKENS",

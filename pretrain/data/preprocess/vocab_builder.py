@@ -17,7 +17,7 @@ from tokenizers.normalizers import BertNormalizer
 from tokenizers.pre_tokenizers import BertPreTokenizer
 from tokenizers.trainers import WordPieceTrainer
 
-from ..common.atomic import atomic_outputs
+from ...common.atomic import atomic_outputs
 from .corpus import PROBLEM_KINDS, CorpusError, Problem, expand_inputs, iter_documents
 from .tokenizer import SPECIAL_TOKENS, bert_wordpiece_tokenizer, check_special_tokens
 

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ..observability.console import progress
-from ..common.errors import UserError
-from ..common.atomic import atomic_outputs, remove_quietly, temp_path
+from ...observability.console import progress
+from ...common.errors import UserError
+from ...common.atomic import atomic_outputs, remove_quietly, temp_path
 from .corpus import (
     DEFAULT_CHUNK_BYTES,
     INPUT_FORMATS,

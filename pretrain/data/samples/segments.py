@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config.choices import SEGMENT_PAIRS
+from ...config.choices import SEGMENT_PAIRS
 
 COLUMNS = ("a_begin", "a_end", "b_begin", "b_end", "label")  # sentence index ranges [begin, end); label per BERT
 

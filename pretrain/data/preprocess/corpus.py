@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import BinaryIO, Iterator, Sequence
 
-from ..common.errors import UserError
+from ...common.errors import UserError
 
 __all__ = [
     "INPUT_FORMATS",

@@ -17,7 +17,7 @@ into micro-batches (PretrainingLoss: means over the whole global batch).
 
 Which row a sample goes to is a pure function of the window's samples (first-fit decreasing on
 their lengths, ties by position), so packing keeps the sample sequence, the layout invariance
-and the exact resume of pretrain/samples.
+and the exact resume of pretrain/data/samples.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from ..config import Config
+from ...config import Config
 from .token_ids import VocabError, WordPieceVocab
 
 

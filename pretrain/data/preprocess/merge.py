@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..common.atomic import atomic_outputs
+from ...common.atomic import atomic_outputs
 from .fingerprint import fingerprint_path, write_fingerprint
 from .indexed import DataError, StreamingIndexedDatasetBuilder, get_bin_path, get_idx_path, validate_indexed_dataset
 

@@ -5,10 +5,10 @@ A SIGTERM or Ctrl-C sent to the whole job reaches every process of it. The rank 
 saving and stopping (pretrain/trainer.py), which takes some steps; a forkserver killed meanwhile
 takes its loader processes with it (they end when their parent does) and the rank fails mid-way.
 Its loader processes inherit this setting; the rank stops them itself (SIGKILL where a graceful
-stop does not do, pretrain/samples/batches.py). And a rank that dies (SIGKILL, the OOM killer)
+stop does not do, pretrain/data/samples/batches.py). And a rank that dies (SIGKILL, the OOM killer)
 takes this forkserver with it (the kernel's parent-death signal), and the forkserver its loader
 processes, so that nothing outlives the job holding memory or its log's pipe.
 """
-from pretrain.samples.batches import leave_signals_to_the_rank
+from pretrain.data.samples.batches import leave_signals_to_the_rank
 
 leave_signals_to_the_rank()

@@ -26,7 +26,7 @@ from typing import BinaryIO, Iterator
 
 import numpy as np
 
-from ..common.errors import UserError
+from ...common.errors import UserError
 from .fingerprint import fingerprint_problem
 
 with warnings.catch_warnings():
