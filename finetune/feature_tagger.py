@@ -35,7 +35,7 @@ from .config import FinetuneConfig
 from .model import build_encoder, encoder_inputs, load_encoder
 from .tasks import TASKS
 from .tasks.base import Dataset, TaskDataError
-from .trainer import FinetuneError, write_files
+from .finetuner import FinetuneError, write_files
 
 
 @dataclass

@@ -57,7 +57,7 @@ def start(args: argparse.Namespace) -> int:
     if args.feature_based:
         from .feature_tagger import run
     else:
-        from .trainer import run
+        from .finetuner import run
 
     def fine_tune(parallel) -> None:
         summary = run(cfg, parallel)

@@ -72,7 +72,7 @@ def start(args: argparse.Namespace) -> int:
 
     from .resilience import launch_status
     from .cli import INTERRUPTED
-    from .trainer import Trainer
+    from .training.trainer import Trainer
 
     def train(parallel) -> int:
         trainer = Trainer(cfg, parallel)

@@ -27,7 +27,7 @@ from _train_worker import TINY  # noqa: E402
 from pretrain.checkpoint.format import tag_for  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
-from pretrain.trainer import Trainer  # noqa: E402
+from pretrain.training.trainer import Trainer  # noqa: E402
 
 
 def crash_inside_save(step: int, index: int) -> None:

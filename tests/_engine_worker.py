@@ -18,7 +18,7 @@ from pretrain.distributed import internals
 from pretrain.config import load_config
 from pretrain.optim.layout import layout_for_deepspeed
 from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
-from pretrain.trainer import Trainer
+from pretrain.training.trainer import Trainer
 
 
 def model_values(param, segment):

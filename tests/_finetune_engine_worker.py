@@ -7,7 +7,7 @@ import os
 import sys
 
 from finetune.config import load_finetune_config
-from finetune.trainer import Finetuner
+from finetune.finetuner import Finetuner
 from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
 
 

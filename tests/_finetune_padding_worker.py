@@ -15,7 +15,7 @@ from pretrain.observability.quiet import hide_library_warnings
 hide_library_warnings()
 
 from finetune.config import load_finetune_config  # noqa: E402
-from finetune.trainer import Finetuner  # noqa: E402
+from finetune.finetuner import Finetuner  # noqa: E402
 from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
 
 
@@ -27,7 +27,7 @@ def outputs_of(runner) -> dict:
         seen["tokens"] += args[0].numel()
 
     hook = runner.model.register_forward_pre_hook(count)
-    result = {"metrics": runner.evaluate_all(epoch=0)["metrics"], "files": dict(runner._pending_files), "logits": {},
+    result = {"metrics": runner.evaluate_all(epoch=0)["metrics"], "files": dict(runner.pending_files), "logits": {},
               "lengths": {}}
     for dataset in runner.dev_sets + runner.test_sets:
         result["logits"][dataset.name] = runner.outputs(dataset.features).tolist()

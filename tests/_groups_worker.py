@@ -16,7 +16,7 @@ from _train_worker import layout_report  # noqa: E402
 from pretrain.distributed import device  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
-from pretrain.trainer import Trainer  # noqa: E402
+from pretrain.training.trainer import Trainer  # noqa: E402
 
 
 def main():

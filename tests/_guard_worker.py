@@ -21,7 +21,7 @@ from _train_worker import TINY, finish  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 from pretrain.model.bert import PretrainingLoss  # noqa: E402
 from pretrain.distributed.parallel import discover_launch_env, init_parallel  # noqa: E402
-from pretrain.trainer import Trainer  # noqa: E402
+from pretrain.training.trainer import Trainer  # noqa: E402
 
 
 class InfiniteGradient(torch.autograd.Function):
@@ -64,17 +64,9 @@ def main():
         trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
         poison(trainer, run, parallel.rank)
         norms = []
-        step = trainer._step
-
-        def step_and_measure(data_iter):
-            out = step(data_iter)
-            norms.append(trainer.params_norm())
-            return out
-
-        trainer._step = step_and_measure
         result = {"norms": norms}
         try:
-            result["history"] = trainer.train()
+            result["history"] = trainer.train(after_step=lambda step: norms.append(trainer.params_norm()))
         except Exception as error:  # the guard's own error is what the test looks at
             result["error"] = [type(error).__name__, str(error)]
         result["skipped_steps"] = trainer.steps_skipped

@@ -24,7 +24,7 @@ from pretrain.config import load_config  # noqa: E402
 from pretrain.data.samples.batches import collate, split_inputs_labels  # noqa: E402
 from pretrain.data.samples.synthetic import SyntheticDataset  # noqa: E402
 from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
-from pretrain.trainer import Trainer  # noqa: E402
+from pretrain.training.trainer import Trainer  # noqa: E402
 
 
 def fixed_batch(cfg, device):

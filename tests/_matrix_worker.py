@@ -36,7 +36,7 @@ from _train_worker import TINY, finish, where_it_ran  # noqa: E402
 from pretrain.distributed import device, internals  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 from pretrain.distributed.parallel import discover_launch_env, init_parallel  # noqa: E402
-from pretrain.trainer import Trainer  # noqa: E402
+from pretrain.training.trainer import Trainer  # noqa: E402
 
 BASE = ["train.train_steps=8", "scheduler.warmup_steps=4", "train.eval_steps=2", "data.num_workers=0",
         "train.log_interval=1", "train.max_consecutive_skips=2"]
@@ -65,23 +65,18 @@ def train(cfg, parallel, poisons=(), rank=0) -> dict:
     trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
     for run_poison in poisons:
         poison(trainer, dict(run_poison, rank=rank), parallel.rank)
-    norms, outcomes, step = [], [], trainer._step
+    norms, outcomes = [], []
 
-    def step_and_measure(data_iter):
-        out = step(data_iter)
+    def measure(step):  # after each step, on every rank
         norms.append(trainer.params_norm())
-        outcomes.append(trainer._last_outcome.label if trainer._last_outcome.skipped else "")
-        return out
+        outcomes.append(step.outcome.label if step.outcome.skipped else "")
 
-    trainer._step = step_and_measure
     result = {"norms": norms, "outcomes": outcomes, "took_effect": device.all_gather_object(what_took_effect(trainer, parallel))}
-    history = []
-    trainer._log_train = lambda metrics, *args: history.append(metrics)  # each step's metrics (log_interval 1)
     try:
-        trainer.train()
+        trainer.train(after_step=measure)
     except Exception as error:  # the run controls' own error is what the stop looks at
         result["error"] = [type(error).__name__, str(error)]
-    result["history"] = history
+    result["history"] = trainer.history  # each step's metrics, also those before an error
     result["memory"] = trainer.first_step_memory  # every rank's measured and planned bytes (step 1)
     result["evaluation"] = trainer.evaluate()  # the weights the run ended with
     result["skipped_steps"] = trainer.steps_skipped

@@ -16,7 +16,7 @@ import torch
 from _train_worker import TINY
 from pretrain.config import load_config
 from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
-from pretrain.trainer import Trainer
+from pretrain.training.trainer import Trainer
 
 READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
 

@@ -112,7 +112,7 @@ def main():
     from pretrain.distributed import device
     from pretrain.config import load_config
     from pretrain.distributed.parallel import discover_launch_env, init_parallel
-    from pretrain.trainer import Trainer
+    from pretrain.training.trainer import Trainer
 
     out_path, job_tp, job_pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     runs = [json.loads(arg) for arg in sys.argv[4:]]

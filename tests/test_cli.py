@@ -184,7 +184,7 @@ def user_facing_errors():
     """Every error class a program reports as the user's to fix, with its older base."""
     from finetune.features import FeatureError
     from finetune.tasks.base import TaskDataError
-    from finetune.trainer import FinetuneError
+    from finetune.finetuner import FinetuneError
     from pretrain.checkpoint.format import CheckpointError
     from pretrain.config import ConfigError
     from pretrain.distributed.device import DeviceError
@@ -193,7 +193,7 @@ def user_facing_errors():
     from pretrain.data.preprocess.pipeline import Interrupted, PreprocessError
     from pretrain.data.preprocess.tokenizer import TokenizerError
     from pretrain.data.samples.token_ids import VocabError
-    from pretrain.trainer import NonFiniteTraining
+    from pretrain.optim.skips import NonFiniteTraining
     from tools.fill_mask import FillMaskError
     from tools.plot_curves import PlotError
 

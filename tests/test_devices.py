@@ -1,7 +1,7 @@
 """The GPU code path, run on devices that are not the CPU.
 
 Each scenario runs twice:
-- on `fakegpu` (BERT_FAKE_GPU=1; pretrain/fakegpu), in CI on the CPU: a second device type whose
+- on `fakegpu` (BERT_FAKE_GPU=1; tests/bert-fakegpu/), in CI on the CPU: a second device type whose
   only communication backend is bound to it, so a CPU tensor handed to a collective, a tensor
   made without `device=` that meets a device tensor, or a CPU generator drawing for device
   tensors fails as it would under CUDA/NCCL. fakegpu runs the CPU kernels, so its results equal

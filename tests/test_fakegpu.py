@@ -1,4 +1,4 @@
-"""pretrain/fakegpu: the CPU test mode that sees device defects.
+"""fakegpu (tests/bert-fakegpu/, installed by tools/install.sh): the CPU test mode that sees device defects.
 
 Every check runs in child processes (enable() renames torch's PrivateUse1 device and installs a
 DeepSpeed accelerator, which must not leak into the pytest process): one process runs the
@@ -37,7 +37,7 @@ def _single_checks():
     import torch
     import torch.nn.functional as F
 
-    from pretrain import fakegpu
+    import fakegpu
 
     fakegpu.enable()
     dev = torch.device(fakegpu.DEVICE_TYPE, 0)
@@ -102,7 +102,7 @@ def _single_checks():
 
     @check
     def lstm_forward_backward():
-        """nn.LSTM takes the fused cell on any non-CPU device (pretrain/fakegpu/_lstm.py there)."""
+        """nn.LSTM takes the fused cell on any non-CPU device (fakegpu/_lstm.py there)."""
         import copy
 
         torch.manual_seed(0)
@@ -488,7 +488,7 @@ def _run_dist_worker(mode: str) -> None:
         print(f"[{time.monotonic() - t0:6.2f}s] {what}", flush=True)
 
     if mode == "fake":
-        from pretrain import fakegpu
+        import fakegpu
 
         fakegpu.enable()
         stamp("enabled")

@@ -256,7 +256,7 @@ def test_fine_tuning_logs_only_the_heads_it_uses(tmp_path):
     reads the [CLS] through, so that note stays."""
     from transformers import BertConfig, BertForMaskedLM, BertModel
 
-    from finetune.trainer import notes_that_matter
+    from finetune.finetuner import notes_that_matter
     from pretrain.checkpoint.load import read_any
 
     config = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,

@@ -6,6 +6,7 @@ resumed by the same command, conversion, fill-mask, fine-tuning)."""
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -57,6 +58,9 @@ def test_the_first_run_works_as_documented(tmp_path):
     assert [line for line in done.stdout.splitlines() if line.startswith("+ ")][0].startswith(
         "+ python -m torch.distributed.run --nnodes 1 --node-rank 0 --nproc-per-node 2")
     assert "built successfully" not in output and "Setting accelerator to CPU" not in output, output[-5000:]
+    # no library warning reaches the user, from the ranks or from their loader processes (issue 36)
+    warned = [line for line in output.splitlines() if re.search(r"\b\w*Warning\b|warnings\.warn\(", line)]
+    assert not warned, "\n".join(warned[:10])
     # the first launch stopped at step 3 with a checkpoint; the second resumed it and ran to step 6
     assert f"resumed from {out}/checkpoints at step 3" in output, output[-5000:]
     assert (out / "checkpoints" / "latest").read_text() == "iter_0000006"

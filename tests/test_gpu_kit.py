@@ -4,9 +4,10 @@ the rare GPU machines it is for.
 - The rehearsal (slow): prepare.sh into a temporary folder for this machine's Python, download
   and wheel builds included; a stand-in for the GPU image (a fresh venv with exactly the packages
   prepare.sh says the image holds, nothing of ours); check.sh on it with the CPU test device
-  standing in for the GPU (BERT_FAKE_GPU=1) and a short benchmark. It must install ours from the
-  carried wheels only (pip's check of their requirements included), run a tier scenario from the
-  kit's copy of the tests, and write the junit XML, the benchmark JSON and the summary.
+  standing in for the GPU (BERT_FAKE_GPU=1, the test device from its own carried wheel) and a short
+  benchmark. It must install ours from the carried wheels only (pip's check of their requirements
+  included), run a tier scenario from the kit's copy of the tests, and write the junit XML, the
+  benchmark JSON and the summary.
 - The benchmark's bookkeeping (fast): the order runs are measured in, the budget's cut, the
   comparisons against Hugging Face's side and NVIDIA's published figure.
 """
@@ -79,8 +80,12 @@ def test_the_kit_is_prepared_installed_and_run_on_the_cpu_test_device(tmp_path):
                               timeout=900, env=dict(os.environ, GPU_KIT_PYTHON_VERSION=version))
     assert prepared.returncode == 0, prepared.stdout[-3000:] + prepared.stderr[-3000:]
     wheels = sorted(p.name for p in (kit / "wheels").glob("*.whl"))
-    for name in ("bert_pretrain-", "deepspeed-", "megatron_core-", "pydantic-", "blingfire-", "seqeval-"):
+    for name in ("bert_pretrain-", "bert_fakegpu-", "deepspeed-", "megatron_core-", "pydantic-", "blingfire-",
+                 "seqeval-"):
         assert any(w.startswith(name) for w in wheels), f"no {name}* wheel in {wheels}"
+    # the test device travels as its own wheel (the rehearsal's device), not inside ours nor as sources
+    kit_tests = kit / "src" / "tests"
+    assert (kit_tests / "test_fakegpu.py").exists() and not (kit_tests / "bert-fakegpu").exists()
     for wheel in wheels:
         assert wheel in prepared.stdout, f"prepare.sh does not list {wheel}"
     size = sum(p.stat().st_size for p in kit.rglob("*") if p.is_file())

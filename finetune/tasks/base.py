@@ -4,7 +4,7 @@ A task kind (GLUE classification/regression, SWAG multiple choice, SQuAD span ex
 module with one `Task` subclass: it reads its data files, turns examples into model inputs, builds
 the task model (the shared encoder plus its head), computes the loss, the metrics and the
 prediction and submission files, and names the transformers architecture of the exported weights.
-The trainer (finetune/trainer.py) only calls these methods; it knows no task by name.
+The trainer (finetune/finetuner.py) only calls these methods; it knows no task by name.
 """
 from __future__ import annotations
 

@@ -11,8 +11,10 @@ The rules this module keeps, so that the code that runs on CPU/gloo runs unchang
 - Host syncs (`.item()`, `.tolist()`) are taken once per reduction, never per tensor.
 
 The CPU test mode (env BERT_FAKE_GPU=1) puts the model on `fakegpu`, a second device type whose
-only communication backend is bound to that device (pretrain/fakegpu): there a CPU tensor in a
-collective or a mixed-device op fails as it would on a GPU.
+only communication backend is bound to that device: there a CPU tensor in a collective or a
+mixed-device op fails as it would on a GPU. The device is the test suite's own package (`fakegpu`,
+in the repository's tests/bert-fakegpu/, installed by the test set-up), not part of the product:
+this module knows its names, loads it only when asked, and says how to install it where it is missing.
 """
 from __future__ import annotations
 
@@ -24,12 +26,20 @@ import torch.distributed as dist
 from ..common.errors import UserError
 
 FAKE_GPU_ENV = "BERT_FAKE_GPU"
+# The CPU test device's type and backend (fakegpu.DEVICE_TYPE, fakegpu.BACKEND), named here so that
+# nothing but select_device imports the package
+FAKE_DEVICE_TYPE = "fakegpu"
+FAKE_BACKEND = "fakeccl"
+FAKE_GPU_MISSING = (f"{FAKE_GPU_ENV}=1 asks for the CPU test device (the fakegpu package), which is not installed: "
+                    "tools/install.sh installs it with the test set-up, or run pip install -e tests/bert-fakegpu "
+                    "from the repository's root")
 # Backends that have no CPU implementation: a CPU tensor in their collectives is a device bug.
-DEVICE_ONLY_BACKENDS = ("nccl", "fakeccl")
+DEVICE_ONLY_BACKENDS = ("nccl", FAKE_BACKEND)
 
 
 class DeviceError(UserError, RuntimeError):
-    """A rank without a usable device (more ranks on a node than it has GPUs): a launch to fix."""
+    """A rank without a usable device (more ranks on a node than it has GPUs, or the CPU test device
+    asked for and not installed): a launch to fix."""
 
 
 class DevicePlacementError(RuntimeError):
@@ -47,10 +57,8 @@ def select_device(local_rank: int, environ=None) -> torch.device:
     too, so the two must agree), fakegpu:LOCAL_RANK in the CPU test mode, else the CPU."""
     env = os.environ if environ is None else environ
     if fake_gpu_requested(env):
-        from .. import fakegpu
-
-        fakegpu.enable()
-        device = _checked_ordinal(fakegpu.DEVICE_TYPE, local_rank, fakegpu.device_count(), env)
+        fakegpu = load_test_device()
+        device = _checked_ordinal(FAKE_DEVICE_TYPE, local_rank, fakegpu.device_count(), env)
         fakegpu.set_device(device.index)  # as for CUDA: deepspeed.zero.Init places on the current device
         return device
     if torch.cuda.is_available():
@@ -58,6 +66,22 @@ def select_device(local_rank: int, environ=None) -> torch.device:
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")
+
+
+def load_test_device():
+    """The CPU test device's package, enabled; a DeviceError (one line) where it is not installed."""
+    try:
+        import fakegpu
+    except ModuleNotFoundError as error:
+        if error.name != "fakegpu":  # the package is there but something it imports is not: a bug, traced
+            raise
+        fakegpu = None
+    # a folder named fakegpu without the package's files on sys.path imports as an empty namespace
+    # package: not installed either
+    if getattr(fakegpu, "enable", None) is None:
+        raise DeviceError(FAKE_GPU_MISSING)
+    fakegpu.enable()
+    return fakegpu
 
 
 def _checked_ordinal(device_type: str, local_rank: int, count: int, env) -> torch.device:
@@ -157,10 +181,8 @@ def backend_for(device: torch.device) -> str:
         return "nccl"
     if device.type == "cpu":
         return "gloo"
-    from .. import fakegpu
-
-    if device.type == fakegpu.DEVICE_TYPE:
-        return fakegpu.BACKEND
+    if device.type == FAKE_DEVICE_TYPE:
+        return FAKE_BACKEND
     raise DeviceError(f"no communication backend for device type {device.type!r}")
 
 
@@ -215,7 +237,7 @@ def synchronize(device: torch.device) -> None:
 
 def _memory_module(device: torch.device):
     """torch.cuda, or torch.fakegpu in the CPU test mode: the devices whose allocations are counted."""
-    return getattr(torch, device.type) if device.type in ("cuda", "fakegpu") else None
+    return getattr(torch, device.type) if device.type in ("cuda", FAKE_DEVICE_TYPE) else None
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -17,6 +17,7 @@ ranks, the tied embedding's copies summed, fp16's loss scale already divided out
 """
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 import torch
@@ -84,3 +85,15 @@ def exact_clipping_for(engine, counted, parallel, max_norm: float) -> ExactClipp
         stepped = [(p, p) for group in wrapper.param_groups for p in group["params"]]
         return ExactClipping(counted, stepped, parallel, max_norm)
     return None
+
+
+def params_norm(model, parallel) -> float:
+    """L2 norm of the whole logical model, each parameter counted once in any layout (a collective)."""
+    total = torch.zeros((), dtype=torch.float64, device=parallel.device)
+    for lp in counted_once(model, parallel):
+        zero3 = internals.is_zero3_param(lp.param)
+        if not zero3 and parallel.dp_rank != 0:
+            continue  # replicated over DP; a ZeRO-3 partition is this rank's own
+        tensor = internals.zero3_partition(lp.param) if zero3 else lp.param
+        total += tensor.detach().double().pow(2).sum()
+    return math.sqrt(device.all_reduce(total).item())

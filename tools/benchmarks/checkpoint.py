@@ -51,7 +51,7 @@ def main(argv=None) -> None:
     from pretrain.checkpoint import exact
     from pretrain.checkpoint.format import checkpoint_files, content_problems, fingerprints, read_meta
     from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
-    from pretrain.trainer import Trainer
+    from pretrain.training.trainer import Trainer
 
     cfg = bench_config(args.config, 1, 128, "fp32", "lamb", 1)
     cfg.validate(world_size=1)

@@ -84,7 +84,7 @@ def trainer_wait(prefix: str, vocab_file: str, config: str, steps: int, workers:
     from pretrain.config import load_config
     from pretrain.data.samples.token_ids import WordPieceVocab
     from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
-    from pretrain.trainer import Trainer
+    from pretrain.training.trainer import Trainer
 
     vocab = WordPieceVocab.from_file(vocab_file)
     cfg = load_config(config, [
@@ -98,7 +98,7 @@ def trainer_wait(prefix: str, vocab_file: str, config: str, steps: int, workers:
     parallel = init_parallel(launch, 1, 1)
     try:
         trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
-        data = trainer.data_iterator(trainer.train_data, 0)
+        data = trainer.loaders.training(trainer.train_data, 0)
         for _ in range(2):  # warm-up: loader start, first allocations
             trainer.train_step(data)
         data.wait_seconds = 0.0

@@ -78,7 +78,7 @@ def child_ours(args, fixed: bool) -> dict:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
     from finetune.config import load_finetune_config
-    from finetune.trainer import Finetuner
+    from finetune.finetuner import Finetuner
     from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
 
     overrides = [
@@ -112,7 +112,7 @@ def token_accounting(runner, args) -> dict:
     import torch
 
     from finetune.inputs import length_grouped
-    from finetune.trainer import LENGTH_GROUP_WINDOW
+    from finetune.finetuner import LENGTH_GROUP_WINDOW
     from pretrain.data.samples.packing import first_fit_decreasing
 
     lengths = runner.train_features.lengths.tolist()

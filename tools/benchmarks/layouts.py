@@ -52,7 +52,7 @@ def bench_config(args, tp: int, pp: int):
 def child_layout(args) -> dict:
     """One rank of a layout's run: the median step time (rank 0 reports)."""
     from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
-    from pretrain.trainer import Trainer
+    from pretrain.training.trainer import Trainer
 
     tp, pp, ranks = LAYOUTS[args.child]
     cfg = bench_config(args, tp, pp)
@@ -61,7 +61,7 @@ def child_layout(args) -> dict:
     launch.export_to(os.environ)
     parallel = init_parallel(launch, tp, pp)
     trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
-    batches = trainer.data_iterator(trainer.train_data, 0)
+    batches = trainer.loaders.training(trainer.train_data, 0)
     times = []
     for i in range(args.warmup + args.steps):
         started = time.perf_counter()
@@ -86,7 +86,7 @@ def child_rate(args) -> dict:
     from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
     from pretrain.plan.shapes import stage_parameters
     from pretrain.plan.step_time import OPTIMIZER_BYTES_PER_ELEMENT, layer_elementwise_bytes
-    from pretrain.trainer import Trainer
+    from pretrain.training.trainer import Trainer
 
     cfg = bench_config(args, 1, 1)
     rows, h, f = args.micro_batch * args.seq, cfg.model.hidden_size, cfg.model.ffn_size
@@ -106,7 +106,7 @@ def child_rate(args) -> dict:
     launch.export_to(os.environ)
     parallel = init_parallel(launch, 1, 1)
     trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
-    batches = trainer.data_iterator(trainer.train_data, 0)
+    batches = trainer.loaders.training(trainer.train_data, 0)
     compute, optimizer = [], []
     for i in range(args.warmup + 2 * args.steps):
         trainer.train_step(batches)

@@ -114,7 +114,7 @@ def timed(step, warmup: int, steps: int) -> list[float]:
 
 
 def child_ours(args, root: str) -> dict:
-    from finetune.trainer import Finetuner
+    from finetune.finetuner import Finetuner
 
     parallel = one_rank_world()
     tuner = Finetuner(config(args, root), parallel, log=lambda *a, **k: None)

@@ -100,10 +100,10 @@ def padding_figures(cfg, count: int = SAMPLES) -> dict:
 
 def speed(args, cfgs: dict) -> dict:
     """{padded, packed}: real and computed tokens per second over the timed steps."""
-    from pretrain.trainer import Trainer
+    from pretrain.training.trainer import Trainer
 
     trainers = {name: Trainer(cfg, PARALLEL, log=lambda *a, **k: None) for name, cfg in cfgs.items()}
-    iterators = {name: t.data_iterator(t.train_data, 0) for name, t in trainers.items()}
+    iterators = {name: t.loaders.training(t.train_data, 0) for name, t in trainers.items()}
     totals = {name: {"seconds": 0.0, "real_tokens": 0.0, "computed_tokens": 0.0} for name in trainers}
     for step in range(args.steps + 1):
         for name, trainer in trainers.items():

@@ -41,7 +41,7 @@ def child(args) -> dict:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
     from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
-    from pretrain.trainer import Trainer
+    from pretrain.training.trainer import Trainer
 
     cfg = bench_config(args.config, args.batch, args.seq, "fp32", "adamw", args.warmup + args.steps)
     cfg.model.recompute = args.child

@@ -208,7 +208,7 @@ def child_ours(args) -> dict:
     from pretrain.distributed.device import configure_math
     from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
     from pretrain.model.flops import model_flops_per_sample
-    from pretrain.trainer import Trainer
+    from pretrain.training.trainer import Trainer
 
     ds_logger.setLevel(logging.WARNING)
     cfg = bench_config(args.config, args.batch, args.seq, args.precision, args.optimizer, args.warmup + args.steps)

@@ -148,7 +148,7 @@ def draw_batches(cfg, count: int, device, packed: bool) -> list:
 
 
 def measure_ours(job: dict, settings: dict, parallel) -> dict:
-    from pretrain.trainer import Trainer
+    from pretrain.training.trainer import Trainer
 
     cfg = run_config(job, settings)
     trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, run on the GPU machine from the folder tools/gpu/prepare.sh made (no network needed):
 #   1. install: a venv on top of the image's Python that sees the image's packages, the carried
-#      wheels installed into it without touching torch; pip's consistency check of ours;
+#      wheels (ours and the CPU test device's, bert-fakegpu) installed into it without touching
+#      torch; pip's consistency check of ours;
 #   2. GPU tier: REQUIRE_GPU=<GPUs found> pytest -m gpu (tests needing more GPUs than the machine
 #      has are skipped with their reason), junit XML and log;
 #   3. benchmark: tools/gpu/bench.py (BERT-large and BERT-base, bf16, seq 128 and 512: ours with
@@ -65,10 +66,10 @@ import subprocess, sys
 from pathlib import Path
 
 kit = Path(sys.argv[1])
-import torch, deepspeed, megatron.core, transformers, pretrain, finetune  # noqa: E401
+import torch, deepspeed, megatron.core, transformers, pretrain, finetune, fakegpu  # noqa: E401
 if sys.prefix in torch.__file__:
     sys.exit(f"torch was installed into the check's venv ({torch.__file__}); the image's torch must stay")
-for module in (deepspeed, megatron.core, pretrain):
+for module in (deepspeed, megatron.core, pretrain, fakegpu):
     if sys.prefix not in module.__file__:
         sys.exit(f"{module.__name__} comes from {module.__file__}, not from the carried wheels")
 # pip's view of what the carried wheels need: every requirement of ours must be met, except the

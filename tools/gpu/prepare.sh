@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepare the GPU check kit on a machine with the package index: every wheel the project needs that
-# the GPU machine's image lacks (for its Python, manylinux x86_64), the project's own wheel, the tests,
-# configs and tools, and the runner (check.sh). Copy OUT_DIR to the GPU machine and run
+# the GPU machine's image lacks (for its Python, manylinux x86_64), the project's own wheel and that of
+# the tests' CPU test device (bert-fakegpu, tests/bert-fakegpu/: CI's rehearsal stands it in for the
+# GPU), the tests, configs and tools, and the runner (check.sh). Copy OUT_DIR to the GPU machine and run
 #   bash OUT_DIR/check.sh OUT_DIR RESULTS_DIR
 # docs/gpu.md: "Checking a GPU machine in ten minutes".
 #
@@ -60,15 +61,17 @@ TARGET=(--only-binary=:all: --no-deps --implementation cp --python-version "$PYT
 for pkg in "${BUILT[@]}"; do
   "$PY" -m pip wheel -q --no-deps -w "$OUT/wheels" "$pkg"
 done
-# the project's wheel, built from a copy of the sources (setuptools writes build/ beside what it builds)
+# the project's wheel and the test device's, built from a copy of the sources (setuptools writes build/
+# beside what it builds)
 mkdir -p "$WORK/source"
 sources | (cd "$REPO" && tar -cf - -T -) | tar -xf - -C "$WORK/source"
-"$PY" -m pip wheel -q --no-deps -w "$WORK/project" "$WORK/source"
-cp "$WORK"/project/bert_pretrain-*.whl "$OUT/wheels/"
+"$PY" -m pip wheel -q --no-deps -w "$WORK/project" "$WORK/source" "$WORK/source/tests/bert-fakegpu"
+cp "$WORK"/project/bert_pretrain-*.whl "$WORK"/project/bert_fakegpu-*.whl "$OUT/wheels/"
 
-# The parts of the repository that are not in the wheel: tests, tools (the benchmark and the check),
-# configs, the launcher. The library itself comes from the wheel.
-sources tests tools configs launcher.sh pyproject.toml setup.cfg | (cd "$REPO" && tar -cf - -T -) | tar -xf - -C "$OUT/src"
+# The parts of the repository that are not in the wheels: tests, tools (the benchmark and the check),
+# configs, the launcher. The library and the test device come from their wheels.
+sources tests tools configs launcher.sh pyproject.toml setup.cfg ':(exclude)tests/bert-fakegpu' \
+  | (cd "$REPO" && tar -cf - -T -) | tar -xf - -C "$OUT/src"
 cp "$REPO/tools/gpu/check.sh" "$OUT/check.sh"
 printf '%s\n' "${IMAGE_PACKAGES[@]}" > "$OUT/image-packages.txt"
 printf '%s\n' "${NOT_CARRIED[@]}" > "$OUT/not-carried.txt"

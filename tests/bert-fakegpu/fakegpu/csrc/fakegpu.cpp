@@ -5,7 +5,7 @@
 // CUDA kernel would enforce, replaces each fakegpu tensor by a zero-copy CPU alias over the same
 // memory, runs the CPU kernel, and maps the results back (views stay views of the original
 // storage, in-place/out= ops return the original argument, fresh results become fakegpu tensors
-// owning the CPU result's memory). See pretrain/fakegpu/__init__.py for the Python side.
+// owning the CPU result's memory). See fakegpu/__init__.py for the Python side.
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/CPUGeneratorImpl.h>

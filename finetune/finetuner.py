@@ -33,54 +33,21 @@ from pretrain.data.samples.batches import micro_batch_indices
 from pretrain.distributed.device import (DeviceError, all_gather, all_gather_object, all_reduce, configure_math,
                                         describe, precision_problem, to_host)
 from pretrain.common.errors import UserError
-from pretrain.distributed.internals import is_tp_sharded, no_optimizer_steps, report_grad_norm
+from pretrain.distributed.internals import is_tp_sharded
 from pretrain.model.names import logical_parameters
 from pretrain.model.rng import RngTracker, seed_streams
 from pretrain.observability.console import progress, rank_printer
 from pretrain.optim import make_lr_scheduler
 from pretrain.optim.groups import group_by_kind
-from pretrain.optim.guard import wrap_optimizer_step
-from pretrain.optim.norms import exact_clipping_for
 from pretrain.resilience.watchdog import Watchdog
+from pretrain.training.engine import initialize_engine
+from pretrain.training.metrics import ThroughputWindow
 
 from .config import FinetuneConfig
 from .inputs import Batches, length_grouped
 from .model import build_encoder, load_encoder, load_head
 from .tasks import TASKS
 from .tasks.base import Dataset, Read, TaskDataError
-
-
-class SpeedWindow:
-    """Real (non-padding) tokens, computed tokens and examples of the training batches since the
-    last drain, and the time they took: what the perf/* scalars report."""
-
-    def __init__(self, device):
-        self.device = device
-        self.restart()
-
-    def restart(self) -> None:
-        """Count from now (after an evaluation: its time is not training's)."""
-        self.started = time.perf_counter()
-        self.real = torch.zeros((), dtype=torch.float64, device=self.device)  # summed on the device: no sync
-        self.computed = 0
-        self.examples = 0
-
-    def add(self, attention_mask: torch.Tensor) -> None:
-        self.real = self.real + attention_mask.sum()
-        self.computed += attention_mask.numel()
-        self.examples += attention_mask.shape[0]
-
-    def drain(self, dp_group, dp_size: int) -> dict[str, float]:
-        """Per second over the data-parallel ranks (a collective when dp_group is given)."""
-        counts = torch.stack([self.real, torch.full_like(self.real, self.computed),
-                              torch.full_like(self.real, self.examples)])
-        if dp_group is not None:
-            all_reduce(counts, dp_group)
-        real, computed, examples = counts.tolist()
-        seconds = time.perf_counter() - self.started
-        self.restart()
-        return {"real_tokens_per_second": real / seconds, "tokens_per_second": computed / seconds,
-                "examples_per_second": examples / seconds, "real_token_share": real / max(computed, 1.0)}
 
 
 # Hugging Face's group_by_length sorts windows of 50 batches (its mega-batch multiplier).
@@ -115,7 +82,7 @@ def notes_that_matter(notes: list[str]) -> list[str]:
 class Finetuner:
     def __init__(self, cfg: FinetuneConfig, parallel, log=None):
         self.cfg, self.parallel = cfg, parallel
-        self._pending_files: dict[str, str] = {}  # prediction files of the last evaluation, written if it is the best
+        self.pending_files: dict[str, str] = {}  # prediction files of the last evaluation, written if it is the best
         log = log or rank_printer(parallel.rank, parallel.world_size)
         self.log = log if parallel.rank == parallel.logging_rank else (lambda *a, **k: None)
         self.task = TASKS[cfg.task.name].configured(cfg.task)
@@ -215,8 +182,6 @@ class Finetuner:
 
     # ----------------------------------------------------------------------------- engine
     def _build_engine(self):
-        import deepspeed
-
         t, p = self.cfg.train, self.parallel
         kinds = {id(lp.param): lp.kind for lp in logical_parameters(self.model.bert)}
         trainable = [(param, "bias" if name.endswith("bias") else kinds.get(id(param), "weight"))
@@ -227,21 +192,11 @@ class Finetuner:
         warmup = int(t.warmup_ratio * self.total_steps)
         ds_config = deepspeed_settings(t.global_batch_size, t.micro_batch_size, self.micro_per_step, t.grad_clip,
                                        self.cfg.parallel.zero_stage, t.precision, grad_accum_dtype=t.grad_accum_dtype)
-        clipping = None  # ZeRO-0: exact clipping inside the optimizer's step (pretrain/optim/norms.py)
-
-        def before_update():
-            if clipping is not None:
-                report_grad_norm(engine, clipping())
-
-        with no_optimizer_steps(optimizer):  # the bf16 wrapper at ZeRO-0 steps once at construction
-            wrap_optimizer_step(optimizer, before_update=before_update)
-            engine, _, _, _ = deepspeed.initialize(
-                model=self.model, optimizer=optimizer, config=ds_config, mpu=p.mpu,
-                lr_scheduler=lambda opt: make_lr_scheduler(opt, t.lr, warmup, max(self.total_steps, warmup + 1),
-                                                           "linear"))
         # each parameter once: TP-sharded ones on every TP rank, replicated ones on TP rank 0
         counted = [param for param in self.model.parameters() if is_tp_sharded(param) or p.tp_rank == 0]
-        clipping = exact_clipping_for(engine, counted, p, t.grad_clip)
+        engine, _ = initialize_engine(
+            self.model, optimizer, ds_config, p, counted=counted, grad_clip=t.grad_clip, mpu=p.mpu,
+            lr_scheduler=lambda opt: make_lr_scheduler(opt, t.lr, warmup, max(self.total_steps, warmup + 1), "linear"))
         return engine
 
     # ----------------------------------------------------------------------------- training
@@ -279,7 +234,7 @@ class Finetuner:
             return self._finish(history=[result], best=result)
         step, progress = 0, self._progress(self.total_steps)
         epochs = math.ceil(t.epochs)
-        window = SpeedWindow(self.parallel.device)  # tokens and time since the last logged step
+        window = ThroughputWindow(self.parallel.device, unit="examples")  # since the last logged step
         for epoch in range(epochs):
             order = self._epoch_order(epoch)
             self.engine.train()
@@ -305,8 +260,7 @@ class Finetuner:
                 if step % t.log_interval == 0 or step == self.total_steps:
                     self._scalar("train/loss", loss_value, step)
                     self._scalar("train/learning_rate", lr, step)
-                    for name, value in window.drain(self.parallel.dp_group if self.parallel.dp_size > 1 else None,
-                                                    self.parallel.dp_size).items():
+                    for name, value in self._throughput(window).items():
                         self._scalar(f"perf/{name}", value, step)
             result = self.evaluate_all(epoch + 1, step)
             history.append(result)
@@ -337,6 +291,13 @@ class Finetuner:
     def _scalar(self, name, value, step) -> None:
         if self.writer is not None:
             self.writer.add_scalar(name, value, step)
+
+    def _throughput(self, window: ThroughputWindow) -> dict[str, float]:
+        """The window's rates over the data-parallel ranks (one collective)."""
+        counts = window.counts()
+        if self.parallel.dp_size > 1:
+            all_reduce(counts, self.parallel.dp_group)
+        return window.rates(*counts.tolist())
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
         value = value.float().clone().to(self.parallel.device)
@@ -375,13 +336,13 @@ class Finetuner:
         return result
 
     def evaluate_all(self, epoch: int, step: int = 0) -> dict:
-        """Metrics of every dev set. Their prediction files wait in `_pending_files` until the
+        """Metrics of every dev set. Their prediction files wait in `pending_files` until the
         caller knows whether this epoch is the best (`write_predictions`)."""
-        metrics, self._pending_files = {}, {}
+        metrics, self.pending_files = {}, {}
         for dev in self.dev_sets:
             self.watchdog.doing(f"evaluating {dev.name} after epoch {epoch}")
             evaluation = self.task.evaluate(dev, self.outputs(dev.features), self.cfg.task)
-            self._pending_files.update(evaluation.files)
+            self.pending_files.update(evaluation.files)
             prefix = f"{dev.name}/" if len(self.dev_sets) > 1 else ""
             metrics.update({f"{prefix}{k}": v for k, v in evaluation.metrics.items()})
         main = self.task.main_metric
@@ -395,8 +356,8 @@ class Finetuner:
     def write_predictions(self) -> None:
         """The prediction files of the last evaluation (called for the best epoch only)."""
         if self.parallel.rank == self.parallel.logging_rank:
-            write_files(os.path.join(self.cfg.train.output_dir, "predictions"), self._pending_files)
-        self._pending_files = {}
+            write_files(os.path.join(self.cfg.train.output_dir, "predictions"), self.pending_files)
+        self.pending_files = {}
 
     def predict_tests(self) -> None:
         for test in self.test_sets:

@@ -1,5 +1,9 @@
 """fakegpu: a CPU test mode that sees device defects.
 
+The test suite's own package (distribution bert-fakegpu, in the repository's tests/bert-fakegpu/),
+never part of the product: tools/install.sh installs it beside the product (pip install -e
+tests/bert-fakegpu), and pretrain/distributed/device.py loads it when BERT_FAKE_GPU=1.
+
 `enable()` adds a second device type, ``fakegpu`` (torch's PrivateUse1 renamed), whose memory is
 ordinary host memory but which torch treats as a separate, non-CPU device, and a c10d backend
 ``fakeccl`` bound ONLY to that device (gloo underneath). On a CPU-only machine this makes the

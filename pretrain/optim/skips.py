@@ -1,0 +1,47 @@
+"""The non-finite skip policy: how many skipped steps a run tolerates (`train.max_consecutive_skips`).
+
+The guard (guard.py) decides whether one step is skipped and why; this policy counts the
+outcomes over the run. A non-finite step counts toward the limit of skips in a row; an fp16
+loss-scale overflow is counted as skipped but never ends the run while the dynamic scaler can
+still lower its scale (it overflows several times in a row by design while it finds its scale);
+at fp16.min_loss_scale an overflow is a non-finite step like any other (guard.classify).
+"""
+from __future__ import annotations
+
+from ..common.errors import UserError
+from .guard import AT_MIN_SCALE, StepOutcome
+
+
+class NonFiniteTraining(UserError, RuntimeError):
+    """Too many steps in a row had a NaN/Inf loss or gradient: the run diverged."""
+
+
+class SkipPolicy:
+    def __init__(self, max_consecutive: int, global_batch_size: int, min_loss_scale: float | None = None):
+        self.max_consecutive = max_consecutive
+        self.global_batch_size = global_batch_size  # to name the samples near the first bad step
+        self.min_loss_scale = min_loss_scale  # fp16 only: named when the scale is stuck at its minimum
+        self.skipped = 0  # steps whose update was skipped (non-finite, or an fp16 overflow)
+        self.bad_run: list[tuple[int, tuple[str, ...]]] = []  # the current run of non-finite steps, what was bad
+
+    def count(self, step: int, outcome: StepOutcome) -> None:
+        """Count step `step` (just taken); raise NonFiniteTraining at the limit of skips in a row."""
+        if not outcome.skipped:
+            self.bad_run = []
+            return
+        self.skipped += 1
+        if not outcome.counts:
+            return
+        self.bad_run.append((step, outcome.what))
+        limit = self.max_consecutive
+        if len(self.bad_run) < limit:
+            return
+        what = sorted({w for _, found in self.bad_run for w in found})
+        if AT_MIN_SCALE in what:  # says more than "gradients"
+            what = [f"{AT_MIN_SCALE} ({self.min_loss_scale:g}, fp16.min_loss_scale)" if w == AT_MIN_SCALE
+                    else w for w in what if w != "gradients"]
+        first = self.bad_run[0][0]
+        raise NonFiniteTraining(
+            f"step {step}: non-finite {' and '.join(what)} in {limit} steps in a row (steps {first}-{step}, "
+            f"train.max_consecutive_skips={limit}); every one was skipped, the weights are those after step "
+            f"{first - 1}. Lower optimizer.lr or check the data near sample {(first - 1) * self.global_batch_size}")

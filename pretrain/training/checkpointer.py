@@ -1,0 +1,56 @@
+"""The run's checkpoints: when one is due, saving it (crash-safe, with retention: train.keep_last),
+and where a run starts: its own latest checkpoint, or `train.init_from`, or from scratch."""
+from __future__ import annotations
+
+from ..checkpoint import exact as checkpoint_saving, load as checkpoint_loading
+from ..checkpoint.format import CheckpointError
+from ..config import Config
+from ..distributed import internals
+from ..distributed.parallel import Parallel
+from ..model.rng import RngTracker
+from ..resilience.watchdog import Watchdog
+
+
+class Checkpointer:
+    def __init__(self, cfg: Config, parallel: Parallel, engine, model, tracker: RngTracker, log, watchdog: Watchdog):
+        self.cfg, self.parallel, self.engine, self.model = cfg, parallel, engine, model
+        self.tracker, self.log, self.watchdog = tracker, log, watchdog
+
+    def due(self, step: int) -> bool:
+        interval = self.cfg.train.save_interval
+        return bool(interval) and step % interval == 0
+
+    def save(self, step: int, consumed_samples: int) -> None:
+        t = self.cfg.train
+        if not t.save_dir:
+            return
+        self.watchdog.doing(f"saving the checkpoint of step {step}", step)
+        tag = checkpoint_saving.save_checkpoint(self.engine, t.save_dir, step, consumed_samples, self.cfg,
+                                                self.parallel, self.tracker, t.keep_last)
+        self.log(f"saved checkpoint {t.save_dir}/{tag}")
+        self.watchdog.progress(f"the save of step {step}", step)
+
+    def resume(self) -> tuple[int, int]:
+        """(step, consumed samples) to go on from: a checkpoint's in train.load_dir, else (0, 0)
+        after initialising from train.init_from if given."""
+        t = self.cfg.train
+        found = None
+        if t.load_dir:
+            found = checkpoint_loading.resume(self.engine, self.model, t.load_dir, self.cfg, self.parallel,
+                                              self.tracker, self.log)
+            if found is None and t.load_dir != t.save_dir and not t.init_from:
+                raise CheckpointError(f"no checkpoint in {t.load_dir} (no 'latest' file)")
+        if found is None:
+            if t.init_from:
+                loaded = checkpoint_loading.init_from(self.engine, self.model, t.init_from, self.cfg, self.parallel,
+                                                      t.init_optimizer_states)
+                what = "weights and optimizer states" if t.init_optimizer_states else "weights"
+                self.log(f"initialised {what} from {loaded}; starting at step 0")
+            elif t.load_dir:
+                self.log(f"no checkpoint in {t.load_dir} yet: starting from scratch")
+            return 0, 0
+        step, consumed_samples = found
+        if t.precision == "fp16":  # DeepSpeed's checkpoint carries the loss scaler object itself
+            internals.let_loss_scaler_reach_minimum(self.engine)
+        self.log(f"resumed from {t.load_dir} at step {step} ({consumed_samples} samples)")
+        return step, consumed_samples

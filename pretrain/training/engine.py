@@ -1,0 +1,110 @@
+"""The DeepSpeed engine: the one construction sequence pretraining and fine-tuning share, and
+pretraining's model, optimizer and guard built into it.
+
+The sequence (`initialize_engine`) is order-sensitive, which is why it lives once:
+1. the client optimizer's step is wrapped (the non-finite guard's veto, then ZeRO-0's exact
+   clipping right before an update it lets through) before DeepSpeed builds its engine, because
+   the LR scheduler DeepSpeed creates wraps whatever `optimizer.step` is then;
+2. `deepspeed.initialize` runs under `no_optimizer_steps`: the fp16/bf16 wrappers step once at
+   construction, which must not move a weight;
+3. where DeepSpeed's own clipping is not exact over TP shards (ZeRO-0), ours replaces it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import deepspeed
+import torch
+
+from ..config import Config, build_deepspeed_config
+from ..distributed import internals
+from ..distributed.parallel import Parallel
+from ..model.bert import PretrainingLoss, build_model, init_weights
+from ..model.rng import RngTracker
+from ..optim import Lamb, build_optimizer, layout_for_deepspeed, make_lr_scheduler
+from ..optim.groups import optimizer_param_groups
+from ..optim.guard import NonFiniteGuard, wrap_optimizer_step
+from ..optim.norms import counted_once, exact_clipping_for
+
+
+def initialize_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict, parallel: Parallel, *,
+                      lr_scheduler: Callable, counted: list, grad_clip: float, mpu,
+                      step_is_bad: Callable[[], bool] = lambda: False) -> tuple[object, bool]:
+    """`deepspeed.initialize` with our step wrapper and exact clipping. `counted`: the parameters a
+    whole-model gradient norm counts on this rank (each logical parameter once). Returns the
+    engine and whether the trainer (not DeepSpeed) clips."""
+    clipping = None  # ZeRO-0: our clipping, run inside the optimizer's step
+
+    def before_update():
+        if clipping is not None:
+            internals.report_grad_norm(engine, clipping())
+
+    with internals.no_optimizer_steps(optimizer):  # the fp16/bf16 wrappers step once at construction
+        wrap_optimizer_step(optimizer, step_is_bad, before_update)  # inside no_optimizer_steps' own
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                               config=ds_config, mpu=mpu)
+    clipping = exact_clipping_for(engine, counted, parallel, grad_clip)
+    return engine, clipping is not None
+
+
+@dataclass
+class PretrainingEngine:
+    engine: object  # DeepSpeedEngine, or PipelineEngine with PP > 1
+    model: torch.nn.Module
+    guard: NonFiniteGuard
+    ds_config: dict
+    exact_clipping: bool  # the trainer clips (ZeRO-0), not DeepSpeed
+
+
+def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracker,
+                             loss_fn: PretrainingLoss) -> PretrainingEngine:
+    """The model (partitioned at construction under ZeRO-3), its optimizer, LR schedule and
+    non-finite guard, under DeepSpeed."""
+    par, pipelined = parallel, parallel.pp_size > 1
+    ds_config = build_deepspeed_config(cfg, par.world_size)
+    padded_vocab = cfg.model.padded_vocab_size(par.tp_size)
+
+    def make_model():
+        model = build_model(cfg.model, padded_vocab, torch.float32, tracker, par.tp_group,
+                            pipeline_topology=par.topology if pipelined else None, loss_fn=loss_fn,
+                            binary_head=cfg.binary_head, packed=cfg.data.packing)
+        init_weights(model, cfg.model.init_std, cfg.train.seed, cfg.model.vocab_size, par.tp_rank, par.tp_size)
+        return model
+
+    if cfg.parallel.zero_stage == 3:
+        # Partition at construction, over the data-parallel group only: without it shards of
+        # different TP ranks would be mixed and the loss silently wrong.
+        with deepspeed.zero.Init(data_parallel_group=par.dp_group, config_dict_or_path=ds_config, mpu=par.mpu,
+                                 remote_device=None, pin_memory=False):
+            model = make_model()
+    else:
+        model = make_model()
+
+    o, s = cfg.optimizer, cfg.scheduler
+    hyper = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    if o.name == "lamb":
+        hyper["max_trust_ratio"] = o.max_trust_ratio
+    optimizer = build_optimizer(o.name, optimizer_param_groups(model, o), **hyper)
+    # Our non-finite check runs in every precision and ZeRO stage (DeepSpeed's wrappers add
+    # their own, except at ZeRO-0 fp32); train.skip_nonfinite_steps decides whether it vetoes.
+    guard = NonFiniteGuard(par.device, loss_fn.all_finite, veto=cfg.train.skip_nonfinite_steps)
+    guard.watch(model.parameters())
+
+    def scheduler(opt):
+        steps = cfg.train.train_steps
+        return make_lr_scheduler(opt, o.lr, s.warmup(steps), s.horizon(steps), s.decay, s.power, s.min_lr,
+                                 hold=lambda: bool(guard.skipped()))
+
+    engine, exact = initialize_engine(
+        model, optimizer, ds_config, par, lr_scheduler=scheduler, grad_clip=o.grad_clip,
+        counted=[lp.param for lp in counted_once(model, par)], step_is_bad=guard.step_is_bad,
+        mpu=None if pipelined else par.mpu)  # the pipeline engine takes its grid from the topology
+    if par.dp_size == 1 and cfg.parallel.zero_stage == 0 and not pipelined:
+        internals.skip_backward_allreduce(engine)
+    if cfg.train.precision == "fp16":
+        internals.let_loss_scaler_reach_minimum(engine)
+    if isinstance(optimizer, Lamb):
+        optimizer.set_layout(layout_for_deepspeed(engine, par.tp_group if par.tp_size > 1 else None,
+                                                  par.dp_group if par.dp_size > 1 else None, par.device))
+    return PretrainingEngine(engine, model, guard, ds_config, exact)

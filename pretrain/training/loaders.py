@@ -1,0 +1,64 @@
+"""The loaders of one run: the training stream and one loader per evaluation set, kept across
+evaluations, their worker processes named for the hang watchdog and closed together."""
+from __future__ import annotations
+
+from ..config import Config
+from ..data.samples.batches import FixedMicroBatches, MicroBatchIterator
+from ..distributed.parallel import Parallel
+from ..resilience.watchdog import process_state
+
+
+class Loaders:
+    def __init__(self, cfg: Config, parallel: Parallel, grad_accum: int):
+        self.cfg, self.parallel, self.grad_accum = cfg, parallel, grad_accum
+        self._training: MicroBatchIterator | None = None
+        self._evaluation: dict[int, FixedMicroBatches] = {}  # by dataset
+
+    def __enter__(self) -> "Loaders":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def workers(self) -> int:
+        p = self.parallel
+        # Middle pipeline stages never draw: no loader processes for them.
+        return self.cfg.data.num_workers if (p.is_first_stage or p.is_last_stage) else 0
+
+    @property
+    def pack_group(self) -> int:
+        """data.packing packs a rank's share of a step (its micro-batches) together; 0 = unpacked."""
+        return self.grad_accum if self.cfg.data.packing else 0
+
+    def training(self, dataset, consumed_samples: int) -> MicroBatchIterator:
+        """This rank's micro-batches of `dataset` from sample `consumed_samples` on; closed with the rest."""
+        p = self.parallel
+        if self._training is not None:
+            self._training.close()
+        self._training = MicroBatchIterator(dataset, consumed_samples, self.cfg.train.micro_batch_size, p.dp_rank,
+                                            p.dp_size, p.device, num_workers=self.workers, pack_group=self.pack_group)
+        return self._training
+
+    def evaluation(self, dataset) -> FixedMicroBatches:
+        """The evaluation's micro-batches of `dataset`, its loader started once for every evaluation."""
+        batches = self._evaluation.get(id(dataset))
+        if batches is None:
+            p = self.parallel
+            batches = self._evaluation[id(dataset)] = FixedMicroBatches(
+                dataset, self.cfg.train.eval_steps * self.grad_accum, self.cfg.train.micro_batch_size, p.dp_rank,
+                p.dp_size, p.device, num_workers=self.workers, pack_group=self.pack_group)
+        return batches
+
+    def report(self) -> list[str]:
+        """For the watchdog's dump: this rank's loader processes and what state each is in."""
+        loaders = [("training", self._training)] + [("evaluation", b) for b in self._evaluation.values()]
+        return [f"{name} loader process {pid}: {process_state(pid)}"
+                for name, batches in loaders if batches is not None for pid in batches.worker_pids()]
+
+    def close(self) -> None:
+        for batches in [self._training, *self._evaluation.values()]:
+            if batches is not None:
+                batches.close()
+        self._training = None
+        self._evaluation.clear()

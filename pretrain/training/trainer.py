@@ -1,0 +1,230 @@
+"""The pretraining loop: it wires the parts (engine, loaders, step runner, skip policy, evaluator,
+stop requests, checkpointer, reporter) and calls them in order; each part owns its state.
+
+The rules every change here keeps: one metric collective and one host sync per log window
+(metrics.reduce_metrics); every collective through pretrain/distributed/device.py; every private
+DeepSpeed or megatron-core access through pretrain/distributed/internals.py.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from ..config import Config
+from ..data.samples.provider import pretraining_datasets
+from ..distributed import device, internals
+from ..distributed.parallel import Parallel
+from ..model.bert import PretrainingLoss
+from ..model.rng import RngTracker, seed_streams
+from ..observability.console import rank_printer
+from ..observability.device_memory import FirstStepMemory
+from ..observability.profiling import step_profiler
+from ..observability.timers import NoTimers, PhaseTimers
+from ..optim.norms import params_norm
+from ..optim.skips import SkipPolicy
+from ..resilience.stops import StopRequests
+from ..resilience.watchdog import Watchdog
+from .checkpointer import Checkpointer
+from .engine import build_pretraining_engine
+from .evaluator import Evaluator
+from .loaders import Loaders
+from .metrics import TOKEN_COUNTS, ThroughputWindow, reduce_metrics
+from .reporter import Reporter
+from .steps import StepResult, StepRunner
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Trainer:
+    def __init__(self, cfg: Config, parallel: Parallel, log=None):
+        started = time.monotonic()  # train.exit_duration_minutes counts from here
+        self.cfg, self.parallel = cfg, parallel
+        self.reporter = Reporter(cfg, parallel, log or rank_printer(parallel.rank, parallel.world_size))
+        self.log = self.reporter.log
+        self.step = 0
+        self.consumed_samples = 0
+        self.stopped: str | None = None  # why train() stopped before train.train_steps, and what it saved
+        self.pipelined = parallel.pp_size > 1
+        self.grad_accum = cfg.grad_accum_steps(parallel.world_size)
+
+        # what the device held before this run (another run's leftovers in a test process): not its memory
+        self._allocated_before = device.device_memory_allocated(parallel.device) or 0
+        device.configure_math(parallel.device, cfg.train.tf32)
+        unsupported = device.precision_problem(parallel.device, cfg.train.precision)
+        if unsupported:
+            raise device.DeviceError(unsupported)
+        self.log(f"{device.describe(parallel)}, ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}")
+        self.tracker = RngTracker(parallel.device)
+        seed_streams(self.tracker, cfg.train.seed, parallel.tp_rank, parallel.pp_rank, parallel.dp_rank)
+        self.loss_fn = PretrainingLoss(parallel.tp_group, parallel.tp_rank)
+        built = build_pretraining_engine(cfg, parallel, self.tracker, self.loss_fn)
+        self.engine, self.model, self.ds_config = built.engine, built.model, built.ds_config
+        accumulation, reduction = internals.gradient_dtypes(self.engine)
+        self.log(f"optimizer {cfg.optimizer.name} under DeepSpeed's {type(self.engine.optimizer).__name__}; gradients "
+                 f"accumulated in {_dtype_name(accumulation)}, reduced in {_dtype_name(reduction)}, clipped "
+                 f"{'exactly by the trainer' if built.exact_clipping else 'by DeepSpeed'}")
+        self.timers = self._phase_timers()
+
+        # Rank 0 builds missing sample indices while the others wait; all then map the cache.
+        self.train_data, self.valid_data, self.test_data = pretraining_datasets(
+            cfg, is_builder=parallel.rank == 0, barrier=device.barrier, log=self.log)
+        self.loaders = Loaders(cfg, parallel, self.grad_accum)
+        self.watchdog = Watchdog.for_job(cfg.train.hang_timeout_minutes, parallel, self.loaders.report)
+        self.steps = StepRunner(cfg, parallel, self.engine, self.loss_fn, built.guard, self.timers, self.watchdog)
+        self.skips = SkipPolicy(cfg.train.max_consecutive_skips, cfg.train.global_batch_size,
+                                cfg.fp16.min_loss_scale if cfg.train.precision == "fp16" else None)
+        self.evaluator = Evaluator(self.engine, self.loss_fn, self.loaders, parallel, cfg.train.eval_steps, self.watchdog)
+        self.stops = StopRequests(cfg.train.stop_check_interval, cfg.train.exit_duration_minutes, parallel, started)
+        self.checkpointer = Checkpointer(cfg, parallel, self.engine, self.model, self.tracker, self.log, self.watchdog)
+
+    def _phase_timers(self) -> PhaseTimers | NoTimers:
+        """train.timers: time each phase, also inside DeepSpeed (its gradient reduction, the
+        optimizer wrapper's step, which the pipeline engine calls from train_batch)."""
+        if not self.cfg.train.timers:
+            return NoTimers()
+        timers = PhaseTimers(lambda: device.synchronize(self.parallel.device))
+        for method in ("allreduce_gradients", "buffered_allreduce_fallback"):
+            timers.time_method(self.engine, method, "grad_reduce")
+        timers.time_optimizer(internals.client_optimizer(self.engine))
+        return timers
+
+    # ----------------------------------------------------------------------------- parts' views
+    @property
+    def history(self) -> list[dict]:
+        """Every step's reduced metrics so far (also after train() raised)."""
+        return self.reporter.history
+
+    @property
+    def steps_skipped(self) -> int:
+        return self.skips.skipped
+
+    @property
+    def first_step_memory(self) -> list[dict] | None:
+        return self.reporter.first_step_memory
+
+    def train_step(self, data_iter) -> dict:
+        """One optimizer step outside the loop (benchmarks); its metrics reduced at once."""
+        result = self.steps.run(data_iter, self.step + 1)
+        return reduce_metrics(self.parallel, [result.sums], [result.grad_norm])[0]
+
+    def evaluate(self, dataset=None) -> dict:
+        """Metrics of `dataset` (default: the validation set) with the current weights."""
+        return self.evaluator.evaluate(self.valid_data if dataset is None else dataset, self.step)
+
+    def params_norm(self) -> float:
+        """L2 norm of the whole logical model, each parameter counted once in any layout (a collective)."""
+        return params_norm(self.model, self.parallel)
+
+    def resume(self) -> None:
+        self.step, self.consumed_samples = self.checkpointer.resume()
+
+    def close_loaders(self) -> None:
+        self.loaders.close()
+
+    # ----------------------------------------------------------------------------- the loop
+    def train(self, after_step: Callable[[StepResult], None] | None = None) -> list[dict]:
+        """Run to train.train_steps (or a stop); returns every step's metrics. `after_step` is
+        called on every rank with each step's unreduced result, before the skip policy judges it."""
+        t = self.cfg.train
+        profiler = step_profiler(t, self.parallel.rank, self.parallel.device)
+        with self.stops.on_sigterm(), self.watchdog, self.loaders:
+            try:
+                self.watchdog.doing("resuming" if t.load_dir else "start-up", self.step)
+                self.resume()
+                self.watchdog.progress("start-up", self.step)
+                last_step = min(t.train_steps, self.step + (t.exit_after_steps or t.train_steps))
+                data_iter = self.loaders.training(self.train_data, self.consumed_samples)
+                window, pending = ThroughputWindow(self.parallel.device), []  # the steps since the last log line
+                memory = FirstStepMemory(self.model, self.engine, self.parallel.device, self._allocated_before)
+                while self.step < last_step:
+                    started, learning_rate = time.perf_counter(), self.engine.get_lr()[0]  # the rate this step uses
+                    profiler.before_step(self.step + 1)
+                    result = self._measured_step(data_iter, memory)
+                    self.step += 1
+                    self.consumed_samples += t.global_batch_size
+                    if memory is not None and (memory.steps == 2 or self.step == last_step):
+                        self.reporter.memory(memory.report(), self.step, self.consumed_samples)  # with optimizer state
+                        memory = None
+                    profiler.after_step(self.step)
+                    self.watchdog.progress(f"step {self.step}", self.step)
+                    if after_step is not None:
+                        after_step(result)
+                    self.skips.count(self.step, result.outcome)
+                    self._check_position(data_iter)
+                    # wall time between step starts: with a GPU's asynchrony one entry may hold part
+                    # of another's work; their average over the window is exact (the log line syncs)
+                    pending.append((result, {"iteration_time": time.perf_counter() - started,
+                                             "learning_rate": learning_rate, "skipped_steps": self.skips.skipped}))
+                    self.watchdog.doing("agreeing on a stop (SIGTERM, time limit) with the other ranks", self.step)
+                    stop = self.stops.agreed(self.step)
+                    if self.step % t.log_interval == 0 or self.step == last_step or stop:
+                        self.watchdog.doing("reducing and logging metrics", self.step)
+                        self._log_window(pending, window, data_iter)
+                        pending = []
+                    if self._evaluate_and_save(stop):
+                        window.restart()  # an evaluation's or a save's time is not training's
+                    if stop:
+                        self.stopped = f"{stop}: saved step {self.step} in {t.save_dir}" if t.save_dir else stop
+                        break
+                else:
+                    if not self.checkpointer.due(self.step):
+                        self.checkpointer.save(self.step, self.consumed_samples)
+                    if self.test_data is not None and self.step == t.train_steps:  # once, at the end of training
+                        self.reporter.evaluation("test", self.evaluate(self.test_data), self.step, self.consumed_samples)
+            finally:
+                profiler.close()
+                self.reporter.close()
+        return self.history
+
+    def _measured_step(self, data_iter, memory: FirstStepMemory | None) -> StepResult:
+        """One step; the first one under the activation meter's hooks (memory logged once)."""
+        if memory is None:
+            return self.steps.run(data_iter, self.step + 1)
+        if memory.steps == 0:
+            with memory.meter.hooks():
+                result = self.steps.run(data_iter, self.step + 1)
+        else:
+            result = self.steps.run(data_iter, self.step + 1)
+        memory.step_done()
+        return result
+
+    def _check_position(self, data_iter) -> None:
+        if data_iter.consumed_samples != self.consumed_samples:
+            raise RuntimeError(f"rank {self.parallel.rank}: data position {data_iter.consumed_samples} "
+                               f"samples, trainer {self.consumed_samples} after step {self.step}")
+
+    def _log_window(self, pending: list[tuple[StepResult, dict]], window: ThroughputWindow, data_iter) -> None:
+        """Reduce the window's steps (one collective, one host sync), keep them in the history, log."""
+        reduced = reduce_metrics(self.parallel, [r.sums for r, _ in pending], [r.grad_norm for r, _ in pending])
+        self.history.extend(dict(metrics, **host) for metrics, (_, host) in zip(reduced, pending))
+        steps = len(pending)
+        perf = {"iteration_time": window.seconds() / steps, "data_wait_time": data_iter.wait_seconds / steps}
+        data_iter.wait_seconds = 0.0
+        perf.update(window.rates(*(sum(m[k] for m in reduced) for k in TOKEN_COUNTS),
+                                 steps * self.cfg.train.global_batch_size))
+        extra = {"params_norm": self.params_norm()}  # a collective: every rank computes it
+        if self.cfg.train.precision == "fp16":  # the other wrappers report a constant 1.0
+            extra["loss_scale"] = internals.loss_scale(self.engine)
+        self.reporter.training(self.step, self.consumed_samples, self.history[-1], perf,
+                               self.timers.read(steps), extra)
+
+    def _evaluate_and_save(self, stop: str | None) -> bool:
+        """The evaluation and the save due after this step, and the save a stop needs; whether any ran."""
+        t, step = self.cfg.train, self.step
+        evaluated = bool(t.eval_interval) and step % t.eval_interval == 0
+        if evaluated:
+            self.reporter.evaluation("eval", self.evaluate(), step, self.consumed_samples)
+        saved = self.checkpointer.due(step)
+        if saved:
+            self.checkpointer.save(step, self.consumed_samples)
+        if stop:
+            self.log(f"{stop}: saving at step {step} and stopping; launch again to resume")
+            if not saved:  # the same checkpoint twice would double the time a preemption waits
+                self.checkpointer.save(step, self.consumed_samples)
+        return evaluated or saved
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next((name for name, d in PRECISION_DTYPES.items() if d == dtype), str(dtype))
