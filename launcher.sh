@@ -30,8 +30,8 @@
 # Signals and restarts (every launcher): SIGTERM to the job (scancel, a time limit, a preemption,
 # `kill` of this script or of its whole process group) makes the ranks save one checkpoint and stop;
 # the launch then exits 0. --max-restarts N (default 0) starts a failed job again, up to N times,
-# each run resuming from train.load_dir's latest checkpoint: a killed, crashed or hung rank (the
-# watchdog, train.hang_timeout_minutes) restarts; bad input and non-finite training do not, and
+# each run resuming from checkpoint.load_dir's latest checkpoint: a killed, crashed or hung rank (the
+# watchdog, resilience.hang_timeout_minutes) restarts; bad input and non-finite training do not, and
 # neither does a stop on SIGTERM. On several nodes give every node's launcher the same N; restart k
 # rendezvous at --master-port + k, so keep those ports free too. --master-port defaults to
 # $MASTER_PORT, else 29500 (as torchrun).

@@ -24,7 +24,7 @@ def parse_args(argv=None):
     parser.add_argument("--world-size", type=positive_int, default=None, help="with --check-config: ranks the job will have")
     parser.add_argument("--restartable", action="store_true",
                         help="with --check-config: the launcher restarts failed runs, so they must resume "
-                             "(train.save_dir and train.load_dir set)")
+                             "(checkpoint.save_dir and checkpoint.load_dir set)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.micro_batch_size=4")
     return parser.parse_args(argv)
 
@@ -57,9 +57,9 @@ def start(args: argparse.Namespace) -> int:
         from .data.samples.provider import data_file_problems
 
         problems += data_file_problems(cfg) + vocabulary_problems(cfg)
-        if args.restartable and not (cfg.train.save_dir and cfg.train.load_dir):
-            problems.append("launcher.sh --max-restarts: a restart resumes from train.load_dir's latest checkpoint; "
-                            "set train.save_dir and train.load_dir (usually the same directory)")
+        if args.restartable and not (cfg.checkpoint.save_dir and cfg.checkpoint.load_dir):
+            problems.append("launcher.sh --max-restarts: a restart resumes from checkpoint.load_dir's latest checkpoint; "
+                            "set checkpoint.save_dir and checkpoint.load_dir (usually the same directory)")
         if problems:
             raise ConfigError(problems)
     except ConfigError as error:
@@ -81,21 +81,21 @@ def start(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this line short
             print(f"rank {parallel.rank}: interrupted at step {trainer.step} (SIGINT); "
-                  f"{last_checkpoint(cfg.train.save_dir)}", file=sys.stderr, flush=True)
+                  f"{last_checkpoint(cfg.checkpoint.save_dir)}", file=sys.stderr, flush=True)
             return INTERRUPTED
         if trainer.stopped:
             launch_status.stopped(parallel.rank, trainer.stopped)
         return 0
 
-    p, t = cfg.parallel, cfg.train
-    return run_distributed(train, p.tensor_parallel, p.pipeline_parallel, t.dist_timeout_minutes,
-                           rendezvous_timeout_minutes=t.rendezvous_timeout_minutes)
+    p, r = cfg.parallel, cfg.resilience
+    return run_distributed(train, p.tensor_parallel, p.pipeline_parallel, r.dist_timeout_minutes,
+                           rendezvous_timeout_minutes=r.rendezvous_timeout_minutes)
 
 
 def last_checkpoint(save_dir: str | None) -> str:
     """What an interrupted run leaves to resume from, in words."""
     if not save_dir:
-        return "nothing saved (no train.save_dir)"
+        return "nothing saved (no checkpoint.save_dir)"
     try:
         with open(os.path.join(save_dir, "latest"), encoding="utf-8") as f:
             tag = f.read().strip()

@@ -58,7 +58,7 @@ def main():
     launch = discover_launch_env()
     launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
     parallel = init_parallel(launch, cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel,
-                             timeout_minutes=cfg.train.dist_timeout_minutes)
+                             timeout_minutes=cfg.resilience.dist_timeout_minutes)
     cfg.validate(world_size=parallel.world_size)
     crash = os.environ.get("CRASH_IN_SAVE")
     if crash:

@@ -27,7 +27,7 @@ def main():
     cfg = load_config("configs/bert-base.yaml", [
         f"parallel.tensor_parallel={tp}", f"parallel.zero_stage={stage}", "data.kind=synthetic",
         "data.seq_length=32", "data.max_predictions_per_seq=5", "train.global_batch_size=4",
-        "train.micro_batch_size=1", "train.tensorboard_dir=null", "train.save_dir=null"])
+        "train.micro_batch_size=1", "logging.tensorboard_dir=null", "checkpoint.save_dir=null"])
     cfg.validate(world_size=parallel.world_size)
     trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
     reports = device.all_gather_object(layout_report(trainer, parallel))

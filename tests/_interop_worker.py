@@ -2,8 +2,8 @@
 
 usage: python tests/_interop_worker.py OUT.pt TP PP RUN_JSON...
 Each RUN_JSON is {"name", "overrides", "train": bool, "encode": bool} on top of tests' tiny
-config (tests/_train_worker.py). With "train" the run trains (and saves, if train.save_dir is
-set); otherwise it only loads (train.load_dir / train.init_from). Then it computes, in its own
+config (tests/_train_worker.py). With "train" the run trains (and saves, if checkpoint.save_dir is
+set); otherwise it only loads (checkpoint.load_dir / checkpoint.init_from). Then it computes, in its own
 layout, the MLM logits at the masked positions (gathered over the vocabulary shards) and the NSP
 logits of a fixed batch, and with "encode" (pipeline_parallel 1 only) BertModel's outputs. One
 rank of the last stage writes {name: {history, inputs, mlm, nsp[, hidden, pooled]}} to OUT.pt.

@@ -7,7 +7,7 @@ process group stays, the TP/PP/DP groups are built anew for each world (init_par
 starts its processes once. Each RUN is one of
 - "straight": a NaN loss at step 3 (skipped, training goes on), checkpoints after steps 2 and 4,
   a NaN loss at step 5 and infinite gradients (the loss finite) at step 6 with
-  train.max_consecutive_skips=2: the run stops at step 6 naming loss and gradients (fp16: its loss
+  resilience.max_consecutive_skips=2: the run stops at step 6 naming loss and gradients (fp16: its loss
   scale, 2**8, is its minimum from the start, where an overflow is divergence); then an
   evaluation of the weights it stopped with (step 4's);
 - "resumed": the straight run's step-2 checkpoint resumed in a fresh trainer, the same steps 3-6
@@ -38,8 +38,8 @@ from pretrain.config import load_config  # noqa: E402
 from pretrain.distributed.parallel import discover_launch_env, init_parallel  # noqa: E402
 from pretrain.training.trainer import Trainer  # noqa: E402
 
-BASE = ["train.train_steps=8", "scheduler.warmup_steps=4", "train.eval_steps=2", "data.num_workers=0",
-        "train.log_interval=1", "train.max_consecutive_skips=2"]
+BASE = ["train.train_steps=8", "scheduler.warmup_steps=4", "eval.steps=2", "data.num_workers=0",
+        "logging.interval=1", "resilience.max_consecutive_skips=2"]
 # a NaN loss at steps 3 and 5, infinite gradients with a finite loss at step 6
 STRAIGHT = [{"poison": "loss", "steps": [3, 5]}, {"poison": "gradients", "steps": [6]}]
 # fp16 (ignored otherwise): a dynamic loss scale of 2**8 that is already its minimum
@@ -152,8 +152,8 @@ def main():
         done = {}
         for run in config["runs"]:
             if run == "straight":
-                cfg = load_config(None, overrides + [f"train.save_dir={ckpt}", "train.save_interval=2",
-                                                     "train.keep_last=0", *AT_MIN_SCALE])
+                cfg = load_config(None, overrides + [f"checkpoint.save_dir={ckpt}", "checkpoint.save_interval=2",
+                                                     "checkpoint.keep_last=0", *AT_MIN_SCALE])
                 done[run] = train(cfg, parallel, STRAIGHT, last)
             elif run == "resumed":
                 # resume from the step-2 checkpoint, not the latest (step 4): every rank points
@@ -162,10 +162,10 @@ def main():
                 with open(temp, "w") as f:
                     f.write("iter_0000002")
                 os.replace(temp, os.path.join(ckpt, "latest"))
-                cfg = load_config(None, overrides + [f"train.load_dir={ckpt}", *AT_MIN_SCALE])
+                cfg = load_config(None, overrides + [f"checkpoint.load_dir={ckpt}", *AT_MIN_SCALE])
                 done[run] = train(cfg, parallel, STRAIGHT, last)
             elif run == "overflow":
-                cfg = load_config(None, overrides + ["train.max_consecutive_skips=1", "train.train_steps=4",
+                cfg = load_config(None, overrides + ["resilience.max_consecutive_skips=1", "train.train_steps=4",
                                                      "scheduler.warmup_steps=2", "fp16.initial_scale_power=8"])
                 done[run] = train(cfg, parallel, [{"poison": "gradients", "steps": [2, 3]}], last)
             elif run == "accumulation":

@@ -42,7 +42,7 @@ def main():
     launch = discover_launch_env()
     launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
     parallel = init_parallel(launch, 1, 1, timeout_minutes=3)
-    cfg = load_config(None, TINY + [f"train.train_steps={steps}", "train.log_interval=10"] + overrides)
+    cfg = load_config(None, TINY + [f"train.train_steps={steps}", "logging.interval=10"] + overrides)
     cfg.validate(world_size=parallel.world_size)
     trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
     reads = collections.Counter()

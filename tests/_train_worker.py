@@ -22,9 +22,9 @@ TINY = [
     "model.vocab_size=200", "model.hidden_size=64", "model.num_layers=2", "model.num_attention_heads=4",
     "model.max_position_embeddings=64", "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
     "data.seq_length=32", "data.max_predictions_per_seq=5", "data.num_samples=100000",
-    "train.global_batch_size=8", "train.micro_batch_size=2", "train.train_steps=5", "train.log_interval=1",
+    "train.global_batch_size=8", "train.micro_batch_size=2", "train.train_steps=5", "logging.interval=1",
     "train.seed=7", "scheduler.warmup_steps=2", "scheduler.decay=linear", "optimizer.lr=0.01",
-    "optimizer.grad_clip=1.0", "train.dist_timeout_minutes=3",
+    "optimizer.grad_clip=1.0", "resilience.dist_timeout_minutes=3",
     # batches built inline: the loader processes' own tests (layouts, signals, hangs, failures,
     # test_bert_dataset) set data.num_workers=2, the default; everywhere else they only cost start-up
     "data.num_workers=0",

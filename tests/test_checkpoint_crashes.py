@@ -21,9 +21,9 @@ from pretrain.checkpoint.format import CheckpointError, latest_tag, resolve_tag_
 
 # Dropout on: a resumed run must also restore the RNG streams to draw the same masks. ZeRO-1 so a
 # checkpoint has an optimizer shard besides the model states. A long schedule that the runs stop
-# early (train.exit_after_steps), so the learning rates of every run agree.
+# early (resilience.exit_after_steps), so the learning rates of every run agree.
 COMMON = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", "optimizer.name=lamb",
-          "parallel.zero_stage=1", "train.train_steps=1000", "train.dist_timeout_minutes=0.5"]
+          "parallel.zero_stage=1", "train.train_steps=1000", "resilience.dist_timeout_minutes=0.5"]
 MODEL, OPTIMIZER, RNG = "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "rng_rank00000.pt"
 
 
@@ -100,11 +100,11 @@ def assert_complete(tag_dir):
 @pytest.mark.slow
 def test_kill_in_the_middle_of_a_save_keeps_latest_and_relaunch_resumes_exactly(tmp_path):
     ckpt = tmp_path / "ckpt"
-    saving = ["train.save_interval=2", f"train.save_dir={ckpt}", f"train.load_dir={ckpt}"]
-    straight = run(tmp_path, "straight", ["train.exit_after_steps=6"])
+    saving = ["checkpoint.save_interval=2", f"checkpoint.save_dir={ckpt}", f"checkpoint.load_dir={ckpt}"]
+    straight = run(tmp_path, "straight", ["resilience.exit_after_steps=6"])
 
     # The save at step 4 writes the model states, then dies half-way through the optimizer shard.
-    crashed = Job(tmp_path, "crashed", saving + ["train.exit_after_steps=6"], env={"CRASH_IN_SAVE": "4:1"})
+    crashed = Job(tmp_path, "crashed", saving + ["resilience.exit_after_steps=6"], env={"CRASH_IN_SAVE": "4:1"})
     assert crashed.wait() == [-signal.SIGKILL], crashed.dump()
     assert f"killed while writing {ckpt}/iter_0000004" in crashed.log()
     assert (ckpt / "latest").read_text() == "iter_0000002"
@@ -115,7 +115,7 @@ def test_kill_in_the_middle_of_a_save_keeps_latest_and_relaunch_resumes_exactly(
     assert resolve_tag_dir(str(ckpt)) == str(ckpt / "iter_0000002")
     assert latest_tag(str(ckpt)) == "iter_0000002"
 
-    resumed = Job(tmp_path, "resumed", saving + ["train.exit_after_steps=4"])
+    resumed = Job(tmp_path, "resumed", saving + ["resilience.exit_after_steps=4"])
     second = resumed.result()
     assert f"resumed from {ckpt} at step 2 (16 samples)" in resumed.log()
     # bit for bit, as tests/test_resume.py's single-process resume
@@ -134,9 +134,9 @@ def test_rank_killed_mid_save_leaves_no_complete_looking_directory(tmp_path):
     of its own), while rank 0 has written all of its files. Before, rank 0 wrote meta.json at that
     point, and the directory looked complete without rank 1's RNG state."""
     ckpt = tmp_path / "ckpt"
-    saving = ["train.save_interval=2", f"train.save_dir={ckpt}", f"train.load_dir={ckpt}"]
+    saving = ["checkpoint.save_interval=2", f"checkpoint.save_dir={ckpt}", f"checkpoint.load_dir={ckpt}"]
     # rank 1's files: its optimizer shard (0), its RNG file (1)
-    crashed = Job(tmp_path, "crashed", saving + ["train.exit_after_steps=6"], world=2,
+    crashed = Job(tmp_path, "crashed", saving + ["resilience.exit_after_steps=6"], world=2,
                   env={"CRASH_IN_SAVE": "4:1:1"})
     codes = crashed.wait()
     assert codes[1] == -signal.SIGKILL and codes[0] != 0, crashed.dump()
@@ -147,7 +147,7 @@ def test_rank_killed_mid_save_leaves_no_complete_looking_directory(tmp_path):
     assert {MODEL, OPTIMIZER, "zero_pp_rank_1_mp_rank_00_optim_states.pt", RNG} <= {p.name for p in partial.iterdir()}
     assert not (partial / "meta.json").exists() and not (partial / "rng_rank00001.pt").exists()
 
-    resumed = Job(tmp_path, "resumed", saving + ["train.exit_after_steps=2"], world=2)
+    resumed = Job(tmp_path, "resumed", saving + ["resilience.exit_after_steps=2"], world=2)
     second = resumed.result()
     assert f"resumed from {ckpt} at step 2 (16 samples)" in resumed.log()
     assert len(second["history"]) == 2
@@ -162,7 +162,7 @@ def saved_checkpoint(tmp_path_factory):
     """One checkpoint at step 2 (single process, ZeRO-1), written by `python -m pretrain`."""
     tmp = tmp_path_factory.mktemp("damaged")
     ckpt = tmp / "ckpt"
-    proc = pretrain(tmp, [f"train.save_dir={ckpt}", "train.exit_after_steps=2"])
+    proc = pretrain(tmp, [f"checkpoint.save_dir={ckpt}", "resilience.exit_after_steps=2"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (ckpt / "latest").read_text() == "iter_0000002"
     assert_complete(ckpt / "iter_0000002")
@@ -256,7 +256,7 @@ def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path, saved_checkpoin
     if case not in THROUGH_THE_PROGRAMS:
         return
 
-    proc = pretrain(tmp_path, [f"train.save_dir={ckpt}", f"train.load_dir={ckpt}", "train.exit_after_steps=2"])
+    proc = pretrain(tmp_path, [f"checkpoint.save_dir={ckpt}", f"checkpoint.load_dir={ckpt}", "resilience.exit_after_steps=2"])
     output = proc.stdout + proc.stderr
     assert proc.returncode == 1, output
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
@@ -282,7 +282,7 @@ def test_damaged_checkpoint_without_file_list_fails_clearly(tmp_path, saved_chec
     subprocess.run(["cp", "-a", str(saved_checkpoint), str(ckpt)], check=True)
     without_file_list(ckpt / "iter_0000002")
     os.remove(ckpt / "iter_0000002" / OPTIMIZER)
-    proc = pretrain(tmp_path, [f"train.load_dir={ckpt}", "train.exit_after_steps=1"])
+    proc = pretrain(tmp_path, [f"checkpoint.load_dir={ckpt}", "resilience.exit_after_steps=1"])
     output = proc.stdout + proc.stderr
     assert proc.returncode == 1, output
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
@@ -302,8 +302,8 @@ def test_keep_last_prunes_exactly_the_oldest_and_nothing_else(tmp_path):
     (ckpt / "iter_best").mkdir()  # looks like a checkpoint name, is not one
     (ckpt / "iter_best" / "w.pt").write_text("x")
     (ckpt / "iter_0000099.partial").mkdir()  # a killed save of another run
-    overrides = ["train.train_steps=5", "train.save_interval=2", "train.keep_last=2",
-                 f"train.save_dir={ckpt}", f"train.load_dir={ckpt}"]
+    overrides = ["train.train_steps=5", "checkpoint.save_interval=2", "checkpoint.keep_last=2",
+                 f"checkpoint.save_dir={ckpt}", f"checkpoint.load_dir={ckpt}"]
     job = Job(tmp_path, "first", overrides)
     job.result()
     assert [line.split("/")[-1] for line in job.log().splitlines() if line.startswith("saved checkpoint")] == \
@@ -363,7 +363,7 @@ def wait_for_line(job, text, timeout=300):
 @pytest.mark.slow
 def test_sigterm_to_one_rank_saves_one_consistent_checkpoint_and_resume_equals_straight(tmp_path):
     ckpt = tmp_path / "ckpt"
-    saving = [f"train.save_dir={ckpt}", f"train.load_dir={ckpt}"]  # no save_interval: only the stop saves
+    saving = [f"checkpoint.save_dir={ckpt}", f"checkpoint.load_dir={ckpt}"]  # no save_interval: only the stop saves
     job = Job(tmp_path, "stopped", saving, world=2)
     try:
         wait_for_line(job, "step 3/")
@@ -373,7 +373,7 @@ def test_sigterm_to_one_rank_saves_one_consistent_checkpoint_and_resume_equals_s
         job.kill()
     log = job.log()
     stopped_at = int(log.split("SIGTERM received: saving at step ")[1].split()[0])
-    assert stopped_at % 5 == 0  # train.stop_check_interval: the ranks agree every 5 steps
+    assert stopped_at % 5 == 0  # resilience.stop_check_interval: the ranks agree every 5 steps
     assert len(first["history"]) == stopped_at
     assert log.count("saved checkpoint") == 1
     tag = tag_for(stopped_at)
@@ -384,19 +384,19 @@ def test_sigterm_to_one_rank_saves_one_consistent_checkpoint_and_resume_equals_s
     assert {"rng_rank00000.pt", "rng_rank00001.pt", MODEL, OPTIMIZER,
             "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(meta["files"])
 
-    resumed = Job(tmp_path, "resumed", saving + ["train.exit_after_steps=2"], world=2)
+    resumed = Job(tmp_path, "resumed", saving + ["resilience.exit_after_steps=2"], world=2)
     second = resumed.result()
     assert f"resumed from {ckpt} at step {stopped_at}" in resumed.log()
-    straight = run(tmp_path, "straight", [f"train.exit_after_steps={stopped_at + 2}"], world=2)
+    straight = run(tmp_path, "straight", [f"resilience.exit_after_steps={stopped_at + 2}"], world=2)
     assert_same_steps(first["history"] + second["history"], straight["history"], rel=1e-6)
     assert second["params_norm"] == pytest.approx(straight["params_norm"], rel=1e-6)
 
 
 @pytest.mark.slow
 def test_sigterm_on_a_save_step_saves_once(tmp_path):
-    """A stop agreed at a step train.save_interval also saves: one save, not the same one twice."""
+    """A stop agreed at a step checkpoint.save_interval also saves: one save, not the same one twice."""
     ckpt = tmp_path / "ckpt"
-    job = Job(tmp_path, "stopped", [f"train.save_dir={ckpt}", "train.save_interval=5"])
+    job = Job(tmp_path, "stopped", [f"checkpoint.save_dir={ckpt}", "checkpoint.save_interval=5"])
     try:
         wait_for_line(job, "step 2/")
         job.procs[0].send_signal(signal.SIGTERM)

@@ -242,13 +242,13 @@ def worker(tmp_path, name, tp, pp, world, runs):
 def test_converted_hugging_face_model_gives_its_logits(tmp_path, tp, pp):
     save_hf(hf_model(), tmp_path / "hf")
     write_native(read_hf(str(tmp_path / "hf")), str(tmp_path / "native"), tp=tp, pp=pp)
-    # PP2 resumes from the converted checkpoint (train.load_dir: step 0, no optimizer state yet);
-    # the others start a run from it (train.init_from)
-    key = "train.load_dir" if pp > 1 else "train.init_from"
+    # PP2 resumes from the converted checkpoint (checkpoint.load_dir: step 0, no optimizer state yet);
+    # the others start a run from it (checkpoint.init_from)
+    key = "checkpoint.load_dir" if pp > 1 else "checkpoint.init_from"
     runs = [{"name": "pretraining", "train": False, "overrides": [f"{key}={tmp_path / 'native'}"]}]
     if pp == 1:  # a BertModel checkpoint straight from its directory: the encoder's outputs
         save_hf(hf_model(BertModel, seed=3), tmp_path / "base")
-        runs.append({"name": "base", "train": False, "encode": True, "overrides": [f"train.init_from={tmp_path / 'base'}"]})
+        runs.append({"name": "base", "train": False, "encode": True, "overrides": [f"checkpoint.init_from={tmp_path / 'base'}"]})
     result = worker(tmp_path, "parity", tp, pp, tp * pp, runs)
     ours = result["pretraining"]
     mlm, nsp = hf_outputs(tmp_path / "hf", ours["inputs"])
@@ -273,7 +273,7 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trained")
     ckpt = tmp / "zero1"
     result = worker(tmp, "zero1", 2, 2, 8, [{"name": "zero1", "overrides": STEPS + [
-        "parallel.zero_stage=1", f"train.save_dir={ckpt}", "train.exit_after_steps=3"]}])["zero1"]
+        "parallel.zero_stage=1", f"checkpoint.save_dir={ckpt}", "resilience.exit_after_steps=3"]}])["zero1"]
     return ckpt, result
 
 
@@ -301,12 +301,12 @@ def test_resume_in_other_layouts_continues_the_run(tmp_path, trained):
     write_native(read_native(str(zero1)), str(resharded), tp=1, pp=1)
     single = worker(tmp_path, "single", 1, 1, 1, [
         {"name": "straight", "overrides": STEPS},
-        {"name": "resharded", "overrides": STEPS + [f"train.load_dir={resharded}"]},
+        {"name": "resharded", "overrides": STEPS + [f"checkpoint.load_dir={resharded}"]},
     ])
     tp2dp2 = worker(tmp_path, "tp2dp2", 2, 1, 4, [
-        {"name": "zero3", "overrides": STEPS + ["parallel.zero_stage=3", f"train.load_dir={zero1}",
-                                                f"train.save_dir={tmp_path / 'zero3'}"]},
-        {"name": "zero2", "overrides": STEPS + ["parallel.zero_stage=2", f"train.load_dir={zero1}"]},
+        {"name": "zero3", "overrides": STEPS + ["parallel.zero_stage=3", f"checkpoint.load_dir={zero1}",
+                                                f"checkpoint.save_dir={tmp_path / 'zero3'}"]},
+        {"name": "zero2", "overrides": STEPS + ["parallel.zero_stage=2", f"checkpoint.load_dir={zero1}"]},
     ])
     straight = single["straight"]["history"]
     for name, resumed in (("resharded", single["resharded"]["history"]), ("zero3", tp2dp2["zero3"]["history"]),
@@ -329,7 +329,7 @@ def test_bf16_checkpoints_convert_from_their_fp32_masters(tmp_path, zero, world)
     save_dir = tmp_path / "bf16"
     accumulation = ["train.grad_accum_dtype=bf16"] if zero == 0 else []  # fp32 accumulation needs ZeRO >= 1
     result = worker(tmp_path, "bf16", 1, 1, world, [{"name": "bf16", "overrides": [
-        "train.train_steps=3", "train.precision=bf16", f"parallel.zero_stage={zero}", f"train.save_dir={save_dir}",
+        "train.train_steps=3", "train.precision=bf16", f"parallel.zero_stage={zero}", f"checkpoint.save_dir={save_dir}",
         *accumulation]}])
     ckpt = read_native(str(save_dir))
     query = ckpt.weights["bert.encoder.layer.0.attention.self.query.weight"]
@@ -353,10 +353,10 @@ def test_bf16_resumes_across_gradient_dtypes(tmp_path):
     (as every bf16 run before fp32 became the default) resumes with fp32 layout-free, with its step,
     weights and moments."""
     ckpt = tmp_path / "ckpt"
-    common = ["train.train_steps=4", "train.precision=bf16", "parallel.zero_stage=1", f"train.save_dir={ckpt}",
-              f"train.load_dir={ckpt}"]
+    common = ["train.train_steps=4", "train.precision=bf16", "parallel.zero_stage=1", f"checkpoint.save_dir={ckpt}",
+              f"checkpoint.load_dir={ckpt}"]
     first = worker(tmp_path, "bf16-accumulation", 1, 1, 1, [{"name": "first", "overrides": common + [
-        "train.grad_accum_dtype=bf16", "train.exit_after_steps=2"]}])["first"]
+        "train.grad_accum_dtype=bf16", "resilience.exit_after_steps=2"]}])["first"]
     run = {"name": "second", "overrides": common}
     out = run_ranks(["tests/_interop_worker.py", str(tmp_path / "second.pt"), "1", "1", json.dumps(run)], 1,
                     timeout=900)[0].stdout
@@ -375,7 +375,7 @@ def test_no_binary_head_trains_mlm_only_and_converts_to_masked_lm(tmp_path):
     key and that gives our MLM logits."""
     ckpt = tmp_path / "ckpt"
     result = worker(tmp_path, "mlm-only", 2, 2, 4, [{"name": "mlm", "overrides": [
-        "data.segment_pairs=none", "train.train_steps=3", f"train.save_dir={ckpt}"]}])["mlm"]
+        "data.segment_pairs=none", "train.train_steps=3", f"checkpoint.save_dir={ckpt}"]}])["mlm"]
     assert result["nsp"] is None
     assert all(h["loss"] == h["lm_loss"] and h["nsp_loss"] == 0 for h in result["history"])
     tag_dir = ckpt / "iter_0000003"

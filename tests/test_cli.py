@@ -277,3 +277,15 @@ def test_config_check_reports_every_problem_in_one_round(capsys):
     assert status == 2
     assert "scheduler.warmup_steps (100) must be <= train.train_steps (10)" in err, err
     assert "data.paths: /nonexistent/corpus.bin does not exist" in err, err
+
+
+def test_an_old_train_key_is_one_line_naming_its_new_place_and_exit_2(capsys):
+    """The keys that moved out of `train` into checkpoint/eval/logging/resilience (no silent alias)."""
+    from pretrain.main import main
+
+    status = main(["--check-config", "--world-size", "1", "--config", str(REPO / "configs" / "bert-tiny.yaml"),
+                   "train.save_dir=/tmp/ckpt"])
+    err = capsys.readouterr().err.splitlines()
+    assert status == 2
+    assert err == [f"invalid configuration ({REPO / 'configs' / 'bert-tiny.yaml'}):",
+                   "command line: train.save_dir has moved: it is checkpoint.save_dir now"], err

@@ -1,5 +1,6 @@
 """Tests for pretrain.config: loading, overrides, validation rules, DeepSpeed JSON."""
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -16,6 +17,7 @@ from pretrain.config import (
     build_deepspeed_config,
     load_config,
 )
+from pretrain.config.schema import MOVED_KEYS, SECTIONS
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
@@ -126,31 +128,31 @@ def test_base_errors(tmp_path):
 
 
 def test_overrides(tmp_path):
-    path = write(tmp_path / "c.yaml", "train: {precision: fp16, save_dir: /tmp/x}\n")
+    path = write(tmp_path / "c.yaml", "train: {precision: fp16}\ncheckpoint: {save_dir: /tmp/x}\n")
     cfg = load_config(path, [
         "train.precision=bf16",
-        "train.save_dir=null",
+        "checkpoint.save_dir=null",
         "optimizer.no_weight_decay=[bias]",
         "optimizer.no_layer_adaptation=[]",
         "model.recompute=selective",
-        "train.timers=true",
+        "logging.timers=true",
         "optimizer.lr=1e-3",          # YAML 1.1 would read this as a string
         "optimizer.weight_decay=0",   # int accepted for float
         "optimizer.max_trust_ratio=10.0",
         "model.hidden_size=128",
         "model.hidden_size=256",      # later wins
-        "train.tensorboard_dir=runs/a=b",  # only the first '=' splits
+        "logging.tensorboard_dir=runs/a=b",  # only the first '=' splits
     ])
     assert cfg.train.precision == "bf16"
-    assert cfg.train.save_dir is None
+    assert cfg.checkpoint.save_dir is None
     assert cfg.optimizer.no_weight_decay == ["bias"]
     assert cfg.optimizer.no_layer_adaptation == []
-    assert cfg.model.recompute == "selective" and cfg.train.timers is True
+    assert cfg.model.recompute == "selective" and cfg.logging.timers is True
     assert cfg.optimizer.lr == 1e-3 and isinstance(cfg.optimizer.lr, float)
     assert cfg.optimizer.weight_decay == 0.0 and isinstance(cfg.optimizer.weight_decay, float)
     assert cfg.optimizer.max_trust_ratio == 10.0
     assert cfg.model.hidden_size == 256
-    assert cfg.train.tensorboard_dir == "runs/a=b"
+    assert cfg.logging.tensorboard_dir == "runs/a=b"
 
 
 def test_unknown_key_in_yaml_names_file_key_and_valid_keys(tmp_path):
@@ -202,8 +204,8 @@ def test_malformed_override(bad):
     ("optimizer.lr=fast", "optimizer.lr must be float, got str 'fast'"),
     ("optimizer.no_weight_decay=bias", "optimizer.no_weight_decay must be list[str], got str 'bias'"),
     ("optimizer.no_weight_decay=[1]", "optimizer.no_weight_decay must be list[str], got list [1]"),
-    ("train.timers=1", "train.timers must be bool, got int 1"),
-    ("train.save_dir=5", "train.save_dir must be str or null, got int 5"),
+    ("logging.timers=1", "logging.timers must be bool, got int 1"),
+    ("checkpoint.save_dir=5", "checkpoint.save_dir must be str or null, got int 5"),
 ])
 def test_wrong_type(override, expected):
     with pytest.raises(ConfigError) as e:
@@ -296,11 +298,11 @@ def cfg_with(*overrides: str) -> Config:
     (["data.seq_length=16"], "data.max_predictions_per_seq (20) must be <= data.seq_length (16)"),
     (["optimizer.no_weight_decay=[bias, norm]"], "optimizer.no_weight_decay entry 'norm' is not a parameter kind"),
     (["optimizer.no_layer_adaptation=[LayerNorm]"], "optimizer.no_layer_adaptation entry 'LayerNorm'"),
-    (["train.keep_last=-1"], "train.keep_last (-1) must be >= 0"),
-    (["train.exit_duration_minutes=230"], "train.exit_duration_minutes (230) needs train.save_dir"),
-    (["train.exit_duration_minutes=-1", "train.save_dir=ckpt"], "train.exit_duration_minutes (-1.0) must be >= 0"),
-    (["train.max_consecutive_skips=0"], "train.max_consecutive_skips (0) must be > 0"),
-    (["train.dist_timeout_minutes=0"], "train.dist_timeout_minutes (0.0) must be > 0"),
+    (["checkpoint.keep_last=-1"], "checkpoint.keep_last (-1) must be >= 0"),
+    (["resilience.exit_duration_minutes=230"], "resilience.exit_duration_minutes (230) needs checkpoint.save_dir"),
+    (["resilience.exit_duration_minutes=-1", "checkpoint.save_dir=ckpt"], "resilience.exit_duration_minutes (-1.0) must be >= 0"),
+    (["resilience.max_consecutive_skips=0"], "resilience.max_consecutive_skips (0) must be > 0"),
+    (["resilience.dist_timeout_minutes=0"], "resilience.dist_timeout_minutes (0.0) must be > 0"),
     (["train.global_batch_size=100"], "train.global_batch_size (100) must be a multiple of train.micro_batch_size (8)"),
 ])
 def test_each_rule_produces_its_line(overrides, expected):
@@ -372,10 +374,37 @@ def test_padded_vocab_and_ffn_size():
 # --------------------------------------------------------------------------------------------
 
 
+def test_a_key_that_moved_out_of_train_is_refused_naming_its_new_place(tmp_path):
+    """No silent alias: in a file and on the command line, every moved key is one line of the report."""
+    path = write(tmp_path / "old.yaml", "train:\n  train_steps: 5\n  save_dir: /ckpt\n  log_interval: 2\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path, ["train.eval_interval=10", "train.max_consecutive_skips=3"])
+    assert error.value.problems == [
+        f"{path}: train.save_dir has moved: it is checkpoint.save_dir now",
+        f"{path}: train.log_interval has moved: it is logging.interval now",
+        "command line: train.eval_interval has moved: it is eval.interval now",
+        "command line: train.max_consecutive_skips has moved: it is resilience.max_consecutive_skips now"]
+    for old, new in MOVED_KEYS.items():  # every new place exists
+        section, key = new.split(".")
+        assert key in {f.name for f in dataclasses.fields(SECTIONS[section])}, new
+
+
+def test_a_config_stored_before_the_keys_moved_still_loads():
+    """Checkpoints written before the sections mirrored the trainer's parts keep their meaning."""
+    stored = load_config(str(CONFIGS / "bert-tiny.yaml"), ["checkpoint.save_dir=/ckpt", "eval.interval=7",
+                                                           "resilience.exit_after_steps=3"]).to_dict()
+    old = {section: dict(entries) for section, entries in stored.items() if section in ("model", "data", "train")}
+    old["train"].update(save_dir="/ckpt", eval_interval=7, exit_after_steps=3, log_interval=10)
+    cfg = Config.from_stored(old)
+    assert (cfg.checkpoint.save_dir, cfg.eval.interval, cfg.resilience.exit_after_steps) == ("/ckpt", 7, 3)
+    with pytest.raises(ConfigError, match="train.save_dir has moved"):
+        Config.from_dict(old)  # a user's dict is not migrated silently
+
+
 def test_to_dict_from_dict_round_trip():
-    cfg = load_config(str(CONFIGS / "bert-tiny.yaml"), ["train.save_dir=/ckpt", "optimizer.max_trust_ratio=10"])
+    cfg = load_config(str(CONFIGS / "bert-tiny.yaml"), ["checkpoint.save_dir=/ckpt", "optimizer.max_trust_ratio=10"])
     d = cfg.to_dict()
-    assert d["model"]["hidden_size"] == 128 and d["train"]["save_dir"] == "/ckpt"
+    assert d["model"]["hidden_size"] == 128 and d["checkpoint"]["save_dir"] == "/ckpt"
     assert Config.from_dict(yaml.safe_load(yaml.safe_dump(d))) == cfg
     assert Config.from_dict(json.loads(json.dumps(d))) == cfg
     d["model"]["hidden_size"] = 64  # the dict is a copy

@@ -150,8 +150,8 @@ def test_pipeline_of_three_stages(cpu_reference, tmp_path, device_type):
 def test_resume_of_a_cpu_written_checkpoint(cpu_reference, tmp_path, device_type):
     """Two steps on the CPU, saved; the next three on the device; equal to five on the CPU."""
     env, backend = DEVICES[device_type]
-    save = [f"train.save_dir={tmp_path / 'ckpt'}", f"train.load_dir={tmp_path / 'ckpt'}", "train.tf32=false"]
-    first = train(tmp_path / "cpu", 1, 1, 1, save + ["train.exit_after_steps=2"], CPU_ENV)
+    save = [f"checkpoint.save_dir={tmp_path / 'ckpt'}", f"checkpoint.load_dir={tmp_path / 'ckpt'}", "train.tf32=false"]
+    first = train(tmp_path / "cpu", 1, 1, 1, save + ["resilience.exit_after_steps=2"], CPU_ENV)
     resumed = train(tmp_path / "device", 1, 1, 1, save, env)
     assert_ran_on(resumed, device_type, backend)
     reference = cpu_reference()
@@ -177,7 +177,7 @@ def test_host_reads_per_step(tmp_path, optimizer):
     """Metrics stay on the device until the log line, LAMB's trust ratios never leave it, the
     stop flag is agreed every few steps: over 20 steps with a log line every 10, the values read
     back from the device are those of the two log lines and four stop checks (f5ae60b: 9.75 per step),
-    plus the non-finite guard's one agreed decision per step (train.skip_nonfinite_steps) and the
+    plus the non-finite guard's one agreed decision per step (resilience.skip_nonfinite_steps) and the
     memory breakdown's one gather after the first step."""
     out = tmp_path / "reads.json"
     run_ranks(["tests/_sync_worker.py", str(out), "20", f"optimizer.name={optimizer}"], 1, timeout=300,

@@ -109,7 +109,7 @@ def test_a_checkpoint_save_and_fine_tuning_outputs_on_a_full_disk(small_disk, tm
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     done = run(["-m", "pretrain", "--config", "configs/bert-tiny.yaml", *TINY, "train.precision=bf16",
-                "parallel.zero_stage=1", "train.exit_after_steps=1", f"train.save_dir={disk / 'ckpt'}"], env=env)
+                "parallel.zero_stage=1", "resilience.exit_after_steps=1", f"checkpoint.save_dir={disk / 'ckpt'}"], env=env)
     staging = disk / "ckpt" / "iter_0000001.partial"
     assert_one_line(done, staging)
     assert "; this save is never loaded; `latest` is unchanged" in done.stderr

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.slow
 def launch_job(tmp_path, launcher, overrides, log_name, restarts):
     """launcher.sh pretraining with 2 ranks (TP2), checkpointing every 2 steps into tmp_path/ckpt."""
     ckpt = tmp_path / "ckpt"
-    overrides = TINY + ["data.num_workers=2", "parallel.tensor_parallel=2", "train.save_interval=2", f"train.save_dir={ckpt}",
-                        f"train.load_dir={ckpt}", "train.dist_timeout_minutes=0.5", *overrides]
+    overrides = TINY + ["data.num_workers=2", "parallel.tensor_parallel=2", "checkpoint.save_interval=2", f"checkpoint.save_dir={ckpt}",
+                        f"checkpoint.load_dir={ckpt}", "resilience.dist_timeout_minutes=0.5", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     log = open(tmp_path / log_name, "w")
     return subprocess.Popen(["bash", "launcher.sh", "--launcher", launcher, "--nproc-per-node", "2", "--master-port",
@@ -67,7 +67,7 @@ def killed_and_restarted(tmp_path):
 def diverged(tmp_path):
     """A learning rate that makes every step non-finite: NonFiniteTraining after 2 in a row."""
     job = launch_job(tmp_path, "torchrun", ["train.train_steps=30", "optimizer.lr=1e30", "optimizer.grad_clip=0",
-                                            "train.max_consecutive_skips=2"], "diverged.log", restarts=2)
+                                            "resilience.max_consecutive_skips=2"], "diverged.log", restarts=2)
     try:
         return job.wait(timeout=400), (tmp_path / "diverged.log").read_text()
     finally:

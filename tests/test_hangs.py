@@ -1,4 +1,4 @@
-"""A frozen process ends the job within train.hang_timeout_minutes plus a minute, at the default
+"""A frozen process ends the job within resilience.hang_timeout_minutes plus a minute, at the default
 collective timeout (10 minutes), with a diagnosis: the watchdog's line naming the stuck rank, the
 loader process states, and every thread's stack (faulthandler's format) of each rank that can still
 write. Three DP2 jobs side by side, the pretraining ones at the default data.num_workers:
@@ -37,8 +37,8 @@ def start_job(tmp_path, name):
                    "task.max_seq_length=12", f"train.hang_timeout_minutes={HANG_MINUTES}"]
     else:
         command = ["-m", "pretrain", "--config", "configs/bert-tiny.yaml", *TINY, "data.num_workers=2",
-                   "train.train_steps=100000", "scheduler.warmup_steps=1", "train.log_interval=1",
-                   "train.dist_timeout_minutes=10", f"train.hang_timeout_minutes={HANG_MINUTES}"]
+                   "train.train_steps=100000", "scheduler.warmup_steps=1", "logging.interval=1",
+                   "resilience.dist_timeout_minutes=10", f"resilience.hang_timeout_minutes={HANG_MINUTES}"]
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",

@@ -1,7 +1,7 @@
 """Training parity with Hugging Face: the backward pass and the optimizer step, not only the forward.
 
 A transformers BertForPreTraining (random weights, random biases and LayerNorms) is saved in the
-test; the trainer starts from it (train.init_from), dropout off, and trains 20 steps of LAMB and
+test; the trainer starts from it (checkpoint.init_from), dropout off, and trains 20 steps of LAMB and
 of AdamW with gradient accumulation (micro-batch 2 x 4) and clipping, at TP1 and TP2. The test
 trains the transformers model on the same global batches with an optimizer written here from
 the formulas (no code of ours): per-step losses must agree within 1e-5 relative, and the weights
@@ -126,7 +126,7 @@ def test_training_matches_hugging_face(tmp_path, hugging_face_dir, references, t
     from pretrain.checkpoint.logical import read_native
 
     runs = [json.dumps({"name": optimizer, "overrides": PARITY + [
-        f"optimizer.name={optimizer}", f"train.init_from={hugging_face_dir}", f"train.save_dir={tmp_path / optimizer}"]})
+        f"optimizer.name={optimizer}", f"checkpoint.init_from={hugging_face_dir}", f"checkpoint.save_dir={tmp_path / optimizer}"]})
         for optimizer in ("lamb", "adamw")]
     out = tmp_path / "result.json"
     run_ranks(["tests/_train_worker.py", str(out), str(tp), "1", *runs], tp, timeout=600)

@@ -97,7 +97,7 @@ def test_init_parallel_leaves_the_environment_alone(monkeypatch):
 
 
 JOB = ["pretrain", "--config", "configs/bert-tiny.yaml", "model.vocab_size=1000", "parallel.tensor_parallel=2",
-       "train.train_steps=2", "scheduler.warmup_steps=1", "train.log_interval=1", "train.global_batch_size=4",
+       "train.train_steps=2", "scheduler.warmup_steps=1", "logging.interval=1", "train.global_batch_size=4",
        "train.micro_batch_size=2"]
 
 # Stand-in for SLURM's srun on a machine without SLURM: starts --nodes x --ntasks-per-node tasks

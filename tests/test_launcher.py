@@ -11,7 +11,7 @@ from distributed import REPO, free_port
 pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
 
 COMMON = ["--config", "configs/bert-tiny.yaml", "model.vocab_size=1000", "train.train_steps=2",
-          "scheduler.warmup_steps=1", "train.log_interval=1", "train.global_batch_size=8", "train.micro_batch_size=2"]
+          "scheduler.warmup_steps=1", "logging.interval=1", "train.global_batch_size=8", "train.micro_batch_size=2"]
 
 
 def launch(*args, timeout=300):

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast ti
 
 # at the default data.num_workers: loader processes started from the forkserver, for training
 # and once for the evaluations (pretrain/data/samples/batches.py)
-FOUR_LAYERS = ["model.num_layers=4", "train.eval_steps=2", "data.num_workers=2"]
+FOUR_LAYERS = ["model.num_layers=4", "eval.steps=2", "data.num_workers=2"]
 # AdamW also leaves the embeddings undecayed: "embeddings as configured" is checked both ways.
 RUNS = [{"name": "lamb", "overrides": ["optimizer.name=lamb"], "evaluate": True},
         {"name": "adamw", "overrides": ["optimizer.name=adamw", "optimizer.no_weight_decay=[bias,layernorm,embedding]"],
@@ -89,7 +89,7 @@ def train_layouts(tmp_path, world, layouts) -> dict:
         for run in layout_runs:
             name = f"{label}/{run['name']}"
             saves[name] = tmp_path / f"ckpt-{label}-{run['name']}"
-            overrides = run["overrides"] + FOUR_LAYERS + extra + [f"train.save_dir={saves[name]}"]
+            overrides = run["overrides"] + FOUR_LAYERS + extra + [f"checkpoint.save_dir={saves[name]}"]
             runs.append(json.dumps(dict(run, name=name, tp=tp, pp=pp, overrides=overrides)))
     run_ranks(["tests/_train_worker.py", str(out), "1", "1", *runs], world, timeout=1200)
     results = {}

@@ -29,11 +29,11 @@ TAGS = ["train/loss", "train/lm_loss", "train/nsp_loss", "train/grad_norm", "tra
 
 
 def job_args(logdir, steps=STEPS, ckpt=None):
-    saves = [f"train.save_dir={ckpt}", f"train.load_dir={ckpt}", "train.save_interval=2"] if ckpt else []
+    saves = [f"checkpoint.save_dir={ckpt}", f"checkpoint.load_dir={ckpt}", "checkpoint.save_interval=2"] if ckpt else []
     return ["pretrain", "--config", "configs/bert-tiny.yaml", "model.vocab_size=1000", "parallel.tensor_parallel=2",
-            "parallel.zero_stage=1", f"train.train_steps={steps}", "scheduler.warmup_steps=1", "train.log_interval=1",
-            "train.global_batch_size=8", "train.micro_batch_size=2", "train.dist_timeout_minutes=0.5",
-            f"train.tensorboard_dir={logdir}", *saves]
+            "parallel.zero_stage=1", f"train.train_steps={steps}", "scheduler.warmup_steps=1", "logging.interval=1",
+            "train.global_batch_size=8", "train.micro_batch_size=2", "resilience.dist_timeout_minutes=0.5",
+            f"logging.tensorboard_dir={logdir}", *saves]
 
 
 def launch_env(**extra):

@@ -201,7 +201,7 @@ def test_run_controls_and_numerics(matrix, device, world, name):
             if precision == "fp16" else "gradients and loss")
     assert kind == "NonFiniteTraining"
     assert message.startswith(f"step 6: non-finite {what} in 2 steps in a row (steps 5-6, "
-                              "train.max_consecutive_skips=2)"), message
+                              "resilience.max_consecutive_skips=2)"), message
     assert "the weights are those after step 4" in message
 
     # exact resume: the step-2 checkpoint in a fresh trainer repeats steps 3-6, the stop, the evaluation

@@ -52,7 +52,7 @@ def common(root, vocab_size):
     return [f"model.vocab_size={vocab_size}", "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
             "data.kind=indexed", f"data.paths=[{root}/toy_text_sentence]", f"data.vocab_file={root}/vocab/vocab.txt",
             "data.split=95,5", "data.num_workers=1", "optimizer.lr=5e-3", "train.global_batch_size=32",
-            "train.micro_batch_size=16", "train.eval_steps=4", "train.log_interval=50", "train.save_interval=0"]
+            "train.micro_batch_size=16", "eval.steps=4", "logging.interval=50", "checkpoint.save_interval=0"]
 
 
 def test_raw_text_to_pretrained_model(prepared):
@@ -60,7 +60,7 @@ def test_raw_text_to_pretrained_model(prepared):
     vocab = WordPieceVocab.from_file(root / "vocab" / "vocab.txt")
     out = pretrain(common(root, vocab.size) + [
         "data.seq_length=64", "data.max_predictions_per_seq=10", "train.train_steps=400", "scheduler.warmup_steps=40",
-        "train.eval_interval=400", f"train.save_dir={root}/phase1"])
+        "eval.interval=400", f"checkpoint.save_dir={root}/phase1"])
     steps = [(int(s), float(lm), float(nsp), float(acc)) for s, lm, nsp, acc in STEP.findall(out)]
     evals = [tuple(float(x) for x in e) for e in EVAL.findall(out)]
     assert steps and evals, out[-3000:]
@@ -79,7 +79,7 @@ def test_raw_text_to_pretrained_model(prepared):
     assert eval_acc > unigram + 0.25, (eval_acc, unigram)
 
     # Another vocabulary of the same size (two tokens swapped): resuming phase 1, or starting phase 2
-    # from it, is refused before any rank starts, naming both files; train.accept_new_vocab allows it.
+    # from it, is refused before any rank starts, naming both files; checkpoint.accept_new_vocab allows it.
     # (Phase 2 from phase 1's weights: test_checkpoint_interop's init_from tests.)
     tokens = (root / "vocab" / "vocab.txt").read_text(encoding="utf-8").splitlines()
     tokens[100], tokens[101] = tokens[101], tokens[100]
@@ -87,8 +87,8 @@ def test_raw_text_to_pretrained_model(prepared):
     swapped.write_text("\n".join(tokens) + "\n", encoding="utf-8")
     phase2_args = common(root, vocab.size) + ["data.seq_length=128", "data.max_predictions_per_seq=20",
                                               "train.train_steps=25", "scheduler.warmup_steps=5"]
-    for how, load in (("resumes", f"train.load_dir={root}/phase1"),
-                      ("starts from (train.init_from)", f"train.init_from={root}/phase1")):
+    for how, load in (("resumes", f"checkpoint.load_dir={root}/phase1"),
+                      ("starts from (checkpoint.init_from)", f"checkpoint.init_from={root}/phase1")):
         where = f"{root}/phase1/iter_0000400"
         args = [sys.executable, "-m", "pretrain", "--check-config", "--world-size", "2", "--config",
                 "configs/bert-tiny.yaml", *phase2_args, load, f"data.vocab_file={swapped}"]
@@ -97,7 +97,7 @@ def test_raw_text_to_pretrained_model(prepared):
         assert (f"data.vocab_file {swapped} is not the vocabulary of the checkpoint this run {how}, {where}/vocab.txt: "
                 f"2 of the ids have another token (e.g. id 100: {tokens[100]!r} here, {tokens[101]!r} there)"
                 in refused.stderr), refused.stderr
-        accepted = subprocess.run(args + ["train.accept_new_vocab=true"], cwd=REPO, capture_output=True, text=True,
+        accepted = subprocess.run(args + ["checkpoint.accept_new_vocab=true"], cwd=REPO, capture_output=True, text=True,
                                   timeout=60)
         assert accepted.returncode == 0, accepted.stdout + accepted.stderr
 
@@ -106,7 +106,7 @@ def test_separate_validation_and_test_corpora(prepared, tmp_path):
     """data.valid_paths / data.test_paths (Megatron's --valid-data-path / --test-data-path): the
     validation set is evaluated every eval_interval and the test set once at the end, from the
     held-out corpus (all its documents; the training corpus gives all of its own to training),
-    into the console, TensorBoard and train.eval_results."""
+    into the console, TensorBoard and eval.results."""
     import json
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -122,8 +122,8 @@ def test_separate_validation_and_test_corpora(prepared, tmp_path):
     overrides = common(root, vocab.size) + [
         "data.seq_length=64", "data.max_predictions_per_seq=10", "data.split=100,0,0", "train.train_steps=4",
         "scheduler.warmup_steps=1",
-        "train.log_interval=1", "train.eval_interval=2", "train.eval_steps=1", f"train.eval_results={results}",
-        f"train.tensorboard_dir={tmp_path / 'tb'}"]
+        "logging.interval=1", "eval.interval=2", "eval.steps=1", f"eval.results={results}",
+        f"logging.tensorboard_dir={tmp_path / 'tb'}"]
     held_prefix = f"[{held}/held_text_sentence]"
     out = pretrain(overrides + [f"data.valid_paths={held_prefix}", f"data.test_paths={held_prefix}"], nproc=1)
     assert re.findall(r"^(eval|test) at step (\d+)", out, re.M) == [("eval", "2"), ("eval", "4"), ("test", "4")], out

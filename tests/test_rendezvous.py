@@ -1,5 +1,5 @@
 """Start-up names what is missing: a rank that never starts makes the others end within
-train.rendezvous_timeout_minutes, naming it (and rank 0's absence, which leaves no store to join,
+resilience.rendezvous_timeout_minutes, naming it (and rank 0's absence, which leaves no store to join,
 is named by the ranks that wait for it). The watchdog's judgement of who is stuck, from heartbeats."""
 import os
 import subprocess
@@ -21,7 +21,7 @@ def start_alone(rank: int, world: int = 2) -> tuple[int, str, float]:
                MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE="1")
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "pretrain", "--config", "configs/bert-tiny.yaml", *TINY,
-                           "train.rendezvous_timeout_minutes=0.1"], cwd=REPO, env=env, capture_output=True,
+                           "resilience.rendezvous_timeout_minutes=0.1"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     return done.returncode, done.stderr, time.monotonic() - started
 

@@ -26,8 +26,8 @@ def resume_matches_straight(tmp_path, tp, pp, world, extra):
     draws the straight run's dropout masks."""
     ckpt = str(tmp_path / "ckpt")
     out = tmp_path / "runs.json"
-    runs = {"first": extra + [f"train.save_dir={ckpt}", "train.exit_after_steps=3"], "straight": extra,
-            "second": extra + [f"train.save_dir={ckpt}", f"train.load_dir={ckpt}"]}
+    runs = {"first": extra + [f"checkpoint.save_dir={ckpt}", "resilience.exit_after_steps=3"], "straight": extra,
+            "second": extra + [f"checkpoint.save_dir={ckpt}", f"checkpoint.load_dir={ckpt}"]}
     run_ranks(["tests/_train_worker.py", str(out), str(tp), str(pp),
                *[json.dumps({"name": name, "overrides": COMMON + overrides}) for name, overrides in runs.items()]],
               world, timeout=600)
@@ -62,9 +62,9 @@ def test_distributed_packed_resume_pp2_dp2_zero1(tmp_path):
 def test_checkpoint_of_other_model_shape_is_refused(tmp_path):
     """Another layout loads (tests/test_checkpoint_interop.py); another model shape must not."""
     ckpt = str(tmp_path / "ckpt")
-    train(tmp_path, "first", 1, 1, 1, [f"train.save_dir={ckpt}", "train.exit_after_steps=1"])
+    train(tmp_path, "first", 1, 1, 1, [f"checkpoint.save_dir={ckpt}", "resilience.exit_after_steps=1"])
     out = tmp_path / "never.json"
-    run = json.dumps({"name": "bad", "overrides": COMMON + [f"train.load_dir={ckpt}", "model.ffn_hidden_size=128"]})
+    run = json.dumps({"name": "bad", "overrides": COMMON + [f"checkpoint.load_dir={ckpt}", "model.ffn_hidden_size=128"]})
     results = run_ranks(["tests/_train_worker.py", str(out), "2", "1", run], 2, timeout=600, expect_success=False)
     assert all(r.returncode != 0 for r in results)
     log = results[0].stdout

@@ -29,9 +29,9 @@ def guard_runs(tmp_path, world, *runs):
 def single(tmp_path_factory):
     return guard_runs(tmp_path_factory.mktemp("guard1"), 1,
                       {"name": "loss", "overrides": GUARDED, "poison": "loss", "steps": [3, 4], "rank": 0},
-                      {"name": "diverged", "overrides": GUARDED + ["train.max_consecutive_skips=2"],
+                      {"name": "diverged", "overrides": GUARDED + ["resilience.max_consecutive_skips=2"],
                        "poison": "loss", "steps": [3, 4, 5], "rank": 0},
-                      {"name": "unguarded", "overrides": GUARDED + ["train.skip_nonfinite_steps=false"],
+                      {"name": "unguarded", "overrides": GUARDED + ["resilience.skip_nonfinite_steps=false"],
                        "poison": "loss", "steps": [3], "rank": 0})
 
 
@@ -54,7 +54,7 @@ def test_consecutive_bad_steps_stop_the_job_naming_step_and_cause(single):
     kind, message = single["diverged"]["error"]
     assert kind == "NonFiniteTraining"
     assert message.startswith("step 4: non-finite gradients and loss in 2 steps in a row (steps 3-4, "
-                              "train.max_consecutive_skips=2)"), message
+                              "resilience.max_consecutive_skips=2)"), message
     assert "the weights are those after step 2" in message
 
 
@@ -73,37 +73,37 @@ def pretrain(tmp_path, overrides):
 
 @pytest.fixture(scope="module")
 def cut_short(tmp_path_factory):
-    """One run stopped by train.exit_duration_minutes at its first check (step 3), with the phase
+    """One run stopped by resilience.exit_duration_minutes at its first check (step 3), with the phase
     timers on (a log line every 2 steps) and a profile of steps 2-3: (its directory, its output)."""
     tmp = tmp_path_factory.mktemp("cut-short")
     ckpt = tmp / "ckpt"
-    done = pretrain(tmp, resumable(ckpt) + ["train.exit_duration_minutes=0.0001", "train.log_interval=2",
-                                            "train.timers=true", f"train.tensorboard_dir={tmp / 'tb'}",
-                                            "train.profile_steps=[2,3]", f"train.profile_dir={tmp / 'trace'}"])
+    done = pretrain(tmp, resumable(ckpt) + ["resilience.exit_duration_minutes=0.0001", "logging.interval=2",
+                                            "logging.timers=true", f"logging.tensorboard_dir={tmp / 'tb'}",
+                                            "logging.profile_steps=[2,3]", f"logging.profile_dir={tmp / 'trace'}"])
     assert done.returncode == 0, done.stdout + done.stderr
     return tmp, done.stdout
 
 
 def resumable(ckpt):
-    return ["train.train_steps=100000", f"train.save_dir={ckpt}", f"train.load_dir={ckpt}",
-            "train.stop_check_interval=3"]
+    return ["train.train_steps=100000", f"checkpoint.save_dir={ckpt}", f"checkpoint.load_dir={ckpt}",
+            "resilience.stop_check_interval=3"]
 
 
 def test_wall_time_limit_saves_exits_zero_and_the_relaunch_resumes(cut_short):
     tmp, first = cut_short
     ckpt = tmp / "ckpt"
-    assert "train.exit_duration_minutes (0.0001) reached after" in first
+    assert "resilience.exit_duration_minutes (0.0001) reached after" in first
     assert "saving at step 3 and stopping; launch again to resume" in first
     assert (ckpt / "latest").read_text() == "iter_0000003"
-    again = pretrain(tmp, resumable(ckpt) + ["train.exit_after_steps=2"])
+    again = pretrain(tmp, resumable(ckpt) + ["resilience.exit_after_steps=2"])
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"resumed from {ckpt} at step 3 " in again.stdout and "step 5/100000" in again.stdout
     assert "step 1/" not in again.stdout
 
 
 def test_phase_timers_and_a_profiler_trace(cut_short):
-    """train.timers: ms per step of each phase on the log line and in TensorBoard, adding up to no
-    more than the step; train.profile_steps: a trace of exactly those steps, as TensorBoard's
+    """logging.timers: ms per step of each phase on the log line and in TensorBoard, adding up to no
+    more than the step; logging.profile_steps: a trace of exactly those steps, as TensorBoard's
     profiler plugin and Perfetto read it."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

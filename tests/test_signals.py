@@ -35,14 +35,14 @@ CASES = [("torchrun", "group", ()),
          ("torchrun", "launcher", ("parallel.zero_stage=3",))]
 RELAUNCHED = CASES[0]
 # Ctrl-C in a terminal: SIGINT to the whole process group; no save, one line per rank
-CTRL_C = ("torchrun", "group-sigint", ("train.save_interval=4",))
+CTRL_C = ("torchrun", "group-sigint", ("checkpoint.save_interval=4",))
 STRAIGHT_SAVES = 10  # the straight run saves every 10 steps: at the step the signalled jobs stop at
 
 
 def job(launcher, ckpt, steps, bin_dir, save_interval=100000, config=()):
-    args = TINY + ["data.num_workers=2", f"train.train_steps={steps}", "scheduler.warmup_steps=1", "train.log_interval=1",
-                   f"train.save_interval={save_interval}", "train.keep_last=0", f"train.save_dir={ckpt}",
-                   f"train.load_dir={ckpt}", *config]
+    args = TINY + ["data.num_workers=2", f"train.train_steps={steps}", "scheduler.warmup_steps=1", "logging.interval=1",
+                   f"checkpoint.save_interval={save_interval}", "checkpoint.keep_last=0", f"checkpoint.save_dir={ckpt}",
+                   f"checkpoint.load_dir={ckpt}", *config]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     return ["bash", "launcher.sh", "--launcher", launcher, "--nproc-per-node", "2", "--master-port",
@@ -58,7 +58,7 @@ def run(launcher, ckpt, steps, bin_dir, log, save_interval=100000):
 
 def stop_and_relaunch(tmp, launcher, whom, config, bin_dir):
     """Start the job of STEPS steps, SIGTERM it (its process group, or the launcher alone) after
-    step 6 (it stops at the next stop check, train.stop_check_interval: step 10), then relaunch the
+    step 6 (it stops at the next stop check, resilience.stop_check_interval: step 10), then relaunch the
     RELAUNCHED case. Returns (first exit status, first log, saved tag, second exit status and log,
     or None)."""
     name = f"{launcher}-{whom}"

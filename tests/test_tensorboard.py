@@ -20,8 +20,8 @@ PROMISED = {
 
 def test_scalars_written(tmp_path):
     logdir = tmp_path / "tb"
-    run = json.dumps({"name": "tb", "overrides": [f"train.tensorboard_dir={logdir}", "train.eval_interval=2",
-                                                  "train.eval_steps=1", "train.log_interval=2",
+    run = json.dumps({"name": "tb", "overrides": [f"logging.tensorboard_dir={logdir}", "eval.interval=2",
+                                                  "eval.steps=1", "logging.interval=2",
                                                   "train.train_steps=4"]})
     run_ranks(["tests/_train_worker.py", str(tmp_path / "out.json"), "1", "2", run], 2, timeout=600)
     events = EventAccumulator(str(logdir))

@@ -69,7 +69,7 @@ def test_stop_requests_agree_only_at_check_steps(one_rank_group):
 
 def test_stop_requests_wall_time(one_rank_group):
     stops = StopRequests(check_interval=1, exit_duration_minutes=1, parallel=ONE_RANK, started=time.monotonic() - 61)
-    assert stops.agreed(1).startswith("train.exit_duration_minutes (1) reached after 1.0 min")
+    assert stops.agreed(1).startswith("resilience.exit_duration_minutes (1) reached after 1.0 min")
     assert StopRequests(1, 1, ONE_RANK).agreed(1) is None
 
 

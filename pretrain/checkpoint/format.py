@@ -310,7 +310,7 @@ def verify_checkpoint(tag_dir: str, contents: bool = False) -> dict:
 
 def config_of(meta: dict, tag_dir: str) -> Config:
     try:
-        return Config.from_dict(meta["config"], source=f"{tag_dir}/{META}")
+        return Config.from_stored(meta["config"], source=f"{tag_dir}/{META}")
     except ConfigError as e:
         raise CheckpointError(f"{tag_dir}/{META}: invalid config:\n  " + "\n  ".join(e.problems)) from None
 

@@ -49,7 +49,7 @@ def native_meta(path: str) -> tuple[str, dict] | None:
 
 def check_model_matches(ckpt: LogicalCheckpoint, cfg, path: str, new_run: bool = False) -> None:
     """Shapes must agree; the vocabulary padding (a layout matter) may differ, and a new run
-    (train.init_from) may add or drop the binary head (a checkpoint without one carries an
+    (checkpoint.init_from) may add or drop the binary head (a checkpoint without one carries an
     initialised pooler and classifier, logical.read_native)."""
     ignore = ("make_vocab_size_divisible_by", "binary_head") if new_run else ("make_vocab_size_divisible_by",)
     differences = shape_differences(model_shape_of(ckpt.config), cfg, ignore)
@@ -114,7 +114,7 @@ def resume(engine, model, load_dir: str, cfg, parallel, tracker, log) -> tuple[i
     if ckpt.moments is not None and ckpt.config.optimizer.name != cfg.optimizer.name:
         raise CheckpointError(f"checkpoint {tag_dir} was trained with {ckpt.config.optimizer.name}, this run uses "
                               f"{cfg.optimizer.name}: resume with the same optimizer, or start a new run from its "
-                              "weights with train.init_from")
+                              "weights with checkpoint.init_from")
     load_into_engine(engine, model, ckpt, cfg, parallel, with_optimizer=True, with_schedule=True)
     # The dropout streams of another layout cannot be carried over: new ones, distinct per step.
     seed_streams(tracker, cfg.train.seed + ckpt.step, parallel.tp_rank, parallel.pp_rank, parallel.dp_rank)
@@ -138,9 +138,9 @@ def init_from(engine, model, path: str, cfg, parallel, optimizer_states: bool) -
     ckpt = read_any(path, with_optimizer=optimizer_states)
     check_model_matches(ckpt, cfg, path, new_run=True)
     if optimizer_states and ckpt.moments is None:
-        raise CheckpointError(f"train.init_optimizer_states: {path} holds no optimizer state")
+        raise CheckpointError(f"checkpoint.init_optimizer_states: {path} holds no optimizer state")
     if optimizer_states and ckpt.config.binary_head != cfg.binary_head:
-        raise CheckpointError(f"train.init_optimizer_states: {path} was trained "
+        raise CheckpointError(f"checkpoint.init_optimizer_states: {path} was trained "
                               f"{'with' if ckpt.config.binary_head else 'without'} the binary head, this run "
                               f"{'has' if cfg.binary_head else 'has not'} one: its optimizer state does not fit; "
                               "start from its weights only")

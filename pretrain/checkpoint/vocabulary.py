@@ -3,7 +3,7 @@ starts (torch-free: `python -m pretrain` and launcher.sh's --check-config both r
 
 Every checkpoint keeps its tokenizer (tokenizer_files.save_vocab): a vocab.txt, and a
 tokenizer.json when the run was given one. A run resuming it, or starting from it
-(train.init_from), with another data.vocab_file of the same size would train on ids the weights
+(checkpoint.init_from), with another data.vocab_file of the same size would train on ids the weights
 learnt for other tokens, and its next checkpoint would carry the new vocabulary as if the weights
 had been trained on it.
 """
@@ -40,21 +40,21 @@ def _checkpoint_vocab_file(directory: str) -> str | None:
 
 def loaded_checkpoint(cfg: Config) -> tuple[str, str] | None:
     """(how the run uses it, directory) of the checkpoint whose weights the run will load: the
-    latest in train.load_dir, else train.init_from's. None for a run from scratch."""
-    t = cfg.train
+    latest in checkpoint.load_dir, else checkpoint.init_from's. None for a run from scratch."""
+    t = cfg.checkpoint
     if t.load_dir and os.path.isfile(os.path.join(t.load_dir, LATEST)):
         directory = _tag_dir(t.load_dir)
         return ("resumes", directory) if directory else None
     if t.init_from:
         directory = _tag_dir(t.init_from)
-        return ("starts from (train.init_from)", directory) if directory else None
+        return ("starts from (checkpoint.init_from)", directory) if directory else None
     return None
 
 
 def vocabulary_problems(cfg: Config) -> list[str]:
     """One line when data.vocab_file differs from the vocabulary of the checkpoint the run loads
-    (unless train.accept_new_vocab); nothing when either has none to compare."""
-    if not cfg.data.vocab_file or cfg.train.accept_new_vocab:
+    (unless checkpoint.accept_new_vocab); nothing when either has none to compare."""
+    if not cfg.data.vocab_file or cfg.checkpoint.accept_new_vocab:
         return []
     found = loaded_checkpoint(cfg)
     theirs_path = _checkpoint_vocab_file(found[1]) if found else None
@@ -74,4 +74,4 @@ def vocabulary_problems(cfg: Config) -> list[str]:
     else:
         how = f"{len(ours)} tokens here, {len(theirs)} there"
     return [f"data.vocab_file {cfg.data.vocab_file} is not the vocabulary of the checkpoint this run {found[0]}, "
-            f"{theirs_path}: {how}; use that vocabulary, or set train.accept_new_vocab=true to change it deliberately"]
+            f"{theirs_path}: {how}; use that vocabulary, or set checkpoint.accept_new_vocab=true to change it deliberately"]

@@ -242,6 +242,8 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
+    """What is trained and how: batch, steps, precision."""
+
     global_batch_size: int = 256  # samples per optimizer step, over all data-parallel ranks
     micro_batch_size: int = 8  # samples per forward/backward on one rank
     train_steps: int = 1000  # optimizer steps
@@ -251,9 +253,22 @@ class TrainConfig:
     # ranks in. "fp32" keeps what Megatron-LM keeps (DeepSpeed does it at ZeRO >= 1); "bf16" halves
     # gradient memory and reduction traffic and rounds every addition to 8 significant bits
     grad_accum_dtype: str = "fp32"
-    log_interval: int = 10  # steps between log lines
-    eval_interval: int = 0  # 0 = never
-    eval_steps: int = 10  # batches per evaluation
+    tf32: bool = True  # TF32 tensor cores for fp32 matrix products on GPUs (Ampere and later); no effect on CPU
+    deepspeed_config: str | None = None  # path to a user DeepSpeed JSON adding DeepSpeed-only options
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        for name in ("global_batch_size", "micro_batch_size", "train_steps"):
+            _positive(p, f"train.{name}", getattr(self, name))
+        _non_negative(p, "train.seed", self.seed)
+        _one_of(p, "train.precision", self.precision, PRECISIONS)
+        return p
+
+
+@dataclass
+class CheckpointConfig:
+    """Where checkpoints go and where a run starts from."""
+
     save_dir: str | None = None
     save_interval: int = 0  # 0 = only at end / on SIGTERM
     keep_last: int = 3  # checkpoints kept; 0 = keep all
@@ -267,6 +282,36 @@ class TrainConfig:
     # deliberate change (the embedding of a changed id keeps what it learnt for the old token).
     # Without it such a run is refused, naming both files
     accept_new_vocab: bool = False
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        for name in ("save_interval", "keep_last"):
+            _non_negative(p, f"checkpoint.{name}", getattr(self, name))
+        return p
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation on the validation set during training (and the test set once at the end)."""
+
+    interval: int = 0  # steps between evaluations; 0 = never
+    steps: int = 10  # global batches per evaluation
+    # a JSON file with every evaluation's metrics (validation at each interval, the test set once
+    # at the end of training), rewritten after each; kept across resumes
+    results: str | None = None
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _positive(p, "eval.steps", self.steps)
+        _non_negative(p, "eval.interval", self.interval)
+        return p
+
+
+@dataclass
+class LoggingConfig:
+    """What the run reports: the log line, TensorBoard, phase timers, profiler traces."""
+
+    interval: int = 10  # steps between log lines
     tensorboard_dir: str | None = None
     # time each phase of a step (data, forward, backward, gradient reduction, optimizer; ms per step
     # on the log line and time/* in TensorBoard); on a GPU it synchronises at every phase boundary
@@ -276,10 +321,25 @@ class TrainConfig:
     profile_steps: list[int] = field(default_factory=list)
     profile_dir: str | None = None
     profile_ranks: list[int] = field(default_factory=lambda: [0])
-    # a JSON file with every evaluation's metrics (validation at each eval_interval, the test set
-    # once at the end of training), rewritten after each; kept across resumes
-    eval_results: str | None = None
-    deepspeed_config: str | None = None  # path to a user DeepSpeed JSON adding DeepSpeed-only options
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        _positive(p, "logging.interval", self.interval)
+        if self.profile_steps:
+            first_last = self.profile_steps
+            if len(first_last) != 2 or not 1 <= first_last[0] <= first_last[1]:
+                p.append(f"logging.profile_steps ({first_last}) must be [first, last] with 1 <= first <= last")
+            if not self.profile_dir:
+                p.append("logging.profile_steps needs logging.profile_dir (where the trace is written)")
+        if any(rank < 0 for rank in self.profile_ranks):
+            p.append(f"logging.profile_ranks ({self.profile_ranks}) must be ranks >= 0")
+        return p
+
+
+@dataclass
+class ResilienceConfig:
+    """What a long job does when something goes wrong: timeouts, stops, non-finite steps."""
+
     dist_timeout_minutes: float = 10.0  # collective timeout: a dead/hung rank makes the others exit
     # no training step, evaluation step or save finished for this long: every rank writes what it was
     # doing, which rank is stuck and every thread's stack, and ends (exit 124). 0 = no watchdog
@@ -291,7 +351,6 @@ class TrainConfig:
     # save and exit 0 once this many minutes have passed since the trainer started (checked every
     # stop_check_interval steps), ahead of a scheduler's time limit; the relaunch resumes. 0 = no limit
     exit_duration_minutes: float = 0.0
-    tf32: bool = True  # TF32 tensor cores for fp32 matrix products on GPUs (Ampere and later); no effect on CPU
     # steps between the ranks' agreement on a SIGTERM (one collective and host sync each time);
     # keep interval x step time well inside the scheduler's grace period (SLURM: KillWait, 30 s)
     stop_check_interval: int = 5
@@ -306,25 +365,11 @@ class TrainConfig:
 
     def problems(self) -> list[str]:
         p: list[str] = []
-        for name in ("global_batch_size", "micro_batch_size", "train_steps", "log_interval",
-                     "eval_steps", "dist_timeout_minutes", "stop_check_interval", "max_consecutive_skips",
+        for name in ("dist_timeout_minutes", "stop_check_interval", "max_consecutive_skips",
                      "rendezvous_timeout_minutes"):
-            _positive(p, f"train.{name}", getattr(self, name))
-        for name in ("seed", "eval_interval", "save_interval", "keep_last", "exit_after_steps", "exit_duration_minutes",
-                     "hang_timeout_minutes"):
-            _non_negative(p, f"train.{name}", getattr(self, name))
-        _one_of(p, "train.precision", self.precision, PRECISIONS)
-        if self.profile_steps:
-            first_last = self.profile_steps
-            if len(first_last) != 2 or not 1 <= first_last[0] <= first_last[1]:
-                p.append(f"train.profile_steps ({first_last}) must be [first, last] with 1 <= first <= last")
-            if not self.profile_dir:
-                p.append("train.profile_steps needs train.profile_dir (where the trace is written)")
-        if any(rank < 0 for rank in self.profile_ranks):
-            p.append(f"train.profile_ranks ({self.profile_ranks}) must be ranks >= 0")
-        if self.exit_duration_minutes and not self.save_dir:
-            p.append(f"train.exit_duration_minutes ({self.exit_duration_minutes:g}) needs train.save_dir: the job "
-                     "saves a checkpoint before it exits, for the relaunch to resume")
+            _positive(p, f"resilience.{name}", getattr(self, name))
+        for name in ("exit_after_steps", "exit_duration_minutes", "hang_timeout_minutes"):
+            _non_negative(p, f"resilience.{name}", getattr(self, name))
         return p
 
 
@@ -367,7 +412,26 @@ SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "data": DataConfig,
     "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "eval": EvalConfig,
+    "logging": LoggingConfig,
+    "resilience": ResilienceConfig,
     "fp16": Fp16Config,
+}
+
+# Keys that lived in `train` until the sections above mirrored the trainer's parts: a config
+# naming one is refused with its new place (no silent alias). Checkpoints written before keep
+# loading (Config.from_stored moves their keys).
+MOVED_KEYS: dict[str, str] = {
+    **{f"train.{key}": f"checkpoint.{key}" for key in (
+        "save_dir", "load_dir", "save_interval", "keep_last", "init_from", "init_optimizer_states", "accept_new_vocab")},
+    "train.eval_interval": "eval.interval", "train.eval_steps": "eval.steps", "train.eval_results": "eval.results",
+    "train.log_interval": "logging.interval",
+    **{f"train.{key}": f"logging.{key}" for key in (
+        "tensorboard_dir", "timers", "profile_steps", "profile_dir", "profile_ranks")},
+    **{f"train.{key}": f"resilience.{key}" for key in (
+        "dist_timeout_minutes", "hang_timeout_minutes", "rendezvous_timeout_minutes", "exit_after_steps",
+        "exit_duration_minutes", "stop_check_interval", "skip_nonfinite_steps", "max_consecutive_skips")},
 }
 
 
@@ -379,6 +443,10 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     fp16: Fp16Config = field(default_factory=Fp16Config)
 
     # -- derived sizes ----------------------------------------------------------------------
@@ -412,10 +480,22 @@ class Config:
     def from_dict(cls, d: dict, source: str = "dict") -> "Config":
         """Build from a nested dict with the same key and type checks as a YAML file.
         Missing sections/fields take their defaults. Does not run validate()."""
-        clean, problems = check_tree(d, source, SECTIONS)
+        clean, problems = check_tree(d, source, SECTIONS, MOVED_KEYS)
         if problems:
             raise ConfigError(problems)
         return _build(clean)
+
+    @classmethod
+    def from_stored(cls, d: dict, source: str = "dict") -> "Config":
+        """from_dict for a config a checkpoint stored: one saved before the keys moved out of
+        `train` (MOVED_KEYS) has them moved to their sections first."""
+        d = {section: dict(entries) if isinstance(entries, dict) else entries for section, entries in d.items()}
+        for old, new in MOVED_KEYS.items():
+            old_section, old_key = old.split(".")
+            if isinstance(d.get(old_section), dict) and old_key in d[old_section]:
+                new_section, new_key = new.split(".")
+                d.setdefault(new_section, {})[new_key] = d[old_section].pop(old_key)
+        return cls.from_dict(d, source)
 
     # -- rules ------------------------------------------------------------------------------
 
@@ -441,7 +521,12 @@ class Config:
         if d.seq_length > m.max_position_embeddings:
             p.append(f"data.seq_length ({d.seq_length}) must be <= "
                      f"model.max_position_embeddings ({m.max_position_embeddings})")
-        p += t.problems() + self._batch_problems(world_size)
+        p += t.problems() + self.checkpoint.problems() + self.eval.problems() + self.logging.problems()
+        p += self.resilience.problems() + self._batch_problems(world_size)
+        r = self.resilience
+        if r.exit_duration_minutes and not self.checkpoint.save_dir:
+            p.append(f"resilience.exit_duration_minutes ({r.exit_duration_minutes:g}) needs checkpoint.save_dir: the "
+                     "job saves a checkpoint before it exits, for the relaunch to resume")
         if t.precision in PRECISIONS and par.zero_stage in (0, 1, 2, 3):
             p += precision_problems(t.precision, t.grad_accum_dtype, par.zero_stage, par.pipeline_parallel)
         p += self.fp16.problems()
@@ -522,6 +607,6 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
     Checks keys and types and reports every problem in one ConfigError. Rule checks are
     separate: call cfg.validate(world_size) once the world size is known.
     `base:` paths are relative to the file naming them; this file's values win over its bases.
-    Override values are parsed as YAML (`train.save_dir=null`, `optimizer.no_weight_decay=[bias]`).
+    Override values are parsed as YAML (`checkpoint.save_dir=null`, `optimizer.no_weight_decay=[bias]`).
     """
-    return _build(load_sections(path, overrides, SECTIONS))
+    return _build(load_sections(path, overrides, SECTIONS, MOVED_KEYS))

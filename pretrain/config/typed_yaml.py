@@ -84,8 +84,10 @@ def _value_desc(value: Any) -> str:
     return "null" if value is None else f"{type(value).__name__} {value!r}"
 
 
-def check_tree(d: Any, source: str, sections: dict[str, type]) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """Check a {section: {field: value}} tree: unknown sections/keys and value types.
+def check_tree(d: Any, source: str, sections: dict[str, type],
+               moved: dict[str, str] | None = None) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Check a {section: {field: value}} tree: unknown sections/keys and value types; a key of
+    `moved` ("section.key" -> its new "section.key") is named with its new place.
     Returns the known, type-converted entries and the problems (one line each)."""
     field_types = _field_types(sections)
     if not isinstance(d, dict):
@@ -104,6 +106,9 @@ def check_tree(d: Any, source: str, sections: dict[str, type]) -> tuple[dict[str
         fields = field_types[section]
         clean[section] = {}
         for key, value in entries.items():
+            if f"{section}.{key}" in (moved or {}):
+                problems.append(f"{source}: {section}.{key} has moved: it is {moved[f'{section}.{key}']} now")
+                continue
             if key not in fields:
                 problems.append(f"{source}: unknown key '{section}.{key}'; valid keys in {section!r}: "
                                 f"{', '.join(fields)}")
@@ -142,7 +147,8 @@ def _read_yaml(path: str) -> dict:
     return data
 
 
-def _load_tree(path: str, stack: tuple[str, ...], problems: list[str], sections: dict[str, type]) -> dict:
+def _load_tree(path: str, stack: tuple[str, ...], problems: list[str], sections: dict[str, type],
+               moved: dict[str, str] | None = None) -> dict:
     """The file's checked contents merged over its (recursively loaded) bases."""
     real = os.path.realpath(path)
     if real in stack:
@@ -158,13 +164,14 @@ def _load_tree(path: str, stack: tuple[str, ...], problems: list[str], sections:
     merged: dict = {}
     for base in bases:  # later bases win over earlier ones
         base_path = os.path.normpath(os.path.join(os.path.dirname(path), base))
-        merged = deep_merge(merged, _load_tree(base_path, stack + (real,), problems, sections))
-    clean, file_problems = check_tree(data, path, sections)
+        merged = deep_merge(merged, _load_tree(base_path, stack + (real,), problems, sections, moved))
+    clean, file_problems = check_tree(data, path, sections, moved)
     problems.extend(file_problems)
     return deep_merge(merged, clean)
 
 
-def _parse_overrides(overrides: Sequence[str], problems: list[str], sections: dict[str, type]) -> dict:
+def _parse_overrides(overrides: Sequence[str], problems: list[str], sections: dict[str, type],
+                     moved: dict[str, str] | None = None) -> dict:
     source = "command line"
     tree: dict[str, dict[str, Any]] = {}
     for item in overrides:
@@ -181,19 +188,20 @@ def _parse_overrides(overrides: Sequence[str], problems: list[str], sections: di
             continue
         section, name = parts
         tree.setdefault(section, {})[name] = value  # later overrides win
-    clean, check_problems = check_tree(tree, source, sections)
+    clean, check_problems = check_tree(tree, source, sections, moved)
     problems.extend(check_problems)
     return clean
 
 
-def load_sections(path: str | None, overrides: Sequence[str], sections: dict[str, type]) -> dict[str, dict[str, Any]]:
+def load_sections(path: str | None, overrides: Sequence[str], sections: dict[str, type],
+                  moved: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """The checked {section: {field: value}} tree of a YAML file (+ bases) and overrides, for any
-    set of dataclass sections (pretraining's and fine-tuning's)."""
+    set of dataclass sections (pretraining's and fine-tuning's); `moved`: see check_tree."""
     if isinstance(overrides, str):
         raise TypeError("overrides must be a sequence of 'section.field=value' strings, not one string")
     problems: list[str] = []
-    tree = _load_tree(path, (), problems, sections) if path is not None else {}
-    tree = deep_merge(tree, _parse_overrides(overrides, problems, sections))
+    tree = _load_tree(path, (), problems, sections, moved) if path is not None else {}
+    tree = deep_merge(tree, _parse_overrides(overrides, problems, sections, moved))
     if problems:
         raise ConfigError(problems)
     return tree

@@ -218,7 +218,7 @@ def disable_wrapper_clipping(engine) -> None:
 def let_loss_scaler_reach_minimum(engine) -> None:
     """fp16 under ZeRO: DeepSpeed's DynamicLossScaler raises a bare Exception at the first overflow
     at its minimum scale (raise_error_at_min_scale); let it stay there instead, so that the trainer's
-    train.max_consecutive_skips decides, as it does at ZeRO-0 (whose scaler never raises)."""
+    resilience.max_consecutive_skips decides, as it does at ZeRO-0 (whose scaler never raises)."""
     scaler = getattr(engine.optimizer, "loss_scaler", None)
     if scaler is not None and hasattr(scaler, "raise_error_at_min_scale"):
         scaler.raise_error_at_min_scale = False

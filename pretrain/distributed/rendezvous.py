@@ -58,7 +58,7 @@ def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout
             raise RendezvousError(f"rank 0 cannot serve the job's store on {where} ({error}); is the port in use? "
                                   "Choose another with --master-port") from None
         raise RendezvousError(f"rank {rank} on {socket.gethostname()}: the job's store at {where} (served by rank 0, or under torchrun by node 0's agent) "
-                              f"did not answer within {timeout_minutes:g} min (train.rendezvous_timeout_minutes): "
+                              f"did not answer within {timeout_minutes:g} min (resilience.rendezvous_timeout_minutes): "
                               f"rank 0 did not start, or {master_addr} is not reachable from here") from None
     store.set(f"{KEY_PREFIX}{rank}", f"{socket.gethostname()} pid {os.getpid()}")
     store.add(f"{KEY_PREFIX}count", 1)
@@ -69,6 +69,6 @@ def join(master_addr: str, master_port: int, rank: int, world_size: int, timeout
             arrived = {r: store.get(keys[r]).decode() for r in range(world_size) if store.check([keys[r]])}
             missing = [r for r in range(world_size) if r not in arrived]
             raise RendezvousError(f"rank {rank}: the job's rendezvous at {where} timed out after {timeout_minutes:g} "
-                                  f"min (train.rendezvous_timeout_minutes): {describe_missing(missing, arrived)}")
+                                  f"min (resilience.rendezvous_timeout_minutes): {describe_missing(missing, arrived)}")
         time.sleep(poll_seconds)
     return store

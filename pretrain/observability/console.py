@@ -3,12 +3,17 @@
 - `progress`: a tqdm bar on a terminal; anywhere else (a log file, SLURM's output, a pipe) one
   plain line every `interval` seconds, never carriage-return updates (a bar redrawn into a file
   leaves hundreds of partial lines).
-- `rank_printer`: print as it is with one rank; with several ranks sharing one output, every line
-  starts with the time and the rank that wrote it.
+- `configure_logging`: how the programs show the library's log records (loggers `pretrain.*` and
+  `finetune.*`, one per module): information on stdout, warnings and errors on stderr, as they
+  are with one rank; with several ranks sharing one output, every line starts with the time and
+  the rank that wrote it, and only the logging rank's information is shown (every rank's
+  warnings are). A program embedding the library configures logging its own way instead.
+- `rank_printer`: print() with the same prefix, for what a program itself prints.
 """
 from __future__ import annotations
 
 import datetime
+import logging
 import sys
 import time
 from typing import Callable, TextIO
@@ -101,6 +106,68 @@ def progress(total: int | float, desc: str, enabled: bool = True, unit: str = "i
                          disable=not enabled)
 
 
+LIBRARY_LOGGERS = ("pretrain", "finetune")
+
+
+def _stamped(text: str, rank: int) -> str:
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    return "\n".join(f"[{stamp} rank {rank}] {line}" for line in text.split("\n"))
+
+
+class RankFormatter(logging.Formatter):
+    """The message as it is with one rank; each line prefixed "[time rank N] " with several."""
+
+    def __init__(self, rank: int, world_size: int):
+        super().__init__()
+        self.rank, self.world_size = rank, world_size
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return _stamped(text, self.rank) if self.world_size > 1 else text
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """A handler writing to sys.stdout or sys.stderr as they are when a record comes (a test's
+    capture or a redirected stream gets it), flushed after each record (batch logs)."""
+
+    def __init__(self, stream_name: str):
+        super().__init__()
+        self.stream_name = stream_name
+
+    @property
+    def stream(self):
+        return getattr(sys, self.stream_name)
+
+    @stream.setter
+    def stream(self, _value) -> None:  # StreamHandler.__init__ sets it; the property decides
+        pass
+
+
+class _BelowWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.WARNING
+
+
+def configure_logging(rank: int = 0, world_size: int = 1, logging_rank: int | None = None) -> None:
+    """The programs' logging of the library (see the module's docstring); called again once the
+    rank is known, it replaces what it set before. `logging_rank`: the rank whose information is
+    shown (None: every rank's)."""
+    formatter = RankFormatter(rank, world_size)
+    out, err = _ConsoleHandler("stdout"), _ConsoleHandler("stderr")
+    out.addFilter(_BelowWarning())
+    err.setLevel(logging.WARNING)
+    for handler in (out, err):
+        handler.setFormatter(formatter)
+    for name in LIBRARY_LOGGERS:
+        logger = logging.getLogger(name)
+        for old in [h for h in logger.handlers if isinstance(h, _ConsoleHandler)]:
+            logger.removeHandler(old)
+        logger.addHandler(out)
+        logger.addHandler(err)
+        logger.setLevel(logging.INFO if logging_rank is None or rank == logging_rank else logging.WARNING)
+        logger.propagate = False  # the program prints them; a root handler would print them twice
+
+
 def rank_printer(rank: int, world_size: int, file: TextIO | None = None) -> Callable[..., None]:
     """print() for one rank's lines; with several ranks, each line is prefixed
     "[2026-11-23 14:05:09 rank 3] " (the ranks share the launcher's output)."""
@@ -108,9 +175,7 @@ def rank_printer(rank: int, world_size: int, file: TextIO | None = None) -> Call
         return print
 
     def rank_print(*values, sep: str = " ", end: str = "\n", flush: bool = False, **kwargs) -> None:
-        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         text = sep.join(str(v) for v in values)
-        prefixed = "\n".join(f"[{stamp} rank {rank}] {line}" for line in text.split("\n"))
-        print(prefixed, end=end, flush=flush, file=kwargs.get("file", file) or sys.stdout)
+        print(_stamped(text, rank), end=end, flush=flush, file=kwargs.get("file", file) or sys.stdout)
 
     return rank_print

@@ -1,6 +1,6 @@
 """A torch.profiler trace of a range of training steps (Megatron's --profile-step-start/-end).
 
-The trace is written when the range ends, by each rank named in train.profile_ranks, as
+The trace is written when the range ends, by each rank named in logging.profile_ranks, as
 <profile_dir>/rank<R>.<time>.pt.trace.json: TensorBoard's profiler plugin reads the directory,
 and Perfetto (ui.perfetto.dev) or chrome://tracing open the file. Each step is one
 "ProfilerStep#<n>" span, n counted from 0 at the first profiled step.
@@ -52,8 +52,8 @@ class NoProfiler:
         pass
 
 
-def step_profiler(train_cfg, rank: int, device: torch.device) -> StepProfiler | NoProfiler:
-    if not train_cfg.profile_steps or rank not in train_cfg.profile_ranks:
+def step_profiler(logging_cfg, rank: int, device: torch.device) -> StepProfiler | NoProfiler:
+    if not logging_cfg.profile_steps or rank not in logging_cfg.profile_ranks:
         return NoProfiler()
-    first, last = train_cfg.profile_steps
-    return StepProfiler(train_cfg.profile_dir, first, last, rank, device)
+    first, last = logging_cfg.profile_steps
+    return StepProfiler(logging_cfg.profile_dir, first, last, rank, device)

@@ -7,7 +7,7 @@ backward interleave inside the engine and are reported together as `forward_back
 
 On a GPU the device is synchronised at every phase boundary (as Megatron-LM's timers do), so the
 times are the device's work, not the launch of its kernels; that costs some overlap, which is why
-the timers are off unless train.timers is set.
+the timers are off unless logging.timers is set.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ class PhaseTimers:
 
 
 class NoTimers:
-    """train.timers off: the same interface, doing nothing."""
+    """logging.timers off: the same interface, doing nothing."""
 
     def phase(self, name: str):
         return contextlib.nullcontext()

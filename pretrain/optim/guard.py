@@ -7,7 +7,7 @@ every weight by the update. Two checks can skip a step:
   (through a hook on every parameter, before DeepSpeed reduces, partitions or casts it) on the
   device, with no host sync while the step runs. When the client optimizer is about to step, the
   ranks agree in one small collective whether any of them saw a non-finite value; if so, no rank
-  updates (`train.skip_nonfinite_steps`). This is the only check of ZeRO-0 fp32.
+  updates (`resilience.skip_nonfinite_steps`). This is the only check of ZeRO-0 fp32.
 - DeepSpeed's: every other wrapper (ZeRO-1/2/3, the bf16 and fp16 optimizers) checks the reduced
   gradients (or their norm) itself and returns before calling the client optimizer at all; its
   decision is reduced over the data- and model-parallel ranks, so every rank skips together.
@@ -15,7 +15,7 @@ every weight by the update. Two checks can skip a step:
 Either way the trainer asks `outcome()` after the step: the guard then agrees with the other
 ranks on what was non-finite (the collective it had not taken yet, when DeepSpeed skipped first)
 and `classify()` says whether the skip was a non-finite step, which counts toward
-`train.max_consecutive_skips`, or an fp16 loss-scale overflow, which is the dynamic scaler doing
+`resilience.max_consecutive_skips`, or an fp16 loss-scale overflow, which is the dynamic scaler doing
 its job and does not count, unless the scale is already at its minimum and cannot go lower.
 The learning-rate schedule does not advance on a skipped step (as Megatron-LM skips an
 iteration), while the step still counts and its data stays consumed.
@@ -38,7 +38,7 @@ class NonFiniteGuard:
     def __init__(self, on: torch.device, loss_is_finite: Callable[[torch.device], torch.Tensor], veto: bool = True):
         self._on = on
         self._loss_is_finite = loss_is_finite  # (device) -> a bool over the loss sums since the step began
-        self.veto = veto  # whether our own check skips the step (train.skip_nonfinite_steps)
+        self.veto = veto  # whether our own check skips the step (resilience.skip_nonfinite_steps)
         self._seen = torch.zeros(2, device=on)  # this rank, this step: [loss, gradients] non-finite
         self._decision: list[str] | None = None  # what the ranks found non-finite, once they agreed
         self._active = False  # no decisions before the first step (DeepSpeed's construction steps once)
@@ -101,7 +101,7 @@ class StepOutcome(NamedTuple):
 
     skipped: bool
     what: tuple[str, ...] = ()  # what was non-finite: "loss", "gradients", AT_MIN_SCALE
-    counts: bool = False  # toward train.max_consecutive_skips (a non-finite step, not a scaler overflow)
+    counts: bool = False  # toward resilience.max_consecutive_skips (a non-finite step, not a scaler overflow)
 
     @property
     def label(self) -> str:

@@ -1,4 +1,4 @@
-"""The non-finite skip policy: how many skipped steps a run tolerates (`train.max_consecutive_skips`).
+"""The non-finite skip policy: how many skipped steps a run tolerates (`resilience.max_consecutive_skips`).
 
 The guard (guard.py) decides whether one step is skipped and why; this policy counts the
 outcomes over the run. A non-finite step counts toward the limit of skips in a row; an fp16
@@ -43,5 +43,5 @@ class SkipPolicy:
         first = self.bad_run[0][0]
         raise NonFiniteTraining(
             f"step {step}: non-finite {' and '.join(what)} in {limit} steps in a row (steps {first}-{step}, "
-            f"train.max_consecutive_skips={limit}); every one was skipped, the weights are those after step "
+            f"resilience.max_consecutive_skips={limit}); every one was skipped, the weights are those after step "
             f"{first - 1}. Lower optimizer.lr or check the data near sample {(first - 1) * self.global_batch_size}")

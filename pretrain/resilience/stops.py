@@ -1,5 +1,5 @@
 """Stop requests: a SIGTERM (a scheduler's preemption notice) on any rank, or the run's wall-time
-limit (`train.exit_duration_minutes`) on any rank, agreed by every rank at the same steps so
+limit (`resilience.exit_duration_minutes`) on any rank, agreed by every rank at the same steps so
 that all of them save the same checkpoint and stop together."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ..distributed.parallel import Parallel
 class StopRequests:
     def __init__(self, check_interval: int, exit_duration_minutes: float, parallel: Parallel,
                  started: float | None = None):
-        self.check_interval = check_interval  # train.stop_check_interval: steps between agreements
+        self.check_interval = check_interval  # resilience.stop_check_interval: steps between agreements
         self.exit_duration_minutes = exit_duration_minutes  # 0: no wall-time limit
         self.parallel = parallel
         self.started = time.monotonic() if started is None else started  # the wall time counts from here
@@ -49,5 +49,5 @@ class StopRequests:
         if sigterm:
             return "SIGTERM received"
         if late:
-            return f"train.exit_duration_minutes ({self.exit_duration_minutes:g}) reached after {minutes:.1f} min"
+            return f"resilience.exit_duration_minutes ({self.exit_duration_minutes:g}) reached after {minutes:.1f} min"
         return None

@@ -1,5 +1,5 @@
 """A hang becomes a diagnosis: every rank watches its own progress and, when nothing finished for
-`train.hang_timeout_minutes`, writes what it was doing, which rank is stuck and every thread's
+`resilience.hang_timeout_minutes`, writes what it was doing, which rank is stuck and every thread's
 stack to its log, then ends the process (exit status 124, as `timeout` uses) so that the launcher
 ends the job and may restart it.
 
@@ -241,7 +241,7 @@ class Watchdog:
         record = self._publish()
         idle = time.monotonic() - a.last_progress
         lines = [f"watchdog: rank {self.rank} (host {record['host']}, pid {record['pid']}) made no progress for "
-                 f"{idle / 60:.1f} min (train.hang_timeout_minutes={self.timeout / 60:g}): at step {a.step}, "
+                 f"{idle / 60:.1f} min (resilience.hang_timeout_minutes={self.timeout / 60:g}): at step {a.step}, "
                  f"{a.phase}; last finished: {a.what_finished}",
                  f"watchdog: rank {self.rank}: last collective {record['last_collective'] or 'unknown'}"]
         lines += [f"watchdog: rank {self.rank}: {line}" for line in self.local_report()]

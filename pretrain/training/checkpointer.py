@@ -1,5 +1,5 @@
-"""The run's checkpoints: when one is due, saving it (crash-safe, with retention: train.keep_last),
-and where a run starts: its own latest checkpoint, or `train.init_from`, or from scratch."""
+"""The run's checkpoints: when one is due, saving it (crash-safe, with retention: checkpoint.keep_last),
+and where a run starts: its own latest checkpoint, or `checkpoint.init_from`, or from scratch."""
 from __future__ import annotations
 
 from ..checkpoint import exact as checkpoint_saving, load as checkpoint_loading
@@ -17,11 +17,11 @@ class Checkpointer:
         self.tracker, self.log, self.watchdog = tracker, log, watchdog
 
     def due(self, step: int) -> bool:
-        interval = self.cfg.train.save_interval
+        interval = self.cfg.checkpoint.save_interval
         return bool(interval) and step % interval == 0
 
     def save(self, step: int, consumed_samples: int) -> None:
-        t = self.cfg.train
+        t = self.cfg.checkpoint
         if not t.save_dir:
             return
         self.watchdog.doing(f"saving the checkpoint of step {step}", step)
@@ -31,9 +31,9 @@ class Checkpointer:
         self.watchdog.progress(f"the save of step {step}", step)
 
     def resume(self) -> tuple[int, int]:
-        """(step, consumed samples) to go on from: a checkpoint's in train.load_dir, else (0, 0)
-        after initialising from train.init_from if given."""
-        t = self.cfg.train
+        """(step, consumed samples) to go on from: a checkpoint's in checkpoint.load_dir, else (0, 0)
+        after initialising from checkpoint.init_from if given."""
+        t = self.cfg.checkpoint
         found = None
         if t.load_dir:
             found = checkpoint_loading.resume(self.engine, self.model, t.load_dir, self.cfg, self.parallel,
@@ -50,7 +50,7 @@ class Checkpointer:
                 self.log(f"no checkpoint in {t.load_dir} yet: starting from scratch")
             return 0, 0
         step, consumed_samples = found
-        if t.precision == "fp16":  # DeepSpeed's checkpoint carries the loss scaler object itself
+        if self.cfg.train.precision == "fp16":  # DeepSpeed's checkpoint carries the loss scaler object itself
             internals.let_loss_scaler_reach_minimum(self.engine)
         self.log(f"resumed from {t.load_dir} at step {step} ({consumed_samples} samples)")
         return step, consumed_samples

@@ -87,8 +87,8 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
         hyper["max_trust_ratio"] = o.max_trust_ratio
     optimizer = build_optimizer(o.name, optimizer_param_groups(model, o), **hyper)
     # Our non-finite check runs in every precision and ZeRO stage (DeepSpeed's wrappers add
-    # their own, except at ZeRO-0 fp32); train.skip_nonfinite_steps decides whether it vetoes.
-    guard = NonFiniteGuard(par.device, loss_fn.all_finite, veto=cfg.train.skip_nonfinite_steps)
+    # their own, except at ZeRO-0 fp32); resilience.skip_nonfinite_steps decides whether it vetoes.
+    guard = NonFiniteGuard(par.device, loss_fn.all_finite, veto=cfg.resilience.skip_nonfinite_steps)
     guard.watch(model.parameters())
 
     def scheduler(opt):

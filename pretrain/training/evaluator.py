@@ -1,4 +1,4 @@
-"""Evaluation: the loss and accuracies over `train.eval_steps` global batches of a dataset,
+"""Evaluation: the loss and accuracies over `eval.steps` global batches of a dataset,
 always its first ones, so that every evaluation sees the same samples."""
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ class Loaders:
         if batches is None:
             p = self.parallel
             batches = self._evaluation[id(dataset)] = FixedMicroBatches(
-                dataset, self.cfg.train.eval_steps * self.grad_accum, self.cfg.train.micro_batch_size, p.dp_rank,
+                dataset, self.cfg.eval.steps * self.grad_accum, self.cfg.train.micro_batch_size, p.dp_rank,
                 p.dp_size, p.device, num_workers=self.workers, pack_group=self.pack_group)
         return batches
 

@@ -37,13 +37,13 @@ class Reporter:
         self.log = log if self.reports else (lambda *a, **k: None)
         self.history: list[dict] = []  # every step's reduced metrics with its host figures
         self.first_step_memory: list[dict] | None = None  # every rank's measured and planned memory
-        t = cfg.train
-        self.eval_results = EvalResults(t.eval_results) if t.eval_results and self.reports else None
+        results, tensorboard_dir = cfg.eval.results, cfg.logging.tensorboard_dir
+        self.eval_results = EvalResults(results) if results and self.reports else None
         self.writer = None
-        if t.tensorboard_dir and self.reports:
+        if tensorboard_dir and self.reports:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(t.tensorboard_dir)
+            self.writer = SummaryWriter(tensorboard_dir)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -92,7 +92,7 @@ class Reporter:
         )
 
     def evaluation(self, split: str, metrics: dict, step: int, consumed_samples: int) -> None:
-        """One evaluation ("eval": the validation set, "test"): console, TensorBoard, eval_results."""
+        """One evaluation ("eval": the validation set, "test"): console, TensorBoard, eval.results."""
         metrics = {k: v for k, v in metrics.items() if not k.startswith("nsp_") or k in self.nsp_keys}
         metrics["perplexity"] = math.exp(min(metrics["lm_loss"], 50.0))
         self.scalars(split, metrics, step, consumed_samples)
@@ -125,7 +125,7 @@ class Reporter:
 
 
 class EvalResults:
-    """train.eval_results: a JSON file {"valid": [...], "test": [...]} of {step, consumed_samples,
+    """eval.results: a JSON file {"valid": [...], "test": [...]} of {step, consumed_samples,
     metrics} entries, read once (a resumed run keeps what came before), rewritten atomically after
     each evaluation. Entries at a step being evaluated again (after a crash past them) are replaced."""
 
@@ -140,7 +140,7 @@ class EvalResults:
                 with open(self.path, encoding="utf-8") as f:
                     results.update(json.load(f))
             except (OSError, ValueError) as err:
-                raise UserError(f"train.eval_results: {self.path} cannot be read as JSON ({err}); move it away") from None
+                raise UserError(f"eval.results: {self.path} cannot be read as JSON ({err}); move it away") from None
         return results
 
     def add(self, split: str, step: int, consumed_samples: int, metrics: dict) -> None:

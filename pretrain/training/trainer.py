@@ -39,7 +39,7 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 
 class Trainer:
     def __init__(self, cfg: Config, parallel: Parallel, log=None):
-        started = time.monotonic()  # train.exit_duration_minutes counts from here
+        started = time.monotonic()  # resilience.exit_duration_minutes counts from here
         self.cfg, self.parallel = cfg, parallel
         self.reporter = Reporter(cfg, parallel, log or rank_printer(parallel.rank, parallel.world_size))
         self.log = self.reporter.log
@@ -71,18 +71,18 @@ class Trainer:
         self.train_data, self.valid_data, self.test_data = pretraining_datasets(
             cfg, is_builder=parallel.rank == 0, barrier=device.barrier, log=self.log)
         self.loaders = Loaders(cfg, parallel, self.grad_accum)
-        self.watchdog = Watchdog.for_job(cfg.train.hang_timeout_minutes, parallel, self.loaders.report)
+        self.watchdog = Watchdog.for_job(cfg.resilience.hang_timeout_minutes, parallel, self.loaders.report)
         self.steps = StepRunner(cfg, parallel, self.engine, self.loss_fn, built.guard, self.timers, self.watchdog)
-        self.skips = SkipPolicy(cfg.train.max_consecutive_skips, cfg.train.global_batch_size,
+        self.skips = SkipPolicy(cfg.resilience.max_consecutive_skips, cfg.train.global_batch_size,
                                 cfg.fp16.min_loss_scale if cfg.train.precision == "fp16" else None)
-        self.evaluator = Evaluator(self.engine, self.loss_fn, self.loaders, parallel, cfg.train.eval_steps, self.watchdog)
-        self.stops = StopRequests(cfg.train.stop_check_interval, cfg.train.exit_duration_minutes, parallel, started)
+        self.evaluator = Evaluator(self.engine, self.loss_fn, self.loaders, parallel, cfg.eval.steps, self.watchdog)
+        self.stops = StopRequests(cfg.resilience.stop_check_interval, cfg.resilience.exit_duration_minutes, parallel, started)
         self.checkpointer = Checkpointer(cfg, parallel, self.engine, self.model, self.tracker, self.log, self.watchdog)
 
     def _phase_timers(self) -> PhaseTimers | NoTimers:
-        """train.timers: time each phase, also inside DeepSpeed (its gradient reduction, the
+        """logging.timers: time each phase, also inside DeepSpeed (its gradient reduction, the
         optimizer wrapper's step, which the pipeline engine calls from train_batch)."""
-        if not self.cfg.train.timers:
+        if not self.cfg.logging.timers:
             return NoTimers()
         timers = PhaseTimers(lambda: device.synchronize(self.parallel.device))
         for method in ("allreduce_gradients", "buffered_allreduce_fallback"):
@@ -128,13 +128,13 @@ class Trainer:
         """Run to train.train_steps (or a stop); returns every step's metrics. `after_step` is
         called on every rank with each step's unreduced result, before the skip policy judges it."""
         t = self.cfg.train
-        profiler = step_profiler(t, self.parallel.rank, self.parallel.device)
+        profiler = step_profiler(self.cfg.logging, self.parallel.rank, self.parallel.device)
         with self.stops.on_sigterm(), self.watchdog, self.loaders:
             try:
-                self.watchdog.doing("resuming" if t.load_dir else "start-up", self.step)
+                self.watchdog.doing("resuming" if self.cfg.checkpoint.load_dir else "start-up", self.step)
                 self.resume()
                 self.watchdog.progress("start-up", self.step)
-                last_step = min(t.train_steps, self.step + (t.exit_after_steps or t.train_steps))
+                last_step = min(t.train_steps, self.step + (self.cfg.resilience.exit_after_steps or t.train_steps))
                 data_iter = self.loaders.training(self.train_data, self.consumed_samples)
                 window, pending = ThroughputWindow(self.parallel.device), []  # the steps since the last log line
                 memory = FirstStepMemory(self.model, self.engine, self.parallel.device, self._allocated_before)
@@ -159,14 +159,15 @@ class Trainer:
                                              "learning_rate": learning_rate, "skipped_steps": self.skips.skipped}))
                     self.watchdog.doing("agreeing on a stop (SIGTERM, time limit) with the other ranks", self.step)
                     stop = self.stops.agreed(self.step)
-                    if self.step % t.log_interval == 0 or self.step == last_step or stop:
+                    if self.step % self.cfg.logging.interval == 0 or self.step == last_step or stop:
                         self.watchdog.doing("reducing and logging metrics", self.step)
                         self._log_window(pending, window, data_iter)
                         pending = []
                     if self._evaluate_and_save(stop):
                         window.restart()  # an evaluation's or a save's time is not training's
                     if stop:
-                        self.stopped = f"{stop}: saved step {self.step} in {t.save_dir}" if t.save_dir else stop
+                        save_dir = self.cfg.checkpoint.save_dir
+                        self.stopped = f"{stop}: saved step {self.step} in {save_dir}" if save_dir else stop
                         break
                 else:
                     if not self.checkpointer.due(self.step):
@@ -212,8 +213,8 @@ class Trainer:
 
     def _evaluate_and_save(self, stop: str | None) -> bool:
         """The evaluation and the save due after this step, and the save a stop needs; whether any ran."""
-        t, step = self.cfg.train, self.step
-        evaluated = bool(t.eval_interval) and step % t.eval_interval == 0
+        interval, step = self.cfg.eval.interval, self.step
+        evaluated = bool(interval) and step % interval == 0
         if evaluated:
             self.reporter.evaluation("eval", self.evaluate(), step, self.consumed_samples)
         saved = self.checkpointer.due(step)

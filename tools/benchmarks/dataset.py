@@ -91,7 +91,7 @@ def trainer_wait(prefix: str, vocab_file: str, config: str, steps: int, workers:
         "data.kind=indexed", f"data.paths=[{prefix}]", f"data.vocab_file={vocab_file}", f"data.num_workers={workers}",
         f"data.index_cache_dir={cache_dir}", f"model.vocab_size={vocab.size}", "train.global_batch_size=32",
         "train.micro_batch_size=32", f"train.train_steps={steps + 2}", "scheduler.warmup_steps=1",
-        "train.eval_interval=0", "train.save_interval=0"])
+        "eval.interval=0", "checkpoint.save_interval=0"])
     cfg.validate(1)
     launch = discover_launch_env()
     launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there

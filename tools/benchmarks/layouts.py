@@ -45,7 +45,7 @@ def bench_config(args, tp: int, pp: int):
         f"train.micro_batch_size={args.micro_batch}", f"train.train_steps={args.warmup + args.steps}",
         f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}", "parallel.zero_stage=0",
         "train.precision=fp32", "optimizer.name=lamb", "scheduler.warmup_steps=0", "scheduler.decay=constant",
-        "train.eval_interval=0", "train.save_interval=0", "train.save_dir=null", "train.tensorboard_dir=null",
+        "eval.interval=0", "checkpoint.save_interval=0", "checkpoint.save_dir=null", "logging.tensorboard_dir=null",
         "data.num_workers=0", "data.kind=synthetic"])
 
 
@@ -100,7 +100,7 @@ def child_rate(args) -> dict:
     flops_per_second = 3 * 2 * rows * h * f / min(gemm_times)  # the best: what the device can do
 
     cfg.train.global_batch_size = args.micro_batch
-    cfg.train.timers = True
+    cfg.logging.timers = True
     cfg.validate(world_size=1)
     launch = discover_launch_env()
     launch.export_to(os.environ)

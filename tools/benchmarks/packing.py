@@ -73,8 +73,8 @@ def config(args, prefix: str, vocab: str, seq: int, packing: bool, work: Path):
         f"data.seq_length={seq}", f"data.max_predictions_per_seq={-(-seq * 15 // 100)}",
         f"data.index_cache_dir={work / 'index-cache'}", "data.num_workers=0", f"data.packing={str(packing).lower()}",
         f"train.global_batch_size={args.batch}", f"train.micro_batch_size={micro}",
-        f"train.train_steps={max(args.steps + 1, -(-SAMPLES // args.batch))}",  # the dataset's size "train.eval_interval=0", "train.save_interval=0", "train.save_dir=null",
-        "train.load_dir=null", "train.tensorboard_dir=null", "train.log_interval=1000", "scheduler.warmup_steps=0",
+        f"train.train_steps={max(args.steps + 1, -(-SAMPLES // args.batch))}",  # the dataset's size "eval.interval=0", "checkpoint.save_interval=0", "checkpoint.save_dir=null",
+        "checkpoint.load_dir=null", "logging.tensorboard_dir=null", "logging.interval=1000", "scheduler.warmup_steps=0",
         "scheduler.decay=constant", "parallel.tensor_parallel=1", "parallel.pipeline_parallel=1",
         "parallel.zero_stage=0", "model.max_position_embeddings=512",
     ]

@@ -97,8 +97,8 @@ def bench_config(name: str, batch: int, seq: int, precision: str, optimizer: str
     path, _ = CONFIGS[name]
     overrides = [
         f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}", f"train.precision={precision}",
-        f"train.train_steps={steps}", "train.eval_interval=0", "train.save_interval=0",
-        "train.save_dir=null", "train.load_dir=null", "train.tensorboard_dir=null",
+        f"train.train_steps={steps}", "eval.interval=0", "checkpoint.save_interval=0",
+        "checkpoint.save_dir=null", "checkpoint.load_dir=null", "logging.tensorboard_dir=null",
         f"optimizer.name={optimizer}", "scheduler.warmup_steps=0", "scheduler.decay=constant",
         "parallel.tensor_parallel=1", "parallel.pipeline_parallel=1",
         f"parallel.zero_stage={1 if precision == 'bf16' else 0}",

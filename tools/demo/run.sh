@@ -32,10 +32,10 @@ python tools/inspect_dataset.py "$out/data/pydocs_text_sentence" --vocab-file "$
 
 pretrain=(--config configs/demo.yaml
           "data.paths=[$out/data/pydocs_text_sentence]" data.vocab_file="$out/vocab/vocab.txt" model.vocab_size=8000
-          train.train_steps="$steps" train.save_interval=$((steps / 2))
-          train.save_dir="$out/checkpoints" train.load_dir="$out/checkpoints" train.tensorboard_dir="$out/tensorboard/pretrain")
+          train.train_steps="$steps" checkpoint.save_interval=$((steps / 2))
+          checkpoint.save_dir="$out/checkpoints" checkpoint.load_dir="$out/checkpoints" logging.tensorboard_dir="$out/tensorboard/pretrain")
 say "pretraining, TP2 x DP2: the first half (a checkpoint at step $((steps / 2)), then it stops)"
-./launcher.sh --nproc-per-node 4 pretrain "${pretrain[@]}" train.exit_after_steps=$((steps / 2))
+./launcher.sh --nproc-per-node 4 pretrain "${pretrain[@]}" resilience.exit_after_steps=$((steps / 2))
 say "pretraining: a new launch resumes from $out/checkpoints/$(cat "$out/checkpoints/latest")"
 ./launcher.sh --nproc-per-node 4 pretrain "${pretrain[@]}"
 

@@ -114,8 +114,8 @@ def run_config(job: dict, settings: dict):
     overrides = [
         f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}",
         f"train.precision={settings['precision']}", f"train.train_steps={settings['warmup'] + settings['steps']}",
-        "train.eval_interval=0", "train.save_interval=0", "train.save_dir=null", "train.load_dir=null",
-        "train.tensorboard_dir=null", "scheduler.warmup_steps=0", "scheduler.decay=constant",
+        "eval.interval=0", "checkpoint.save_interval=0", "checkpoint.save_dir=null", "checkpoint.load_dir=null",
+        "logging.tensorboard_dir=null", "scheduler.warmup_steps=0", "scheduler.decay=constant",
         "parallel.tensor_parallel=1", "parallel.pipeline_parallel=1",
         f"parallel.zero_stage={0 if variant == 'ours-zero0' else 1}",
         f"optimizer.name={'adamw' if variant in ('ours-adamw', 'hf') else 'lamb'}",

@@ -75,7 +75,7 @@ def pretraining_datasets(cfg: Config, is_builder: bool, barrier: Callable[[], No
     train = build_split_dataset(corpora, 0, d.split, t.train_steps * t.global_batch_size, **common)
     if train is None:
         raise DataError(f"data.split {d.split!r} leaves no training documents in {', '.join(d.paths)}")
-    eval_samples = max(1, t.eval_steps) * t.global_batch_size
+    eval_samples = max(1, cfg.eval.steps) * t.global_batch_size
 
     def held_out(index: int, separate: list[str]):
         if separate:
@@ -84,7 +84,7 @@ def pretraining_datasets(cfg: Config, is_builder: bool, barrier: Callable[[], No
         return build_split_dataset(corpora, index, d.split, eval_samples, **common)
 
     valid, test = held_out(1, d.valid_paths), held_out(2, d.test_paths)
-    if valid is None and t.eval_interval:
-        raise DataError(f"train.eval_interval is set but data.split {d.split!r} leaves no validation documents "
+    if valid is None and cfg.eval.interval:
+        raise DataError(f"eval.interval is set but data.split {d.split!r} leaves no validation documents "
                         "(set data.valid_paths, or give the split a validation share)")
     return train, valid, test
