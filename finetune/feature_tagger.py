@@ -13,6 +13,8 @@ group); the tagger trains on the logging rank, on the model's device.
 """
 from __future__ import annotations
 
+import logging
+
 import hashlib
 import json
 import os
@@ -26,7 +28,7 @@ from torch import nn
 from pretrain.checkpoint.format import CheckpointError
 from pretrain.checkpoint.load import read_any
 from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer
-from pretrain.observability.console import progress, rank_printer
+from pretrain.observability.console import progress
 from pretrain.distributed.device import configure_math, describe, reduce_floats
 from pretrain.model.rng import RngTracker, seed_streams
 from pretrain.common.atomic import atomic_outputs
@@ -36,6 +38,8 @@ from .model import build_encoder, encoder_inputs, load_encoder
 from .tasks import TASKS
 from .tasks.base import Dataset, TaskDataError
 from .finetuner import FinetuneError, write_files
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -79,10 +83,8 @@ def _padded(sequences: list[torch.Tensor], device, value=0.0) -> torch.Tensor:
 
 
 class FeatureTagger:
-    def __init__(self, cfg: FinetuneConfig, parallel, log=None):
+    def __init__(self, cfg: FinetuneConfig, parallel):
         self.cfg, self.parallel = cfg, parallel
-        log = log or rank_printer(parallel.rank, parallel.world_size)
-        self.log = log if parallel.rank == parallel.logging_rank else (lambda *a, **k: None)
         self.task = TASKS[cfg.task.name].configured(cfg.task)
         f = cfg.features
         self.output_dir = f.output_dir or os.path.join(cfg.train.output_dir, "feature_based")
@@ -101,7 +103,7 @@ class FeatureTagger:
                                 f"(or -1 to -{layers + 1})")
         self._bert = None
         configure_math(parallel.device, cfg.train.tf32)  # the encoder's and the tagger's matmuls, as fine-tuning's
-        self.log(f"{describe(parallel)}; the encoder frozen, the tagger trains on {parallel.device} (rank "
+        logger.info(f"{describe(parallel)}; the encoder frozen, the tagger trains on {parallel.device} (rank "
                  f"{parallel.logging_rank})")
 
     # ----------------------------------------------------------------------------- features
@@ -138,8 +140,8 @@ class FeatureTagger:
             read = self.task.read(path, split, self.cfg.task)
         except TaskDataError as e:
             raise FinetuneError(str(e)) from None
-        self.log(read.report.summary())
-        features = self.task.encode(self.tokenizer.tokenizer, read.examples, self.cfg.task, False, self.log)
+        logger.info(read.report.summary())
+        features = self.task.encode(self.tokenizer.tokenizer, read.examples, self.cfg.task, False)
         data = Dataset(name, read.examples, features, read.reference)
         cache = self._cache_path(path)
         shape = (sum(features.words_per_example), len(self.cfg.features.layers) * self.ckpt.config.model.hidden_size)
@@ -148,13 +150,13 @@ class FeatureTagger:
             try:
                 vectors = load_file(cache)["vectors"]
             except Exception as e:  # unreadable: computed again and rewritten, said in the log
-                self.log(f"  {cache}: not readable ({e}); computing the features again")
+                logger.info(f"  {cache}: not readable ({e}); computing the features again")
             if vectors is not None and tuple(vectors.shape) != shape:
-                self.log(f"  {cache}: holds {tuple(vectors.shape)} values, {shape} expected; computing them again")
+                logger.info(f"  {cache}: holds {tuple(vectors.shape)} values, {shape} expected; computing them again")
                 vectors = None
         # one decision for the TP group (a node-local cache may exist on some ranks only)
         if reduce_floats([vectors is not None], self.parallel.device, self.parallel.tp_group, "min")[0]:
-            self.log(f"  features from the cache {cache}")
+            logger.info(f"  features from the cache {cache}")
             return WordFeatures(data, vectors)
         started = time.perf_counter()
         vectors = self._compute(features)
@@ -162,7 +164,7 @@ class FeatureTagger:
             os.makedirs(self.cache_dir, exist_ok=True)
             with atomic_outputs([cache]) as temporary:
                 save_file({"vectors": vectors}, temporary[cache])
-            self.log(f"  features of layers {self.cfg.features.layers} for {vectors.shape[0]:,} words "
+            logger.info(f"  features of layers {self.cfg.features.layers} for {vectors.shape[0]:,} words "
                      f"({vectors.shape[1]} values each) in {time.perf_counter() - started:.1f} s, cached in {cache}")
         return WordFeatures(data, vectors)
 
@@ -216,14 +218,14 @@ class FeatureTagger:
             if os.path.exists(path):
                 devs.append(self.word_features(os.path.splitext(os.path.basename(path))[0], path, "dev"))
             else:
-                self.log(f"{path}: not found; this dev set is left out")
+                logger.info(f"{path}: not found; this dev set is left out")
         if not devs:
             raise FinetuneError(f"no dev file (looked for {', '.join(dev_paths)})")
         for test in task.test_inputs(c):
             if os.path.exists(test.path):
                 tests.append(self.word_features(test.submission, test.path, "test"))
             else:
-                self.log(f"{test.path}: not found; no predictions for it")
+                logger.info(f"{test.path}: not found; no predictions for it")
         if self.parallel.rank != self.parallel.logging_rank:
             return {}
         return self._train(train, devs, tests)
@@ -266,8 +268,8 @@ class FeatureTagger:
             score = float(np.mean([v for k, v in metrics.items() if k.split("/")[-1] == self.task.main_metric]))
             result = {"epoch": epoch, "metrics": metrics, "score": score, "train_loss": losses[-1]}
             history.append(result)
-            self.log(f"epoch {epoch} | loss {losses[-1]:.4f} | " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
-                     flush=True)
+            logger.info(f"epoch {epoch} | loss {losses[-1]:.4f} | "
+                        + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
             bar.update(1)
             writer.add_scalar("train/loss", losses[-1], epoch)
             for key, value in metrics.items():
@@ -287,7 +289,7 @@ class FeatureTagger:
         with atomic_outputs([os.path.join(self.output_dir, "metrics.json")]) as temporary:
             with open(next(iter(temporary.values())), "w") as out:
                 json.dump(summary, out, indent=2)
-        self.log(f"best: epoch {best['epoch']} " + " ".join(f"{k} {v:.4f}" for k, v in best["metrics"].items()))
+        logger.info(f"best: epoch {best['epoch']} " + " ".join(f"{k} {v:.4f}" for k, v in best["metrics"].items()))
         return summary
 
     def _save(self, state: dict, width: int) -> None:
@@ -303,8 +305,8 @@ class FeatureTagger:
                            **asdict(f)}, out, indent=2)
 
 
-def run(cfg: FinetuneConfig, parallel, log=None) -> dict:
+def run(cfg: FinetuneConfig, parallel) -> dict:
     started = time.perf_counter()
-    summary = FeatureTagger(cfg, parallel, log).run()
+    summary = FeatureTagger(cfg, parallel).run()
     summary["seconds"] = time.perf_counter() - started
     return summary

@@ -10,6 +10,8 @@ the same data. Evaluation shards the examples over DP ranks and gathers the outp
 """
 from __future__ import annotations
 
+import logging
+
 import json
 import math
 import os
@@ -36,7 +38,7 @@ from pretrain.common.errors import UserError
 from pretrain.distributed.internals import is_tp_sharded
 from pretrain.model.names import logical_parameters
 from pretrain.model.rng import RngTracker, seed_streams
-from pretrain.observability.console import progress, rank_printer
+from pretrain.observability.console import progress
 from pretrain.optim import make_lr_scheduler
 from pretrain.optim.groups import group_by_kind
 from pretrain.resilience.watchdog import Watchdog
@@ -48,6 +50,8 @@ from .inputs import Batches, length_grouped
 from .model import build_encoder, load_encoder, load_head
 from .tasks import TASKS
 from .tasks.base import Dataset, Read, TaskDataError
+
+logger = logging.getLogger(__name__)
 
 
 # Hugging Face's group_by_length sorts windows of 50 batches (its mega-batch multiplier).
@@ -80,11 +84,9 @@ def notes_that_matter(notes: list[str]) -> list[str]:
 
 
 class Finetuner:
-    def __init__(self, cfg: FinetuneConfig, parallel, log=None):
+    def __init__(self, cfg: FinetuneConfig, parallel):
         self.cfg, self.parallel = cfg, parallel
         self.pending_files: dict[str, str] = {}  # prediction files of the last evaluation, written if it is the best
-        log = log or rank_printer(parallel.rank, parallel.world_size)
-        self.log = log if parallel.rank == parallel.logging_rank else (lambda *a, **k: None)
         self.task = TASKS[cfg.task.name].configured(cfg.task)
         t = cfg.train
         try:
@@ -92,7 +94,7 @@ class Finetuner:
         except CheckpointError as e:
             raise FinetuneError(str(e)) from None
         for note in notes_that_matter(self.ckpt.notes):
-            self.log(note)
+            logger.info(note)
         m = self.ckpt.config.model
         self.model_cfg = replace(m, hidden_dropout=m.hidden_dropout if cfg.model.hidden_dropout is None
                                  else cfg.model.hidden_dropout,
@@ -109,7 +111,7 @@ class Finetuner:
         unsupported = precision_problem(parallel.device, t.precision)
         if unsupported:
             raise DeviceError(unsupported)
-        self.log(f"{describe(parallel)}, ZeRO-{cfg.parallel.zero_stage}, {t.precision}")
+        logger.info(f"{describe(parallel)}, ZeRO-{cfg.parallel.zero_stage}, {t.precision}")
         self.tracker = RngTracker(parallel.device)
         seed_streams(self.tracker, t.seed, parallel.tp_rank, 0, parallel.dp_rank)
         bert = build_encoder(self.model_cfg, parallel.tp_group, self.tracker)
@@ -118,7 +120,7 @@ class Finetuner:
         try:
             if load_head(self.model.head, self.ckpt.extra, self.ckpt.source):
                 names = ", ".join(n for n, _ in self.model.head.named_parameters())
-                self.log(f"task head ({names}) taken from {self.ckpt.source}")
+                logger.info(f"task head ({names}) taken from {self.ckpt.source}")
         except ValueError as e:
             raise FinetuneError(str(e)) from None
         self.micro_per_step = t.global_batch_size // (t.micro_batch_size * parallel.dp_size)
@@ -142,11 +144,11 @@ class Finetuner:
             read = self.task.read(path, split, self.cfg.task)
         except TaskDataError as e:
             raise FinetuneError(str(e)) from None
-        self.log(read.report.summary())
+        logger.info(read.report.summary())
         return read
 
     def _encode(self, examples: list, training: bool = False) -> Batches:
-        return self.task.encode(self.tokenizer.tokenizer, examples, self.cfg.task, training, self.log)
+        return self.task.encode(self.tokenizer.tokenizer, examples, self.cfg.task, training)
 
     def _dataset(self, name: str, path: str, split: str) -> Dataset:
         read = self._read(path, split)
@@ -170,7 +172,7 @@ class Finetuner:
             if path and os.path.exists(path):
                 self.dev_sets.append(self._dataset(os.path.splitext(os.path.basename(path))[0], path, "dev"))
             elif path:
-                self.log(f"{path}: not found; this dev set is left out")
+                logger.info(f"{path}: not found; this dev set is left out")
         if not self.dev_sets:
             raise FinetuneError(f"no dev file for {task.name} (looked for {', '.join(map(str, dev_paths))})")
         self.test_sets: list[Dataset] = []
@@ -178,7 +180,7 @@ class Finetuner:
             if os.path.exists(test.path):
                 self.test_sets.append(self._dataset(test.submission, test.path, "test"))
             elif not test.optional:
-                self.log(f"{test.path}: not found; no predictions for it")
+                logger.info(f"{test.path}: not found; no predictions for it")
 
     # ----------------------------------------------------------------------------- engine
     def _build_engine(self):
@@ -281,7 +283,7 @@ class Finetuner:
             with atomic_outputs([path]) as temporary, open(temporary[path], "w") as f:
                 json.dump(summary, f, indent=2)
             self.writer.flush()
-            self.log(f"best: epoch {best['epoch']} " + " ".join(f"{k} {v:.4f}" for k, v in best["metrics"].items()))
+            logger.info(f"best: epoch {best['epoch']} " + " ".join(f"{k} {v:.4f}" for k, v in best["metrics"].items()))
         return summary
 
     def _progress(self, total: int):
@@ -350,7 +352,7 @@ class Finetuner:
         for k, v in metrics.items():
             self._scalar(f"eval/{k}", v, step)
             self._scalar(f"eval-vs-epoch/{k}", v, epoch)  # the dev metric per epoch (tools/plot_curves.py)
-        self.log(f"epoch {epoch} | " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
+        logger.info(f"epoch {epoch} | " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return {"epoch": epoch, "step": step, "metrics": metrics, "score": score}
 
     def write_predictions(self) -> None:
@@ -401,11 +403,11 @@ class Finetuner:
         shutil.rmtree(target, ignore_errors=True)
         os.replace(fresh, target)
         self.watchdog.progress(f"the save of the epoch-{result['epoch']} weights")
-        self.log(f"saved the epoch-{result['epoch']} weights to {target}")
+        logger.info(f"saved the epoch-{result['epoch']} weights to {target}")
 
 
-def run(cfg: FinetuneConfig, parallel, log=None) -> dict:
+def run(cfg: FinetuneConfig, parallel) -> dict:
     started = time.perf_counter()
-    summary = Finetuner(cfg, parallel, log).train()
+    summary = Finetuner(cfg, parallel).train()
     summary["seconds"] = time.perf_counter() - started
     return summary

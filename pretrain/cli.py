@@ -18,6 +18,7 @@ import sys
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from .common.errors import UserError
+from .observability.console import configure_logging
 from .observability.quiet import hide_library_warnings
 
 if TYPE_CHECKING:  # the real imports start torch: only run_distributed pays for them
@@ -72,6 +73,7 @@ def run_command(parse: Callable[[Sequence[str] | None], argparse.Namespace],
     unchanged, so `main` behaves as argparse always did.
     """
     hide_library_warnings()
+    configure_logging()  # plain lines until the rank is known (run_distributed)
     args = parse(argv)
     prefix = f"{name}: error: " if name else "error: "
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if interrupted is not None else None
@@ -120,6 +122,7 @@ def run_distributed(work: Callable[["Parallel"], int | None], tensor_parallel: i
     prepare_cuda_environment(tensor_parallel)  # before init_parallel makes this rank's CUDA context
     prepare_hang_diagnostics()
     parallel = init_parallel(launch, tensor_parallel, pipeline_parallel, timeout_minutes, rendezvous_timeout_minutes)
+    configure_logging(parallel.rank, parallel.world_size, parallel.logging_rank)
     try:
         return work(parallel) or 0
     except UserError as error:

@@ -27,6 +27,7 @@ from _train_worker import TINY  # noqa: E402
 from pretrain.checkpoint.format import tag_for  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
+from pretrain.observability.console import configure_logging  # noqa: E402
 from pretrain.training.trainer import Trainer  # noqa: E402
 
 
@@ -65,7 +66,8 @@ def main():
         step, index, *rank = (int(v) for v in crash.split(":"))
         if not rank or rank[0] == parallel.rank:
             crash_inside_save(step, index)
-    trainer = Trainer(cfg, parallel, log=lambda *a, **k: print(*a, **{**k, "flush": True}))
+    configure_logging(parallel.rank, parallel.world_size, parallel.logging_rank)  # as the program shows it
+    trainer = Trainer(cfg, parallel)
     history = trainer.train()
     params_norm = trainer.params_norm()
     if parallel.rank == parallel.logging_rank:

@@ -68,7 +68,7 @@ def main():
                 cfg = load_config(None, TINY + [f"train.precision={precision}", f"parallel.zero_stage={stage}",
                                                 f"optimizer.name={optimizer}"] + extra)
                 cfg.validate(world_size=parallel.world_size)
-                trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
+                trainer = Trainer(cfg, parallel)
                 results[f"{precision}-zero{stage}-{optimizer}"] = inspect(trainer.engine)
                 del trainer
     if "fp16" not in precisions:

@@ -18,7 +18,7 @@ def main():
     launch = discover_launch_env()
     launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
     parallel = init_parallel(launch, 1, 1, timeout_minutes=3)
-    runner = Finetuner(cfg, parallel, log=lambda *a, **k: None)
+    runner = Finetuner(cfg, parallel)
     with open(out_path, "w") as f:
         json.dump({"wrapper": type(runner.engine.optimizer).__name__,
                    "optimizer_states": len(runner.engine.basic_optimizer.state)}, f)

@@ -49,7 +49,7 @@ def main():
         cfg = load_finetune_config(None, [f"task.name={run['task']}", "train.eval_only=true", "train.progress=false",
                                           "train.padding=max_length", *run["overrides"]])
         cfg.validate(launch.world_size)
-        runner = Finetuner(cfg, parallel, log=lambda *a, **k: None)
+        runner = Finetuner(cfg, parallel)
         fixed = outputs_of(runner)
         runner.cfg.train.padding = "longest"
         results[run["name"]] = {"max_length": fixed, "longest": outputs_of(runner), "dp": parallel.dp_size}

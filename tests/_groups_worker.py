@@ -29,7 +29,7 @@ def main():
         "data.seq_length=32", "data.max_predictions_per_seq=5", "train.global_batch_size=4",
         "train.micro_batch_size=1", "logging.tensorboard_dir=null", "checkpoint.save_dir=null"])
     cfg.validate(world_size=parallel.world_size)
-    trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
+    trainer = Trainer(cfg, parallel)
     reports = device.all_gather_object(layout_report(trainer, parallel))
     if parallel.rank == parallel.logging_rank:
         with open(out_path, "w") as f:

@@ -61,7 +61,7 @@ def main():
     for run in runs:
         cfg = load_config(None, TINY + run["overrides"])
         cfg.validate(world_size=parallel.world_size)
-        trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
+        trainer = Trainer(cfg, parallel)
         poison(trainer, run, parallel.rank)
         norms = []
         result = {"norms": norms}

@@ -24,6 +24,7 @@ from pretrain.config import load_config  # noqa: E402
 from pretrain.data.samples.batches import collate, split_inputs_labels  # noqa: E402
 from pretrain.data.samples.synthetic import SyntheticDataset  # noqa: E402
 from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
+from pretrain.observability.console import configure_logging  # noqa: E402
 from pretrain.training.trainer import Trainer  # noqa: E402
 
 
@@ -58,12 +59,13 @@ def main():
     launch = discover_launch_env()
     launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
     parallel = init_parallel(launch, tp, pp, timeout_minutes=3)
+    configure_logging(parallel.rank, parallel.world_size, parallel.logging_rank)  # as the programs show them
     results = {}
     for run in map(json.loads, sys.argv[4:]):
         cfg = load_config(None, TINY + [f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}"]
                           + run["overrides"])
         cfg.validate(world_size=parallel.world_size)
-        trainer = Trainer(cfg, parallel, log=print)
+        trainer = Trainer(cfg, parallel)
         history = trainer.train() if run.get("train", True) else (trainer.resume() or [])
         inputs, labels = fixed_batch(cfg, parallel.device)
         results[run["name"]] = {"history": history, "inputs": inputs,

@@ -62,7 +62,7 @@ def what_took_effect(trainer, parallel) -> dict:
 def train(cfg, parallel, poisons=(), rank=0) -> dict:
     cfg.validate(world_size=parallel.world_size)
     gc.collect()  # the previous run's engine: its buffers would count in this run's device memory
-    trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
+    trainer = Trainer(cfg, parallel)
     for run_poison in poisons:
         poison(trainer, dict(run_poison, rank=rank), parallel.rank)
     norms, outcomes = [], []
@@ -90,7 +90,7 @@ def accumulation_error(cfg, parallel) -> dict:
     from pretrain.optim.layout import layout_for_deepspeed
 
     cfg.validate(world_size=parallel.world_size)
-    trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
+    trainer = Trainer(cfg, parallel)
     exact = {}  # parameter id -> float64 sum of its micro-batch gradients on this rank
 
     def add(param):

@@ -53,7 +53,7 @@ def main():
         cfg.validate(world_size=parallel.world_size)
         gc.collect()  # the previous run's engine: its buffers must not count in this run's device peak
         before = device.device_memory_allocated(parallel.device)
-        trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
+        trainer = Trainer(cfg, parallel)
         trainer.train()
         results[run["name"]] = {"memory": trainer.first_step_memory, "allocated_before": before,
                                 "took_effect": device.all_gather_object(took_effect(trainer, parallel))}

@@ -44,7 +44,7 @@ def main():
     parallel = init_parallel(launch, 1, 1, timeout_minutes=3)
     cfg = load_config(None, TINY + [f"train.train_steps={steps}", "logging.interval=10"] + overrides)
     cfg.validate(world_size=parallel.world_size)
-    trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
+    trainer = Trainer(cfg, parallel)
     reads = collections.Counter()
     count_reads(parallel.device, reads)
     trainer.train()

@@ -105,6 +105,27 @@ def use_per_shard_trust_ratios(trainer) -> None:
     client.set_layout(layout_for_params([g["params"] for g in client.param_groups], tp_group=None))
 
 
+def log_lines(parallel) -> list[str]:
+    """The library's log messages from now on (pretrain.*) until the next call, as the programs
+    show them: the logging rank's information, every rank's warnings."""
+    import logging
+
+    lines = []
+
+    class Collect(logging.Handler):
+        collects = True
+
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    library = logging.getLogger("pretrain")
+    for old in [h for h in library.handlers if getattr(h, "collects", False)]:
+        library.removeHandler(old)  # the previous run's list is complete
+    library.addHandler(Collect())
+    library.setLevel(logging.INFO if parallel.rank == parallel.logging_rank else logging.WARNING)
+    return lines
+
+
 def main():
     from pretrain.observability.quiet import hide_library_warnings
 
@@ -125,8 +146,8 @@ def main():
             parallel, layout = init_parallel(launch, tp, pp, timeout_minutes=3), (tp, pp)
         cfg = load_config(None, TINY + [f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}"] + run["overrides"])
         cfg.validate(world_size=parallel.world_size)
-        lines = []
-        trainer = Trainer(cfg, parallel, log=lambda *a, **k: lines.append(" ".join(map(str, a))))
+        lines = log_lines(parallel)
+        trainer = Trainer(cfg, parallel)
         if run.get("per_shard_lamb"):
             use_per_shard_trust_ratios(trainer)
         history = trainer.train()

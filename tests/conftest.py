@@ -120,3 +120,28 @@ def pytest_runtest_setup(item):
                     f"CUDA {'present' if present else 'absent'}): GPU tests fail rather than skip "
                     "where a GPU is expected", pytrace=False)
     pytest.skip(f"GPU test: {reason}")
+
+
+@pytest.fixture
+def library_log():
+    """The messages the library logs (loggers pretrain.*, finetune.*) during the test, at INFO and
+    above: a handler on the library's loggers themselves, so that it sees them whatever a program
+    run in this process set (configure_logging stops them reaching the root logger)."""
+    import logging
+
+    lines = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    handler = Collect()
+    loggers = [logging.getLogger(name) for name in ("pretrain", "finetune")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    yield lines
+    for logger, level in zip(loggers, levels):
+        logger.removeHandler(handler)
+        logger.setLevel(level)

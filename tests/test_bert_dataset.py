@@ -74,7 +74,7 @@ def settings(**overrides) -> SampleSettings:
 def make_dataset(prefixes, vocab, tmp_path, num_samples=4000, split="1,0,0", split_index=0, weights=None, **kw):
     corpora = [CorpusSpec(str(p), w) for p, w in zip(prefixes, weights or [1.0] * len(prefixes))]
     return build_split_dataset(corpora, split_index, split, num_samples, settings(**kw), vocab,
-                               str(tmp_path / "cache"), True, None, lambda *_: None)
+                               str(tmp_path / "cache"), True, None)
 
 
 @pytest.fixture(scope="module")
@@ -360,14 +360,14 @@ def test_data_from_another_vocabulary_is_refused(corpus, tmp_path):
         make_dataset([prefix], WordPieceVocab.from_file(small), tmp_path)
 
 
-def test_index_is_built_once_and_keyed_by_its_inputs(corpus, vocab, tmp_path):
+def test_index_is_built_once_and_keyed_by_its_inputs(corpus, vocab, tmp_path, library_log):
     prefix, _ = corpus
-    logged = []
+    logged = library_log
 
     def build(**kw):
         corpora = [CorpusSpec(str(prefix), 1.0)]
         return build_split_dataset(corpora, 0, "1,0,0", 100, settings(**kw), vocab, str(tmp_path / "cache"), True,
-                                   None, logged.append)
+                                   None)
 
     first = build()
     assert len(logged) == 1 and "built index" in logged[0]

@@ -123,7 +123,7 @@ def fake_groups(monkeypatch):
     def init_parallel(launch, tensor_parallel, pipeline_parallel, timeout_minutes, rendezvous_timeout_minutes=10.0):
         calls.append(("init", {key: os.environ.get(key) for key in (*LAUNCH_KEYS, MAX_CONNECTIONS_ENV)},
                       tensor_parallel, pipeline_parallel, timeout_minutes))
-        return SimpleNamespace(rank=launch.rank, logging_rank=1)
+        return SimpleNamespace(rank=launch.rank, world_size=launch.world_size, logging_rank=1)
 
     monkeypatch.setattr(pretrain.distributed.parallel, "init_parallel", init_parallel)
     monkeypatch.setattr(pretrain.distributed.parallel, "shutdown_parallel", lambda: calls.append(("shutdown",)))

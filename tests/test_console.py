@@ -77,6 +77,38 @@ def test_lines_of_several_ranks_carry_time_and_rank(capsys):
     assert re.fullmatch(stamp + "second line", out[1]), out
 
 
+def test_the_programs_logging_shows_the_logging_ranks_information_and_every_ranks_warnings(capsys):
+    """configure_logging: what the programs set for the library's loggers (a user embedding the
+    library configures logging the usual way instead)."""
+    import logging
+
+    from pretrain.observability.console import configure_logging
+
+    library = logging.getLogger("pretrain.training.trainer")
+    try:
+        configure_logging(rank=3, world_size=8, logging_rank=3)
+        library.info("step 5/10 | loss 2.0\nsecond line")
+        library.warning("memory planner failed")
+        configure_logging(rank=2, world_size=8, logging_rank=3)
+        library.info("not shown: another rank's information")
+        library.warning("shown: another rank's warning")
+        configure_logging()  # one process: as print() would show it
+        logging.getLogger("finetune.finetuner").info("epoch 1 | accuracy 0.7")
+        captured = capsys.readouterr()
+    finally:
+        for name in ("pretrain", "finetune"):  # back to a library nobody configured
+            logger = logging.getLogger(name)
+            logger.handlers.clear()
+            logger.setLevel(logging.NOTSET)
+            logger.propagate = True
+    out, err = captured.out.splitlines(), captured.err.splitlines()
+    stamp = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d rank (\d)\] "
+    assert [re.sub(stamp, r"\1: ", line) for line in out] == [
+        "3: step 5/10 | loss 2.0", "3: second line", "epoch 1 | accuracy 0.7"], out
+    assert [re.sub(stamp, r"\1: ", line) for line in err] == [
+        "3: memory planner failed", "2: shown: another rank's warning"], err
+
+
 def test_phase_times_are_exclusive(monkeypatch):
     """A phase inside another stops the outer one's clock (the all-reduce inside backward)."""
     import pretrain.observability.timers as timers

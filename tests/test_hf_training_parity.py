@@ -50,7 +50,7 @@ def global_batches(overrides):
     from pretrain.data.samples.batches import collate, split_inputs_labels
 
     cfg = load_config(None, TINY + overrides)
-    data, _, _ = pretraining_datasets(cfg, is_builder=True, barrier=None, log=lambda *a: None)
+    data, _, _ = pretraining_datasets(cfg, is_builder=True, barrier=None)
     size = cfg.train.global_batch_size
     for step in range(STEPS):
         yield split_inputs_labels(collate([data[i] for i in range(step * size, (step + 1) * size)]),

@@ -38,10 +38,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = dict(progress=False)
 
 
-def _quiet(*_):
-    pass
-
-
 @pytest.fixture(scope="module")
 def vocab(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("vocab")
@@ -82,7 +78,7 @@ def read_dataset(prefix: str) -> list[list[list[int]]]:
 def run(inputs, prefix, vocab, **kwargs):
     options = PreprocessOptions(inputs=tuple(inputs), output_prefix=str(prefix), vocab_file=vocab,
                                 **{**QUIET, **kwargs})
-    return preprocess(options, log=_quiet)
+    return preprocess(options)
 
 
 def files(directory) -> list[str]:
@@ -206,7 +202,7 @@ def test_tokenizer_json_gives_the_same_output_as_vocab_txt(tmp_path, vocab):
     run([corpus], tmp_path / "a", vocab, split_sentences=True)
     options = PreprocessOptions(inputs=(corpus,), output_prefix=str(tmp_path / "b"), split_sentences=True,
                                 tokenizer_json=os.path.join(os.path.dirname(vocab), "tokenizer.json"), progress=False)
-    preprocess(options, log=_quiet)
+    preprocess(options)
     for ext in ("bin", "idx"):
         assert (tmp_path / f"a_text_sentence.{ext}").read_bytes() == (tmp_path / f"b_text_sentence.{ext}").read_bytes()
 
@@ -424,7 +420,7 @@ def test_worker_failure_fails_fast_and_leaves_no_output(tmp_path, vocab, encoder
                                 workers=2, chunk_bytes=1000, partitions=2, progress=False)
     started = time.monotonic()
     with pytest.raises(PreprocessError, match=match):
-        preprocess(options, encoder_factory=encoder, log=_quiet)
+        preprocess(options, encoder_factory=encoder)
     assert time.monotonic() - started < 60
     assert files(tmp_path / "out") == []
 

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int | None:
         progress=not args.quiet,
     )
     try:
-        report = preprocess(options, log=lambda line: print(line, file=sys.stderr))
+        report = preprocess(options)  # its notes are warnings: on stderr (pretrain/observability/console.py)
     except Interrupted as e:  # SIGINT or SIGTERM: the pipeline turns them into this, and cleans up
         print(f"preprocess_data: {e}; no output written", file=sys.stderr)
         return INTERRUPTED

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -27,7 +27,6 @@ if TYPE_CHECKING:  # annotations only
 
     from pretrain.config import ModelConfig
 
-Log = Callable[..., None]
 
 
 class TaskDataError(UserError, ValueError):
@@ -122,7 +121,8 @@ class Task(ABC):
         """The examples of a "train", "dev" or "test" file; raises TaskDataError."""
 
     @abstractmethod
-    def encode(self, tokenizer: Tokenizer, examples: list, section: TaskSection, training: bool, log: Log) -> Batches:
+    def encode(self, tokenizer: Tokenizer, examples: list, section: TaskSection,
+               training: bool) -> Batches:
         """Model inputs (and labels, where the examples have them) padded to task.max_seq_length."""
 
     @abstractmethod

@@ -34,7 +34,7 @@ from pretrain.common.textfile import read_lines, read_text
 
 from ..config import ModelSection, TaskSection
 from ..inputs import TextFeatures
-from .base import Dataset, Evaluation, Log, Read, ReadReport, Task, TaskDataError, TestFile
+from .base import Dataset, Evaluation, Read, ReadReport, Task, TaskDataError, TestFile
 
 if TYPE_CHECKING:  # annotations only
     from tokenizers import Tokenizer
@@ -101,8 +101,8 @@ class GlueTask(Task):
         examples, report = read_examples(self, path, split, **({} if path.endswith(".tsv") else named))
         return Read(examples, report)
 
-    def encode(self, tokenizer: Tokenizer, examples: list[Example], section: TaskSection, training: bool,
-               log: Log) -> TextFeatures:
+    def encode(self, tokenizer: Tokenizer, examples: list[Example], section: TaskSection,
+               training: bool) -> TextFeatures:
         texts = [(e.text_a, e.text_b) if e.text_b is not None else e.text_a for e in examples]
         return TextFeatures(tokenizer, texts, self.label_tensor(examples), section.max_seq_length)
 

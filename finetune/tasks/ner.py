@@ -15,6 +15,8 @@ CoNLL format or JSON lines (finetune/tasks/tagging.py), a tag for every word, en
 """
 from __future__ import annotations
 
+import logging
+
 import bisect
 import json
 from dataclasses import dataclass, field, replace
@@ -28,9 +30,11 @@ from ..config import ModelSection, TaskSection
 from ..inputs import Batches
 from ..ner_metrics import tagging_scores
 from ..windows import max_context_owners, windows
-from .base import Dataset, Evaluation, Log, Read, Task, TaskDataError
+from .base import Dataset, Evaluation, Read, Task, TaskDataError
 from .tagging import (CONLL2003_LABELS, SCHEMES, Document, conll_text, in_scheme, iob1_evidence, iob2_labels,
                       read_tagged, split_tag, to_iob2)
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # annotations only
     from tokenizers import Tokenizer
@@ -99,13 +103,13 @@ class TokenClassificationTask(Task):
                         f"this file also has {', '.join(unknown)}: give task.labels with O and B-/I- of every type")
 
     # ------------------------------------------------------------------------- inputs
-    def encode(self, tokenizer: Tokenizer, examples: list[Document], section: TaskSection, training: bool,
-               log: Log) -> TaggingFeatures:
+    def encode(self, tokenizer: Tokenizer, examples: list[Document], section: TaskSection,
+               training: bool) -> TaggingFeatures:
         features = build_tagging_features(tokenizer, examples, self.labels, section.max_seq_length,
                                           section.doc_stride)
         words = sum(features.words_per_example)
         longer = sum(n > 1 for n in features.windows_per_example)
-        log(f"  {len(examples):,} {section.context}s, {words:,} words -> {len(features):,} windows "
+        logger.info(f"  {len(examples):,} {section.context}s, {words:,} words -> {len(features):,} windows "
             f"({longer:,} need more than one); {features.split_words:,} words split into sub-tokens"
             + (f", {features.unknown_words:,} with no token ([UNK])" if features.unknown_words else ""))
         return features

@@ -18,6 +18,8 @@ semantics, with the tokenizer's character offsets so answers are cut from the or
 """
 from __future__ import annotations
 
+import logging
+
 import collections
 import json
 import math
@@ -34,7 +36,9 @@ from ..config import ModelSection, TaskSection
 from ..inputs import Batches
 from ..squad_metrics import evaluate_v1, evaluate_v2
 from ..windows import is_max_context, windows
-from .base import Dataset, Evaluation, Log, Read, ReadReport, Task, TaskDataError
+from .base import Dataset, Evaluation, Read, ReadReport, Task, TaskDataError
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # annotations only
     from tokenizers import Tokenizer
@@ -66,12 +70,12 @@ class SquadTask(Task):
         examples, data, report = read_squad(path, self.version, training=split == "train")
         return Read(examples, report, data)
 
-    def encode(self, tokenizer: Tokenizer, examples: list[SquadExample], section: TaskSection, training: bool,
-               log: Log) -> SquadFeatures:
+    def encode(self, tokenizer: Tokenizer, examples: list[SquadExample], section: TaskSection,
+               training: bool) -> SquadFeatures:
         features = build_features(tokenizer, examples, section.max_seq_length, section.doc_stride,
                                    section.max_query_length, training)
         longer = sum(n > 1 for n in features.windows_per_example)
-        log(f"  {len(examples):,} questions -> {len(features):,} windows ({longer:,} contexts need more than "
+        logger.info(f"  {len(examples):,} questions -> {len(features):,} windows ({longer:,} contexts need more than "
             f"one); {features.truncated_questions:,} questions truncated to {section.max_query_length} tokens")
         return features
 

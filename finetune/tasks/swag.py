@@ -17,7 +17,7 @@ from pretrain.common.textfile import read_text
 
 from ..config import ModelSection, TaskSection
 from ..inputs import TextFeatures
-from .base import Dataset, Evaluation, Log, Read, ReadReport, Task, TaskDataError
+from .base import Dataset, Evaluation, Read, ReadReport, Task, TaskDataError
 from .glue import Example, prediction_table
 
 if TYPE_CHECKING:  # annotations only
@@ -47,8 +47,8 @@ class SwagTask(Task):
         examples, report = read_swag(path, split)
         return Read(examples, report)
 
-    def encode(self, tokenizer: Tokenizer, examples: list[ChoiceExample], section: TaskSection, training: bool,
-               log: Log) -> TextFeatures:
+    def encode(self, tokenizer: Tokenizer, examples: list[ChoiceExample], section: TaskSection,
+               training: bool) -> TextFeatures:
         labels = None if examples[0].label is None else \
             torch.tensor([LABELS.index(e.label) for e in examples], dtype=torch.long)
         pairs = [pair for e in examples for pair in choice_pairs(e)]

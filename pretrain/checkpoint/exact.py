@@ -8,6 +8,8 @@ loads anything.
 """
 from __future__ import annotations
 
+import logging
+
 import json
 import os
 import pickle
@@ -26,6 +28,8 @@ from .format import (LATEST, META, PARTIAL, REPLACED, TAG_PATTERN, CheckpointErr
                      complete_tags, content_problems, damaged, fingerprints, latest_tag, layout_of, model_shape_of,
                      read_meta, rng_file, tag_for, verify_checkpoint, with_older_checkpoints)
 from .tokenizer_files import save_vocab
+
+logger = logging.getLogger(__name__)
 
 
 def _fsync_dir(path: str) -> None:
@@ -174,7 +178,7 @@ def _engine_load(engine, path: str, **kwargs):
     return client_state
 
 
-def load_checkpoint(engine, load_dir: str, cfg: Config, parallel, tracker, log=print) -> tuple[int, int] | None:
+def load_checkpoint(engine, load_dir: str, cfg: Config, parallel, tracker) -> tuple[int, int] | None:
     """Resume from `latest` in load_dir. Returns (step, consumed_samples), or None if there is none.
     Every file is checked, and this rank's RNG file read, before any state changes."""
     tag = latest_tag(load_dir)  # checks the files against meta.json
@@ -199,7 +203,7 @@ def load_checkpoint(engine, load_dir: str, cfg: Config, parallel, tracker, log=p
     if not restore_rng_state(state, tracker):
         # Not bit-exact (no RNG of one device type replays the other's), but deterministic.
         seed_streams(tracker, cfg.train.seed + step, parallel.tp_rank, parallel.pp_rank, parallel.dp_rank)
-        log(f"{rng_path}: the dropout RNG streams were written on {_saved_device_type(state)}, this run is on "
+        logger.info(f"{rng_path}: the dropout RNG streams were written on {_saved_device_type(state)}, this run is on "
             f"{tracker.device.type}: reseeded them from train.seed + step ({cfg.train.seed} + {step}); "
             "weights, optimizer, data position and schedule resume exactly")
     return step, client_state["consumed_samples"]

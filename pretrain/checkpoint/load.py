@@ -11,6 +11,8 @@ each rank copies its part into:
 """
 from __future__ import annotations
 
+import logging
+
 import os
 
 import torch
@@ -24,6 +26,8 @@ from .format import (CONFIG_JSON, LATEST, MOMENTS, CheckpointError, latest_tag, 
                      read_meta, resolve_tag_dir, restores_exactly, shape_differences)
 from .logical import LogicalCheckpoint, read_native
 from .sharding import load_hf_state_dict, local_value
+
+logger = logging.getLogger(__name__)
 
 
 def is_hf_directory(path: str) -> bool:
@@ -98,7 +102,7 @@ def load_into_engine(engine, model, ckpt: LogicalCheckpoint, cfg, parallel, with
         set_position(engine, ckpt.step, ckpt.consumed_samples)
 
 
-def resume(engine, model, load_dir: str, cfg, parallel, tracker, log) -> tuple[int, int] | None:
+def resume(engine, model, load_dir: str, cfg, parallel, tracker) -> tuple[int, int] | None:
     """Continue the run saved in load_dir: exactly (DeepSpeed) when it was written in this
     layout, otherwise layout-free with weights, optimizer state, step, samples and LR schedule.
     Returns (step, consumed_samples), or None when load_dir holds no checkpoint yet."""
@@ -108,7 +112,7 @@ def resume(engine, model, load_dir: str, cfg, parallel, tracker, log) -> tuple[i
     tag_dir = os.path.join(load_dir, tag)
     meta = read_meta(tag_dir)
     if restores_exactly(meta, cfg, parallel):
-        return exact.load_checkpoint(engine, load_dir, cfg, parallel, tracker, log)
+        return exact.load_checkpoint(engine, load_dir, cfg, parallel, tracker)
     ckpt = read_native(tag_dir, with_optimizer=True)
     check_model_matches(ckpt, cfg, tag_dir)
     if ckpt.moments is not None and ckpt.config.optimizer.name != cfg.optimizer.name:
@@ -119,9 +123,9 @@ def resume(engine, model, load_dir: str, cfg, parallel, tracker, log) -> tuple[i
     # The dropout streams of another layout cannot be carried over: new ones, distinct per step.
     seed_streams(tracker, cfg.train.seed + ckpt.step, parallel.tp_rank, parallel.pp_rank, parallel.dp_rank)
     differences = layout_differences(meta, cfg, parallel)
-    log(f"{tag_dir}: {'; '.join(differences) or 'a converted checkpoint'}: loaded layout-free (weights, "
-        f"{'optimizer state, ' if ckpt.moments is not None else 'no optimizer state (fresh moments), '}"
-        "step, samples, LR schedule; new dropout RNG streams)")
+    logger.info(f"{tag_dir}: {'; '.join(differences) or 'a converted checkpoint'}: loaded layout-free (weights, "
+                f"{'optimizer state, ' if ckpt.moments is not None else 'no optimizer state (fresh moments), '}"
+                "step, samples, LR schedule; new dropout RNG streams)")
     return ckpt.step, ckpt.consumed_samples
 
 

@@ -2,6 +2,8 @@
 and where a run starts: its own latest checkpoint, or `checkpoint.init_from`, or from scratch."""
 from __future__ import annotations
 
+import logging
+
 from ..checkpoint import exact as checkpoint_saving, load as checkpoint_loading
 from ..checkpoint.format import CheckpointError
 from ..config import Config
@@ -10,11 +12,13 @@ from ..distributed.parallel import Parallel
 from ..model.rng import RngTracker
 from ..resilience.watchdog import Watchdog
 
+logger = logging.getLogger(__name__)
+
 
 class Checkpointer:
-    def __init__(self, cfg: Config, parallel: Parallel, engine, model, tracker: RngTracker, log, watchdog: Watchdog):
+    def __init__(self, cfg: Config, parallel: Parallel, engine, model, tracker: RngTracker, watchdog: Watchdog):
         self.cfg, self.parallel, self.engine, self.model = cfg, parallel, engine, model
-        self.tracker, self.log, self.watchdog = tracker, log, watchdog
+        self.tracker, self.watchdog = tracker, watchdog
 
     def due(self, step: int) -> bool:
         interval = self.cfg.checkpoint.save_interval
@@ -27,7 +31,7 @@ class Checkpointer:
         self.watchdog.doing(f"saving the checkpoint of step {step}", step)
         tag = checkpoint_saving.save_checkpoint(self.engine, t.save_dir, step, consumed_samples, self.cfg,
                                                 self.parallel, self.tracker, t.keep_last)
-        self.log(f"saved checkpoint {t.save_dir}/{tag}")
+        logger.info(f"saved checkpoint {t.save_dir}/{tag}")
         self.watchdog.progress(f"the save of step {step}", step)
 
     def resume(self) -> tuple[int, int]:
@@ -37,7 +41,7 @@ class Checkpointer:
         found = None
         if t.load_dir:
             found = checkpoint_loading.resume(self.engine, self.model, t.load_dir, self.cfg, self.parallel,
-                                              self.tracker, self.log)
+                                              self.tracker)
             if found is None and t.load_dir != t.save_dir and not t.init_from:
                 raise CheckpointError(f"no checkpoint in {t.load_dir} (no 'latest' file)")
         if found is None:
@@ -45,12 +49,12 @@ class Checkpointer:
                 loaded = checkpoint_loading.init_from(self.engine, self.model, t.init_from, self.cfg, self.parallel,
                                                       t.init_optimizer_states)
                 what = "weights and optimizer states" if t.init_optimizer_states else "weights"
-                self.log(f"initialised {what} from {loaded}; starting at step 0")
+                logger.info(f"initialised {what} from {loaded}; starting at step 0")
             elif t.load_dir:
-                self.log(f"no checkpoint in {t.load_dir} yet: starting from scratch")
+                logger.info(f"no checkpoint in {t.load_dir} yet: starting from scratch")
             return 0, 0
         step, consumed_samples = found
         if self.cfg.train.precision == "fp16":  # DeepSpeed's checkpoint carries the loss scaler object itself
             internals.let_loss_scaler_reach_minimum(self.engine)
-        self.log(f"resumed from {t.load_dir} at step {step} ({consumed_samples} samples)")
+        logger.info(f"resumed from {t.load_dir} at step {step} ({consumed_samples} samples)")
         return step, consumed_samples

@@ -3,6 +3,8 @@ evaluation results file, and the first steps' memory beside the planner's predic
 the run's history (every step's reduced metrics), which stays readable after a failure."""
 from __future__ import annotations
 
+import logging
+
 import json
 import math
 import os
@@ -21,6 +23,8 @@ from ..observability.console import duration
 from ..observability.device_memory import MB
 from ..plan import predict_rank_memory
 
+logger = logging.getLogger(__name__)
+
 # how the console line names each phase of pretrain/observability/timers.py
 PHASE_LABELS = {"data": "data", "forward": "fwd", "backward": "bwd", "forward_backward": "fwd+bwd",
                 "grad_reduce": "reduce", "optimizer": "opt"}
@@ -31,10 +35,9 @@ MEMORY_ITEMS = (("parameters", "parameters"), ("gradients", "gradients"), ("opti
 
 
 class Reporter:
-    def __init__(self, cfg: Config, parallel: Parallel, log):
+    def __init__(self, cfg: Config, parallel: Parallel):
         self.cfg, self.parallel = cfg, parallel
-        self.reports = parallel.rank == parallel.logging_rank
-        self.log = log if self.reports else (lambda *a, **k: None)
+        self.reports = parallel.rank == parallel.logging_rank  # the rank that writes TensorBoard and eval.results
         self.history: list[dict] = []  # every step's reduced metrics with its host figures
         self.first_step_memory: list[dict] | None = None  # every rank's measured and planned memory
         results, tensorboard_dir = cfg.eval.results, cfg.logging.tensorboard_dir
@@ -79,7 +82,7 @@ class Reporter:
         self.scalars("time", {f"{phase}_ms": ms for phase, ms in phase_ms.items()}, step, consumed_samples)
         phases = " ".join(f"{PHASE_LABELS[phase]} {ms:.0f}" for phase, ms in phase_ms.items())
         nsp = f"| nsp {metrics['nsp_loss']:.4f} " if self.cfg.binary_head else ""
-        self.log(
+        logger.info(
             f"step {step}/{t.train_steps} | loss {metrics['loss']:.4f} | lm {metrics['lm_loss']:.4f} "
             f"{nsp}| mlm acc {metrics['mlm_accuracy']:.3f} | lr {metrics['learning_rate']:.3e} "
             f"| grad norm {metrics['grad_norm']:.3f} | {perf['real_tokens_per_second']:.0f} real tok/s "
@@ -87,9 +90,7 @@ class Reporter:
             f"| data wait {1e3 * perf['data_wait_time']:.0f} ms/step "
             f"| {perf['model_tflops_per_rank'] * 1e3:.1f} GFLOP/s/rank | ETA {duration(seconds * (t.train_steps - step))}"
             + (f" | skipped {metrics['skipped_steps']}" if metrics["skipped_steps"] else "")
-            + (f" | ms/step: {phases}" if phases else ""),
-            flush=True,
-        )
+            + (f" | ms/step: {phases}" if phases else ""))
 
     def evaluation(self, split: str, metrics: dict, step: int, consumed_samples: int) -> None:
         """One evaluation ("eval": the validation set, "test"): console, TensorBoard, eval.results."""
@@ -98,8 +99,8 @@ class Reporter:
         self.scalars(split, metrics, step, consumed_samples)
         nsp = (f" | nsp {metrics['nsp_loss']:.4f}", f" | nsp acc {metrics['nsp_accuracy']:.3f}") \
             if self.cfg.binary_head else ("", "")
-        self.log(f"{split} at step {step} | lm {metrics['lm_loss']:.4f} | perplexity {metrics['perplexity']:.2f}"
-                 f"{nsp[0]} | mlm acc {metrics['mlm_accuracy']:.3f}{nsp[1]}", flush=True)
+        logger.info(f"{split} at step {step} | lm {metrics['lm_loss']:.4f} | perplexity {metrics['perplexity']:.2f}"
+                 f"{nsp[0]} | mlm acc {metrics['mlm_accuracy']:.3f}{nsp[1]}")
         if self.eval_results is not None:
             self.eval_results.add("valid" if split == "eval" else split, step, consumed_samples, metrics)
 
@@ -111,10 +112,10 @@ class Reporter:
             planned = predict_rank_memory(self.cfg, p.world_size, p.pp_rank, p.device.type, p.dp_rank).breakdown()
         except Exception as error:  # a planner bug must not stop a training run: say it, go on
             planned = {}
-            self.log(f"memory planner failed on rank {p.rank}: {type(error).__name__}: {error}")
+            logger.warning(f"memory planner failed on rank {p.rank}: {type(error).__name__}: {error}")
         self.first_step_memory = device.all_gather_object({"measured": measured, "planned": planned})
         for rank, report in enumerate(self.first_step_memory):
-            self.log(f"memory of rank {rank} in step {step}: "
+            logger.info(f"memory of rank {rank} in step {step}: "
                      + " | ".join(_memory_item(label, key, report) for key, label in MEMORY_ITEMS
                                   if key in report["measured"]))
         mine = self.first_step_memory[p.rank]

@@ -7,6 +7,8 @@ DeepSpeed or megatron-core access through pretrain/distributed/internals.py.
 """
 from __future__ import annotations
 
+import logging
+
 import time
 from typing import Callable
 
@@ -18,7 +20,6 @@ from ..distributed import device, internals
 from ..distributed.parallel import Parallel
 from ..model.bert import PretrainingLoss
 from ..model.rng import RngTracker, seed_streams
-from ..observability.console import rank_printer
 from ..observability.device_memory import FirstStepMemory
 from ..observability.profiling import step_profiler
 from ..observability.timers import NoTimers, PhaseTimers
@@ -34,15 +35,16 @@ from .metrics import TOKEN_COUNTS, ThroughputWindow, reduce_metrics
 from .reporter import Reporter
 from .steps import StepResult, StepRunner
 
+logger = logging.getLogger(__name__)
+
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Trainer:
-    def __init__(self, cfg: Config, parallel: Parallel, log=None):
+    def __init__(self, cfg: Config, parallel: Parallel):
         started = time.monotonic()  # resilience.exit_duration_minutes counts from here
         self.cfg, self.parallel = cfg, parallel
-        self.reporter = Reporter(cfg, parallel, log or rank_printer(parallel.rank, parallel.world_size))
-        self.log = self.reporter.log
+        self.reporter = Reporter(cfg, parallel)
         self.step = 0
         self.consumed_samples = 0
         self.stopped: str | None = None  # why train() stopped before train.train_steps, and what it saved
@@ -55,21 +57,21 @@ class Trainer:
         unsupported = device.precision_problem(parallel.device, cfg.train.precision)
         if unsupported:
             raise device.DeviceError(unsupported)
-        self.log(f"{device.describe(parallel)}, ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}")
+        logger.info(f"{device.describe(parallel)}, ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}")
         self.tracker = RngTracker(parallel.device)
         seed_streams(self.tracker, cfg.train.seed, parallel.tp_rank, parallel.pp_rank, parallel.dp_rank)
         self.loss_fn = PretrainingLoss(parallel.tp_group, parallel.tp_rank)
         built = build_pretraining_engine(cfg, parallel, self.tracker, self.loss_fn)
         self.engine, self.model, self.ds_config = built.engine, built.model, built.ds_config
         accumulation, reduction = internals.gradient_dtypes(self.engine)
-        self.log(f"optimizer {cfg.optimizer.name} under DeepSpeed's {type(self.engine.optimizer).__name__}; gradients "
+        logger.info(f"optimizer {cfg.optimizer.name} under DeepSpeed's {type(self.engine.optimizer).__name__}; gradients "
                  f"accumulated in {_dtype_name(accumulation)}, reduced in {_dtype_name(reduction)}, clipped "
                  f"{'exactly by the trainer' if built.exact_clipping else 'by DeepSpeed'}")
         self.timers = self._phase_timers()
 
         # Rank 0 builds missing sample indices while the others wait; all then map the cache.
         self.train_data, self.valid_data, self.test_data = pretraining_datasets(
-            cfg, is_builder=parallel.rank == 0, barrier=device.barrier, log=self.log)
+            cfg, is_builder=parallel.rank == 0, barrier=device.barrier)
         self.loaders = Loaders(cfg, parallel, self.grad_accum)
         self.watchdog = Watchdog.for_job(cfg.resilience.hang_timeout_minutes, parallel, self.loaders.report)
         self.steps = StepRunner(cfg, parallel, self.engine, self.loss_fn, built.guard, self.timers, self.watchdog)
@@ -77,7 +79,7 @@ class Trainer:
                                 cfg.fp16.min_loss_scale if cfg.train.precision == "fp16" else None)
         self.evaluator = Evaluator(self.engine, self.loss_fn, self.loaders, parallel, cfg.eval.steps, self.watchdog)
         self.stops = StopRequests(cfg.resilience.stop_check_interval, cfg.resilience.exit_duration_minutes, parallel, started)
-        self.checkpointer = Checkpointer(cfg, parallel, self.engine, self.model, self.tracker, self.log, self.watchdog)
+        self.checkpointer = Checkpointer(cfg, parallel, self.engine, self.model, self.tracker, self.watchdog)
 
     def _phase_timers(self) -> PhaseTimers | NoTimers:
         """logging.timers: time each phase, also inside DeepSpeed (its gradient reduction, the
@@ -221,7 +223,7 @@ class Trainer:
         if saved:
             self.checkpointer.save(step, self.consumed_samples)
         if stop:
-            self.log(f"{stop}: saving at step {step} and stopping; launch again to resume")
+            logger.info(f"{stop}: saving at step {step} and stopping; launch again to resume")
             if not saved:  # the same checkpoint twice would double the time a preemption waits
                 self.checkpointer.save(step, self.consumed_samples)
         return evaluated or saved

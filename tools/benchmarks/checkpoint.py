@@ -58,7 +58,7 @@ def main(argv=None) -> None:
     launch = discover_launch_env()
     launch.export_to(os.environ)
     parallel = init_parallel(launch, 1, 1)
-    trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
+    trainer = Trainer(cfg, parallel)
     trainer.train_step(iter(make_batches(cfg, 1, parallel.device)))
     root = tempfile.mkdtemp(dir=args.dir, prefix="ckpt-bench-")
     saves, sums, loads, checks = [], [], [], []
@@ -72,8 +72,7 @@ def main(argv=None) -> None:
             tag_dir = os.path.join(save_dir, tag)
             names = checkpoint_files(tag_dir)
             sums.append(timed(lambda: fingerprints(tag_dir, names))[0])
-            loads.append(timed(lambda: exact.load_checkpoint(trainer.engine, save_dir, cfg, parallel, trainer.tracker,
-                                                             log=lambda *a: None))[0])
+            loads.append(timed(lambda: exact.load_checkpoint(trainer.engine, save_dir, cfg, parallel, trainer.tracker))[0])
             meta = read_meta(tag_dir)
             seconds, problems = timed(lambda: content_problems(tag_dir, meta))
             assert not problems, problems

@@ -67,7 +67,7 @@ def sample_rates(prefix: str, vocab_file: str, samples: int, cache_dir: str) -> 
                                       dynamic_masking=dynamic, seed=1234)
             started = time.perf_counter()
             dataset = build_split_dataset([CorpusSpec(prefix, 1.0)], 0, "949,50,1", 10**7, settings, vocab,
-                                          cache_dir, True, None, lambda *_: None)
+                                          cache_dir, True, None)
             build = time.perf_counter() - started
             started = time.perf_counter()
             for i in range(samples):
@@ -97,7 +97,7 @@ def trainer_wait(prefix: str, vocab_file: str, config: str, steps: int, workers:
     launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
     parallel = init_parallel(launch, 1, 1)
     try:
-        trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
+        trainer = Trainer(cfg, parallel)
         data = trainer.loaders.training(trainer.train_data, 0)
         for _ in range(2):  # warm-up: loader start, first allocations
             trainer.train_step(data)

@@ -93,7 +93,7 @@ def child_ours(args, fixed: bool) -> dict:
     launch = discover_launch_env()
     launch.export_to(os.environ)
     parallel = init_parallel(launch, 1, 1)
-    runner = Finetuner(cfg, parallel, log=lambda *a, **k: None)
+    runner = Finetuner(cfg, parallel)
     accounting = token_accounting(runner, args) if not fixed else None
     started = time.perf_counter()
     summary = runner.train()  # one epoch, then the evaluation of the dev set

@@ -60,7 +60,7 @@ def child_layout(args) -> dict:
     launch = discover_launch_env()
     launch.export_to(os.environ)
     parallel = init_parallel(launch, tp, pp)
-    trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
+    trainer = Trainer(cfg, parallel)
     batches = trainer.loaders.training(trainer.train_data, 0)
     times = []
     for i in range(args.warmup + args.steps):
@@ -105,7 +105,7 @@ def child_rate(args) -> dict:
     launch = discover_launch_env()
     launch.export_to(os.environ)
     parallel = init_parallel(launch, 1, 1)
-    trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
+    trainer = Trainer(cfg, parallel)
     batches = trainer.loaders.training(trainer.train_data, 0)
     compute, optimizer = [], []
     for i in range(args.warmup + 2 * args.steps):

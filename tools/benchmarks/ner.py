@@ -117,7 +117,7 @@ def child_ours(args, root: str) -> dict:
     from finetune.finetuner import Finetuner
 
     parallel = one_rank_world()
-    tuner = Finetuner(config(args, root), parallel, log=lambda *a, **k: None)
+    tuner = Finetuner(config(args, root), parallel)
     features, engine, task = tuner.train_features, tuner.engine, tuner.task
 
     def step(i):
@@ -144,7 +144,7 @@ def child_hf(args, root: str) -> dict:
     with open(os.path.join(root, "hf", "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
     tokenizer = checkpoint_tokenizer(os.path.join(root, "hf"), vocab_size, root).tokenizer
-    features = task.encode(tokenizer, read.examples, cfg.task, True, lambda *a, **k: None)
+    features = task.encode(tokenizer, read.examples, cfg.task, True)
     model = BertForTokenClassification.from_pretrained(os.path.join(root, "hf"), num_labels=len(task.labels),
                                                        attn_implementation="sdpa")
     t = cfg.train
@@ -172,8 +172,7 @@ def child_features(args, root: str) -> dict:
     from finetune.feature_tagger import FeatureTagger
 
     parallel = one_rank_world()
-    tagger = FeatureTagger(config(args, root, **{"features.cache_dir": os.path.join(root, "cache")}), parallel,
-                           log=lambda *a, **k: None)
+    tagger = FeatureTagger(config(args, root, **{"features.cache_dir": os.path.join(root, "cache")}), parallel)
     path = os.path.join(root, "train.txt")
     started = time.perf_counter()
     first = tagger.word_features("train", path, "train")

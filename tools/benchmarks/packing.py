@@ -89,7 +89,7 @@ def padding_figures(cfg, count: int = SAMPLES) -> dict:
     from pretrain.data.samples.packing import packing_efficiency
     from pretrain.data.samples.provider import pretraining_datasets
 
-    train, _, _ = pretraining_datasets(cfg, is_builder=True, barrier=None, log=lambda *a, **k: None)
+    train, _, _ = pretraining_datasets(cfg, is_builder=True, barrier=None)
     lengths = np.array([int(train[i]["padding_mask"].sum()) for i in range(count)])
     seq = cfg.data.seq_length
     efficiency = {w: float(np.mean([packing_efficiency(lengths[i:i + w], seq) for i in range(0, count - w + 1, w)]))
@@ -102,7 +102,7 @@ def speed(args, cfgs: dict) -> dict:
     """{padded, packed}: real and computed tokens per second over the timed steps."""
     from pretrain.training.trainer import Trainer
 
-    trainers = {name: Trainer(cfg, PARALLEL, log=lambda *a, **k: None) for name, cfg in cfgs.items()}
+    trainers = {name: Trainer(cfg, PARALLEL) for name, cfg in cfgs.items()}
     iterators = {name: t.loaders.training(t.train_data, 0) for name, t in trainers.items()}
     totals = {name: {"seconds": 0.0, "real_tokens": 0.0, "computed_tokens": 0.0} for name in trainers}
     for step in range(args.steps + 1):

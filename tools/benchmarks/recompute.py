@@ -49,7 +49,7 @@ def child(args) -> dict:
     launch = discover_launch_env()
     launch.export_to(os.environ)
     parallel = init_parallel(launch, 1, 1)
-    trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
+    trainer = Trainer(cfg, parallel)
     before_steps = peak_rss_mb()
     batches = iter(make_batches(cfg, args.warmup + args.steps, parallel.device))
     losses = []

@@ -218,7 +218,7 @@ def child_ours(args) -> dict:
     device = parallel.device
     configure_math(device, cfg.train.tf32)  # as the Trainer below does, before the peak is measured
     peak = gemm_peak(args.precision, device)
-    trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
+    trainer = Trainer(cfg, parallel)
     drawn = make_batches(cfg, args.warmup + args.steps, device)
     batches = iter(drawn)
     losses = []

@@ -151,7 +151,7 @@ def measure_ours(job: dict, settings: dict, parallel) -> dict:
     from pretrain.training.trainer import Trainer
 
     cfg = run_config(job, settings)
-    trainer = Trainer(cfg, parallel, log=lambda *a, **k: None)
+    trainer = Trainer(cfg, parallel)
     count = settings["warmup"] + settings["steps"]
     batches = iter(draw_batches(cfg, count, parallel.device, packed=cfg.data.packing))
     metrics = []

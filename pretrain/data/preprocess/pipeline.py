@@ -17,6 +17,8 @@ same bytes as without partitions (Megatron's --keep-sequential-samples behaviour
 """
 from __future__ import annotations
 
+import logging
+
 import contextlib
 import multiprocessing
 import os
@@ -28,7 +30,7 @@ from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -47,6 +49,8 @@ from .corpus import (
 from .encode import ChunkEncoder, EncodedChunk, EncodeOptions, encode_in_worker, init_worker
 from .fingerprint import fingerprint_path, write_fingerprint
 from .tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .indexed import StreamingIndexedDatasetBuilder
@@ -162,8 +166,7 @@ def output_prefixes(output_prefix: str, keys: Sequence[str], split_sentences: bo
 # --------------------------------------------------------------------------------------------
 
 
-def preprocess(options: PreprocessOptions, encoder_factory: type[ChunkEncoder] = ChunkEncoder,
-               log: Callable[[str], None] = print) -> PreprocessReport:
+def preprocess(options: PreprocessOptions, encoder_factory: type[ChunkEncoder] = ChunkEncoder) -> PreprocessReport:
     """Run the whole conversion; returns the report, raises CorpusError / TokenizerError /
     DataError (bad input, named) or PreprocessError (the run failed). Never leaves outputs
     under their final names unless it returns."""
@@ -177,7 +180,7 @@ def preprocess(options: PreprocessOptions, encoder_factory: type[ChunkEncoder] =
         info.warnings.append("--keep-newlines has no effect without --split-sentences "
                              "(WordPiece treats line breaks as spaces)")
     for note in info.warnings:
-        log(f"note: {note}")
+        logger.warning(f"note: {note}")
     from .indexed import dtype_for_vocab, get_bin_path, get_idx_path
 
     dtype = dtype_for_vocab(info.vocab_size, options.dtype)

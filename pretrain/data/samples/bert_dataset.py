@@ -262,7 +262,7 @@ class CorpusSpec:
 
 def build_split_dataset(corpora: list[CorpusSpec], split_index: int, split: str, num_samples: int,
                         settings: SampleSettings, vocab: WordPieceVocab, cache_dir: str | None, is_builder: bool,
-                        barrier: Callable[[], None] | None, log: Callable[[str], None],
+                        barrier: Callable[[], None] | None,
                         stores: dict[str, TokenStore] | None = None) -> BertPretrainingDataset | None:
     """The dataset of one split (0 train, 1 valid, 2 test) blending `corpora`; None when the split
     holds no documents in any corpus."""
@@ -290,7 +290,7 @@ def build_split_dataset(corpora: list[CorpusSpec], split_index: int, split: str,
             return table, counts
 
         table, counts = cached_index(cache_dir or _default_cache_dir(spec.prefix), "segments", description, build,
-                                     is_builder, barrier, log)
+                                     is_builder, barrier)
         if counts["largest_token_id"] >= vocab.size:  # a dataset made with another vocabulary
             raise DataError(f"{spec.prefix}.bin: token id {counts['largest_token_id']} is outside the vocabulary of "
                             f"{vocab.size} tokens (preprocessed with another vocabulary?)")
@@ -307,7 +307,7 @@ def build_split_dataset(corpora: list[CorpusSpec], split_index: int, split: str,
                        "corpora": [file_fingerprint(s.store.prefix + ".idx") for s in splits]}
         blend, _ = cached_index(cache_dir or _default_cache_dir(corpora[0].prefix), "blend", description,
                                 lambda: (_blending_indices(weights, num_samples), {"weights": weights}),
-                                is_builder, barrier, log)
+                                is_builder, barrier)
     return BertPretrainingDataset(splits, blend, num_samples, settings, vocab)
 
 

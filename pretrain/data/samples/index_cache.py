@@ -7,6 +7,8 @@ between nodes) builds it itself: the build is deterministic, the result the same
 """
 from __future__ import annotations
 
+import logging
+
 import hashlib
 import json
 import mmap
@@ -16,6 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 INDEX_FORMAT = 2  # bump when a builder's output changes for the same inputs
 
@@ -40,8 +44,7 @@ def cache_key(description: dict) -> str:
 
 
 def cached_index(cache_dir: str | Path, name: str, description: dict, build: Callable[[], tuple[np.ndarray, dict]],
-                 is_builder: bool, barrier: Callable[[], None] | None = None,
-                 log: Callable[[str], None] = print) -> tuple[np.ndarray, dict]:
+                 is_builder: bool, barrier: Callable[[], None] | None = None) -> tuple[np.ndarray, dict]:
     """The array `build()` returns for `description`, from the cache when present.
 
     Returns (array mapped read-only, info dict stored beside it).
@@ -50,17 +53,18 @@ def cached_index(cache_dir: str | Path, name: str, description: dict, build: Cal
     stem = cache_dir / f"{name}-{cache_key(description)}"
     array_path, info_path = stem.with_suffix(".npy"), stem.with_suffix(".json")
     if is_builder and not info_path.exists():
-        _build_and_store(array_path, info_path, description, build, log)
+        _build_and_store(array_path, info_path, description, build)
     if barrier is not None:
         barrier()
     if not info_path.exists():
-        log(f"index {info_path.name} not visible here (cache directory not shared?): building it on this rank")
-        _build_and_store(array_path, info_path, description, build, log)
+        logger.warning(f"index {info_path.name} not visible here (cache directory not shared?): "
+                       "building it on this rank")
+        _build_and_store(array_path, info_path, description, build)
     info = json.loads(info_path.read_text())
     return np.load(array_path, mmap_mode="r"), info["counts"]
 
 
-def _build_and_store(array_path: Path, info_path: Path, description: dict, build, log) -> None:
+def _build_and_store(array_path: Path, info_path: Path, description: dict, build) -> None:
     array_path.parent.mkdir(parents=True, exist_ok=True)
     array, counts = build()
     suffix = f".tmp-{os.getpid()}"
@@ -71,7 +75,7 @@ def _build_and_store(array_path: Path, info_path: Path, description: dict, build
     tmp_info.write_text(json.dumps({"description": description, "counts": counts}, indent=1, sort_keys=True))
     os.replace(tmp_array, array_path)
     os.replace(tmp_info, info_path)  # last: its presence means the array is complete
-    log(f"built index {array_path.name}: {counts}")
+    logger.info(f"built index {array_path.name}: {counts}")
 
 
 @dataclass(frozen=True)

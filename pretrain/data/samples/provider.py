@@ -33,8 +33,7 @@ def data_file_problems(cfg: Config) -> list[str]:
 WHOLE_CORPUS_AS = {1: "0,1,0", 2: "0,0,1"}
 
 
-def pretraining_datasets(cfg: Config, is_builder: bool, barrier: Callable[[], None] | None,
-                         log: Callable[[str], None]):
+def pretraining_datasets(cfg: Config, is_builder: bool, barrier: Callable[[], None] | None):
     """(train, valid, test) datasets. Valid and test come from data.valid_paths / data.test_paths
     (every document of those corpora) when given, else from data.split's shares of data.paths;
     either is None when it has no documents (synthetic data has no test set).
@@ -71,7 +70,7 @@ def pretraining_datasets(cfg: Config, is_builder: bool, barrier: Callable[[], No
     corpora = [CorpusSpec(prefix, w) for prefix, w in zip(d.paths, weights)]
     stores: dict = {}
     common = dict(settings=settings, vocab=vocab, cache_dir=d.index_cache_dir, is_builder=is_builder,
-                  barrier=barrier, log=log, stores=stores)
+                  barrier=barrier, stores=stores)
     train = build_split_dataset(corpora, 0, d.split, t.train_steps * t.global_batch_size, **common)
     if train is None:
         raise DataError(f"data.split {d.split!r} leaves no training documents in {', '.join(d.paths)}")
