@@ -4,11 +4,23 @@
 # never part of the product; a pip extra cannot name a folder, so it comes in the same pip command).
 # torch is installed first and pinned: on CPU machines pip takes the CPU build lying on disk;
 # an unpinned torch would pull a multi-GB CUDA build. GPU users may preinstall their own torch.
+# pip's own output goes to .venv/install.log and is shown only when a step fails: what it prints on
+# success (setuptools' notice on every editable install, a local index missing a package) tells
+# the user nothing to do.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python3 -m venv .venv
 . .venv/bin/activate
-python -m pip install -q --upgrade pip
-python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test]" -e tests/bert-fakegpu
-python -c "import torch, deepspeed, megatron.core; print(f'installed: torch {torch.__version__}, deepspeed {deepspeed.__version__}, megatron-core {megatron.core.__version__}')" 2>&1 | tail -1
+log=.venv/install.log
+: > "$log"
+quietly() {  # run a pip step into the log; on failure show the log and fail
+  if ! "$@" >> "$log" 2>&1; then
+    cat "$log" >&2
+    echo "install.sh: failed: $* (the output above is in $log)" >&2
+    exit 1
+  fi
+}
+quietly python -m pip install -q --upgrade pip
+python -c "import torch" 2>/dev/null || quietly python -m pip install -q "torch==2.13.0"
+quietly python -m pip install -q -e ".[test]" -e tests/bert-fakegpu
+python -c "import torch, deepspeed, megatron.core; print(f'installed: torch {torch.__version__}, deepspeed {deepspeed.__version__}, megatron-core {megatron.core.__version__} (pip log: $log)')" 2>&1 | tail -1

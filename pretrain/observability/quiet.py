@@ -38,6 +38,9 @@ LIBRARY_LOG_NOISE = [
      "the device each rank uses is logged by the trainer (`N rank(s) on cpu ...`)"),
     ("stdout", r"DeepSpeed deepspeed\.ops\.comm\.\w+ built successfully", "DeepSpeed's CPU communication op, "
      "printed by every rank when its process group starts"),
+    ("DeepSpeed", r"\*+ You are using ZeRO with an untested optimizer", "DeepSpeed, once per engine at ZeRO >= 1, for "
+     "any client optimizer it does not list (our LAMB, torch's AdamW): what ZeRO does with them is tested here "
+     "against one process (tests/test_precision_matrix.py, tests/test_layout_invariance.py)"),
 ]
 
 
