@@ -104,7 +104,7 @@ class FeatureTagger:
         self._bert = None
         configure_math(parallel.device, cfg.train.tf32)  # the encoder's and the tagger's matmuls, as fine-tuning's
         logger.info(f"{describe(parallel)}; the encoder frozen, the tagger trains on {parallel.device} (rank "
-                 f"{parallel.logging_rank})")
+                    f"{parallel.logging_rank})")
 
     # ----------------------------------------------------------------------------- features
     def _encoder(self) -> nn.Module:
@@ -165,7 +165,7 @@ class FeatureTagger:
             with atomic_outputs([cache]) as temporary:
                 save_file({"vectors": vectors}, temporary[cache])
             logger.info(f"  features of layers {self.cfg.features.layers} for {vectors.shape[0]:,} words "
-                     f"({vectors.shape[1]} values each) in {time.perf_counter() - started:.1f} s, cached in {cache}")
+                        f"({vectors.shape[1]} values each) in {time.perf_counter() - started:.1f} s, cached in {cache}")
         return WordFeatures(data, vectors)
 
     @torch.no_grad()

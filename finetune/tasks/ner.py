@@ -110,8 +110,8 @@ class TokenClassificationTask(Task):
         words = sum(features.words_per_example)
         longer = sum(n > 1 for n in features.windows_per_example)
         logger.info(f"  {len(examples):,} {section.context}s, {words:,} words -> {len(features):,} windows "
-            f"({longer:,} need more than one); {features.split_words:,} words split into sub-tokens"
-            + (f", {features.unknown_words:,} with no token ([UNK])" if features.unknown_words else ""))
+                    f"({longer:,} need more than one); {features.split_words:,} words split into sub-tokens"
+                    + (f", {features.unknown_words:,} with no token ([UNK])" if features.unknown_words else ""))
         return features
 
     def build_model(self, encoder: nn.Module, model_cfg: ModelConfig, section: ModelSection, seed: int) -> nn.Module:

@@ -75,8 +75,9 @@ class SquadTask(Task):
         features = build_features(tokenizer, examples, section.max_seq_length, section.doc_stride,
                                    section.max_query_length, training)
         longer = sum(n > 1 for n in features.windows_per_example)
-        logger.info(f"  {len(examples):,} questions -> {len(features):,} windows ({longer:,} contexts need more than "
-            f"one); {features.truncated_questions:,} questions truncated to {section.max_query_length} tokens")
+        logger.info(f"  {len(examples):,} questions -> {len(features):,} windows ({longer:,} contexts need "
+                    f"more than one); {features.truncated_questions:,} questions truncated to "
+                    f"{section.max_query_length} tokens")
         return features
 
     def build_model(self, encoder: nn.Module, model_cfg: ModelConfig, section: ModelSection, seed: int) -> nn.Module:

@@ -203,9 +203,9 @@ def load_checkpoint(engine, load_dir: str, cfg: Config, parallel, tracker) -> tu
     if not restore_rng_state(state, tracker):
         # Not bit-exact (no RNG of one device type replays the other's), but deterministic.
         seed_streams(tracker, cfg.train.seed + step, parallel.tp_rank, parallel.pp_rank, parallel.dp_rank)
-        logger.info(f"{rng_path}: the dropout RNG streams were written on {_saved_device_type(state)}, this run is on "
-            f"{tracker.device.type}: reseeded them from train.seed + step ({cfg.train.seed} + {step}); "
-            "weights, optimizer, data position and schedule resume exactly")
+        logger.info(f"{rng_path}: the dropout RNG streams were written on {_saved_device_type(state)}, this run is "
+                    f"on {tracker.device.type}: reseeded them from train.seed + step ({cfg.train.seed} + {step}); "
+                    "weights, optimizer, data position and schedule resume exactly")
     return step, client_state["consumed_samples"]
 
 

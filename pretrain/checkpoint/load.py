@@ -123,9 +123,9 @@ def resume(engine, model, load_dir: str, cfg, parallel, tracker) -> tuple[int, i
     # The dropout streams of another layout cannot be carried over: new ones, distinct per step.
     seed_streams(tracker, cfg.train.seed + ckpt.step, parallel.tp_rank, parallel.pp_rank, parallel.dp_rank)
     differences = layout_differences(meta, cfg, parallel)
+    state = "optimizer state" if ckpt.moments is not None else "no optimizer state (fresh moments)"
     logger.info(f"{tag_dir}: {'; '.join(differences) or 'a converted checkpoint'}: loaded layout-free (weights, "
-                f"{'optimizer state, ' if ckpt.moments is not None else 'no optimizer state (fresh moments), '}"
-                "step, samples, LR schedule; new dropout RNG streams)")
+                f"{state}, step, samples, LR schedule; new dropout RNG streams)")
     return ckpt.step, ckpt.consumed_samples
 
 

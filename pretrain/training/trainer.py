@@ -64,9 +64,9 @@ class Trainer:
         built = build_pretraining_engine(cfg, parallel, self.tracker, self.loss_fn)
         self.engine, self.model, self.ds_config = built.engine, built.model, built.ds_config
         accumulation, reduction = internals.gradient_dtypes(self.engine)
-        logger.info(f"optimizer {cfg.optimizer.name} under DeepSpeed's {type(self.engine.optimizer).__name__}; gradients "
-                 f"accumulated in {_dtype_name(accumulation)}, reduced in {_dtype_name(reduction)}, clipped "
-                 f"{'exactly by the trainer' if built.exact_clipping else 'by DeepSpeed'}")
+        logger.info(f"optimizer {cfg.optimizer.name} under DeepSpeed's {type(self.engine.optimizer).__name__}; "
+                    f"gradients accumulated in {_dtype_name(accumulation)}, reduced in {_dtype_name(reduction)}, "
+                    f"clipped {'exactly by the trainer' if built.exact_clipping else 'by DeepSpeed'}")
         self.timers = self._phase_timers()
 
         # Rank 0 builds missing sample indices while the others wait; all then map the cache.
@@ -78,7 +78,8 @@ class Trainer:
         self.skips = SkipPolicy(cfg.resilience.max_consecutive_skips, cfg.train.global_batch_size,
                                 cfg.fp16.min_loss_scale if cfg.train.precision == "fp16" else None)
         self.evaluator = Evaluator(self.engine, self.loss_fn, self.loaders, parallel, cfg.eval.steps, self.watchdog)
-        self.stops = StopRequests(cfg.resilience.stop_check_interval, cfg.resilience.exit_duration_minutes, parallel, started)
+        r = cfg.resilience
+        self.stops = StopRequests(r.stop_check_interval, r.exit_duration_minutes, parallel, started)
         self.checkpointer = Checkpointer(cfg, parallel, self.engine, self.model, self.tracker, self.watchdog)
 
     def _phase_timers(self) -> PhaseTimers | NoTimers:
