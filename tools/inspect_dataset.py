@@ -6,8 +6,9 @@ usage: python tools/inspect_dataset.py PREFIX [--decode N [N ...]] [--vocab-file
 PREFIX is the path without .bin/.idx. Prints documents, sentences, tokens, dtype, sentences per
 document and tokens per sentence (min/mean/max), empty documents and file sizes. --decode N
 prints document N (0-based) one sentence per line, decoded with the vocabulary (--ids: the ids
-too). A missing, truncated or foreign .bin/.idx is an error naming the file. Exit status: 0, 1
-error, 2 bad usage.
+too). The statistics end with the vocabulary and special-token counts the dataset records
+(preprocess_data.py and merge_datasets.py write them). A missing, truncated or foreign .bin/.idx is an error naming the
+file. Exit status: 0, 1 error, 2 bad usage.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def inspect(args: argparse.Namespace) -> None:
     print(f"sentences/document  min {lo:,}  mean {mean:,.2f}  max {hi:,}")
     lo, mean, hi = stats.tokens_per_sentence
     print(f"tokens/sentence     min {lo:,}  mean {mean:,.2f}  max {hi:,}")
+    print_record(args.prefix)
     if not args.decode:
         return
     if args.vocab_file:
@@ -77,6 +79,17 @@ def inspect(args: argparse.Namespace) -> None:
             print(tokenizer.decode(ids, skip_special_tokens=False))
             if args.ids:
                 print(f"    ids: {ids}")
+
+
+def print_record(prefix: str) -> None:
+    """What the dataset's fingerprint records about how it was made (nothing for Megatron-LM's files)."""
+    from pretrain.data.preprocess.dataset_record import read_record
+
+    vocabulary, counts = read_record(prefix)
+    if vocabulary is not None:
+        print(f"vocabulary  {vocabulary.describe()}, SHA-256 {vocabulary.sha256}")
+    if counts is not None:
+        print(f"special     {counts.special:,} of {counts.total:,} tokens ({counts.share:.1%}), [PAD] {counts.pad:,}")
 
 
 if __name__ == "__main__":

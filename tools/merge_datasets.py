@@ -4,8 +4,10 @@ usage: python tools/merge_datasets.py --input PREFIX|DIR [...] --output-prefix O
 
 Each --input is a dataset prefix (PREFIX.bin + PREFIX.idx) or a directory, meaning every dataset
 in it (sorted by name). Documents keep their order: the first input's, then the second's, ...
-All inputs must have the same token dtype. OUT.bin and OUT.idx are written under temporary names
-and renamed when complete. Exit status: 0 done, 1 error (nothing written), 2 bad usage.
+All inputs must have the same token dtype, and those that record their vocabulary the same one
+(OUT records it, and the inputs' token counts added up, when every input has a record).
+OUT.bin and OUT.idx are written under temporary names and renamed when complete. Exit status:
+0 done, 1 error (nothing written), 2 bad usage.
 """
 from __future__ import annotations
 

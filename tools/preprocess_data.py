@@ -8,8 +8,10 @@ usage: python tools/preprocess_data.py --input FILE|GLOB [...] --output-prefix P
 
 Writes <PREFIX>_<key>_sentence.{bin,idx} (with --split-sentences: one item per sentence) or
 <PREFIX>_<key>_document.{bin,idx} (one item per document), readable by megatron-core's
-IndexedDataset. Flags follow Megatron-LM's tools/preprocess_data.py where the concept is the
-same. Exit status: 0 done, 1 error (nothing written), 2 bad usage, 130 interrupted.
+IndexedDataset, and <PREFIX>_<key>_*.fingerprint.json beside them (sizes and checksums, the
+vocabulary and the token counts: docs/data.md). An output of mostly padding or special tokens
+is refused. Flags follow Megatron-LM's tools/preprocess_data.py where the concept is the same.
+Exit status: 0 done, 1 error (nothing written), 2 bad usage, 130 interrupted.
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="input files or globs (quote globs); .gz .bz2 .xz .zst are decompressed")
     group.add_argument("--input-format", default="jsonl", choices=("jsonl", "text-lines", "text-blank-lines"),
                        help="jsonl: one JSON object per line (default); text-lines: one document per line; "
-                            "text-blank-lines: documents separated by blank lines")
+                            "text-blank-lines: documents separated by blank lines (hard-wrapped text; a warning "
+                            "says when a file looks like the other plain-text format)")
     group.add_argument("--json-keys", nargs="+", default=["text"],
                        help="keys of the JSON objects to extract, one output per key (default: text); "
                             "for plain text it only names the output")
@@ -47,7 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     group = parser.add_argument_group("tokenizer")
     source = group.add_mutually_exclusive_group(required=True)
     source.add_argument("--vocab-file", help="Google BERT vocab.txt (e.g. from tools/build_vocab.py)")
-    source.add_argument("--tokenizer-json", help="Hugging Face tokenizer.json (e.g. from tools/build_vocab.py)")
+    source.add_argument("--tokenizer-json", help="Hugging Face tokenizer.json (e.g. from tools/build_vocab.py); its "
+                                                 "own padding and truncation are switched off")
     group.add_argument("--tokenizer-type", choices=("BertWordPieceLowerCase", "BertWordPieceCase"),
                        help="lowercase or keep case; default: what the vocabulary shows (vocab.txt) or the "
                             "tokenizer.json's own normalizer. A choice contradicting the vocabulary is an error")

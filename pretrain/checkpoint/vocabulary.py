@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from ..config import Config
+from ..data.preprocess.tokenizer import vocabulary_difference
 from ..data.samples.token_ids import VocabError, WordPieceVocab
 from .filenames import LATEST, TOKENIZER_JSON, VOCAB_FILE
 
@@ -67,11 +68,6 @@ def vocabulary_problems(cfg: Config) -> list[str]:
         return []  # an unreadable file is reported by the data checks, or by the load
     if ours == theirs:
         return []
-    differ = [i for i in range(min(len(ours), len(theirs))) if ours[i] != theirs[i]]
-    if differ:
-        i = differ[0]
-        how = f"{len(differ)} of the ids have another token (e.g. id {i}: {ours[i]!r} here, {theirs[i]!r} there)"
-    else:
-        how = f"{len(ours)} tokens here, {len(theirs)} there"
+    how = vocabulary_difference(ours, theirs)
     return [f"data.vocab_file {cfg.data.vocab_file} is not the vocabulary of the checkpoint this run {found[0]}, "
             f"{theirs_path}: {how}; use that vocabulary, or set checkpoint.accept_new_vocab=true to change it deliberately"]

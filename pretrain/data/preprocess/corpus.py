@@ -44,6 +44,7 @@ __all__ = [
     "is_compressed",
     "open_decompressed",
     "iter_chunks",
+    "layout_hint",
     "read_chunk",
     "parse_chunk",
     "iter_documents",
@@ -58,6 +59,11 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 # A blank (whitespace-only) line preceded by a newline; documents of text-blank-lines end there.
 _BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
 _MAX_PROBLEM_SAMPLES = 10  # per chunk; the report shows the first few overall anyway
+# layout_hint reads this much of each plain-text input, and calls a line of at most _SHORT_LINE
+# characters short (hard-wrapped text is wrapped at 60-80)
+_SNIFF_BYTES = 64 << 10
+_SHORT_LINE = 80
+_SNIFF_MIN_LINES = 20
 
 
 class CorpusError(UserError, ValueError):
@@ -123,6 +129,37 @@ def _open_with_raw(path: str) -> tuple[BinaryIO, BinaryIO]:
         reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
         return io.BufferedReader(reader, buffer_size=1 << 20), raw
     return raw, raw
+
+
+def layout_hint(path: str, input_format: str) -> str | None:
+    """A warning when the start of a plain-text input fits the other plain-text format better:
+    hard-wrapped text (mostly short lines in blocks separated by blank lines) read as
+    text-lines, which makes every line a document; or text without any blank line read as
+    text-blank-lines, which makes all of it one document. Reads the first 64 KiB only."""
+    if input_format not in ("text-lines", "text-blank-lines"):
+        return None
+    try:
+        with open_decompressed(path) as f:
+            head = f.read(_SNIFF_BYTES)
+    except Exception:  # any decompressor's own error: reading the file in earnest names it
+        return None
+    lines = head.decode("utf-8", errors="replace").split("\n")
+    if len(head) == _SNIFF_BYTES:
+        lines = lines[:-1]  # cut short
+    texts = [line.rstrip() for line in lines if line.strip()]
+    if len(texts) < _SNIFF_MIN_LINES:
+        return None
+    blocks = sum(1 for i, line in enumerate(lines) if line.strip() and (i == 0 or not lines[i - 1].strip()))
+    short = sum(len(text) <= _SHORT_LINE for text in texts)
+    if input_format == "text-lines" and blocks > 1 and short >= 0.8 * len(texts) and len(texts) >= 3 * blocks:
+        return (f"{path} looks hard-wrapped: {short} of its first {len(texts)} lines have at most {_SHORT_LINE} "
+                f"characters, in {blocks} blocks separated by blank lines. --input-format text-lines makes every "
+                "line a document; --input-format text-blank-lines makes every block (paragraph) one")
+    if input_format == "text-blank-lines" and blocks == 1:
+        return (f"{path} has no blank line in its first {len(texts)} lines: --input-format text-blank-lines "
+                "reads them all as one document (documents end at blank lines); if every line is a document, "
+                "--input-format text-lines fits")
+    return None
 
 
 # --------------------------------------------------------------------------------------------

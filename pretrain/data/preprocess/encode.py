@@ -17,6 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from .corpus import Chunk, Problem, parse_chunk, read_chunk
+from .dataset_record import TokenCounts, count_tokens
 
 __all__ = ["EncodeOptions", "EncodedField", "EncodedChunk", "SentenceSplitter", "ChunkEncoder"]
 
@@ -31,6 +32,8 @@ class EncodeOptions:
     keep_newlines: bool = False  # line breaks inside a document end sentences
     append_eod: bool = False
     eod_id: int | None = None  # appended to each document's last sentence with append_eod
+    special_ids: tuple[int, ...] = ()  # counted (dataset_record.TokenCounts)
+    pad_id: int = 0
 
 
 @dataclass
@@ -41,6 +44,7 @@ class EncodedField:
     lengths: np.ndarray  # int32 tokens per sentence
     document_sizes: np.ndarray  # int64 sentences per document
     empty_documents: int = 0  # documents dropped for having no tokens
+    counts: TokenCounts = field(default_factory=TokenCounts)
 
 
 @dataclass
@@ -104,6 +108,8 @@ class ChunkEncoder:
         # special token (as Google's and Megatron's BERT preprocessing do).
         self.tokenizer.encode_special_tokens = True
         self.dtype = np.dtype(options.dtype)
+        self.special = np.zeros(self.tokenizer.get_vocab_size(with_added_tokens=True), dtype=bool)
+        self.special[list(options.special_ids)] = True
         self.split_sentences = SentenceSplitter(options.keep_newlines) if options.split_sentences else None
 
     def __call__(self, chunk: Chunk) -> EncodedChunk:
@@ -147,7 +153,8 @@ class ChunkEncoder:
             sizes.append(kept)
         total = sum(lengths)
         ids = np.fromiter(chain.from_iterable(pieces), dtype=self.dtype, count=total)
-        return EncodedField(ids, np.asarray(lengths, dtype=np.int32), np.asarray(sizes, dtype=np.int64), empty)
+        return EncodedField(ids, np.asarray(lengths, dtype=np.int32), np.asarray(sizes, dtype=np.int64), empty,
+                            count_tokens(ids, self.special, options.pad_id))
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ dataset that happens to describe as many tokens as the .bin holds, or a .bin rew
 The fingerprint records both files' sizes and the CRC32 of 64 pages of 4 KiB spread evenly over
 each (the first and the last included): 512 KiB read at most, whatever the dataset's size.
 Datasets without one (Megatron-LM's own tools, older runs) get the structural checks only.
+The same file records the vocabulary and token counts the dataset was made with
+(dataset_record.py); the checks here ignore those members.
 """
 from __future__ import annotations
 
@@ -42,10 +44,11 @@ def fingerprint(bin_path: str, idx_path: str) -> dict:
             "idx_bytes": os.path.getsize(idx_path), "idx_crc32": sampled_crc32(idx_path)}
 
 
-def write_fingerprint(bin_path: str, idx_path: str, path: str) -> None:
-    """Record the pair as written (callers write into temporary files renamed together)."""
+def write_fingerprint(bin_path: str, idx_path: str, path: str, extra: dict | None = None) -> None:
+    """Record the pair as written (callers write into temporary files renamed together), with
+    `extra` members (dataset_record.record_members: what the dataset was made with)."""
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(fingerprint(bin_path, idx_path), f, indent=1)
+        json.dump({**fingerprint(bin_path, idx_path), **(extra or {})}, f, indent=1)
         f.write("\n")
 
 

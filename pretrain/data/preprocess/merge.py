@@ -1,7 +1,9 @@
 """Concatenating indexed datasets (megatron-core's IndexedDatasetBuilder.add_index, through our
-streaming builder so the index never sits in memory)."""
+streaming builder so the index never sits in memory). The inputs' records (dataset_record.py)
+carry over when every input has one: the token counts add up; vocabularies must agree."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -9,10 +11,13 @@ from typing import Sequence
 import numpy as np
 
 from ...common.atomic import atomic_outputs
+from .dataset_record import TokenCounts, read_record, record_members
 from .fingerprint import fingerprint_path, write_fingerprint
 from .indexed import DataError, StreamingIndexedDatasetBuilder, get_bin_path, get_idx_path, validate_indexed_dataset
 
 __all__ = ["MergeResult", "expand_prefixes", "merge_datasets"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,6 +61,7 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str) -> MergeResult:
     if any(os.path.abspath(p) == out_abs for p in prefixes):
         raise DataError(f"{output_prefix}: the output is also an input")
     os.makedirs(os.path.dirname(out_abs), exist_ok=True)
+    record = _merged_record(prefixes)
     dtype = headers[0].dtype
     bin_path, idx_path = get_bin_path(output_prefix), get_idx_path(output_prefix)
     fingerprint = fingerprint_path(output_prefix)
@@ -69,5 +75,24 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str) -> MergeResult:
             builder.finalize(temps[idx_path])
         finally:
             builder.close()
-        write_fingerprint(temps[bin_path], temps[idx_path], temps[fingerprint])
+        write_fingerprint(temps[bin_path], temps[idx_path], temps[fingerprint], record)
     return result
+
+
+def _merged_record(prefixes: list[str]) -> dict:
+    """The output's record members: the inputs' vocabulary (refused when two differ) and the sum
+    of their token counts, each only when every input records it."""
+    records = [read_record(prefix) for prefix in prefixes]
+    vocabularies = [(prefix, vocabulary) for prefix, (vocabulary, _) in zip(prefixes, records) if vocabulary]
+    for prefix, vocabulary in vocabularies[1:]:
+        first, theirs = vocabularies[0]
+        if (vocabulary.sha256, vocabulary.lowercase) != (theirs.sha256, theirs.lowercase):
+            raise DataError(f"{first} and {prefix} were made with different vocabularies ({theirs.describe()} and "
+                            f"{vocabulary.describe()}): their ids mean different tokens; preprocess them with one")
+    unrecorded = [prefix for prefix, (vocabulary, _) in zip(prefixes, records) if vocabulary is None]
+    if unrecorded and vocabularies:
+        logger.warning(f"{unrecorded[0]} records no vocabulary (Megatron-LM's tools, or made before datasets "
+                       "recorded one): the merged dataset records none either")
+    counts = [c for _, c in records]
+    return record_members(None if unrecorded else vocabularies[0][1],
+                          sum(counts, TokenCounts()) if all(counts) else None)

@@ -45,10 +45,12 @@ from .corpus import (
     CorpusError,
     expand_inputs,
     iter_chunks,
+    layout_hint,
 )
+from .dataset_record import TokenCounts, VocabularyRecord, record_members
 from .encode import ChunkEncoder, EncodedChunk, EncodeOptions, encode_in_worker, init_worker
 from .fingerprint import fingerprint_path, write_fingerprint
-from .tokenizer import load_tokenizer
+from .tokenizer import load_tokenizer, special_token_ids, tokenizer_vocab, tokens_by_id
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +135,7 @@ class KeyReport:
     sentences: int = 0
     tokens: int = 0
     empty_documents: int = 0  # skipped: no tokens
+    counts: TokenCounts = field(default_factory=TokenCounts)  # tokens, special ones, [PAD]s
 
 
 @dataclass
@@ -181,6 +184,15 @@ def preprocess(options: PreprocessOptions, encoder_factory: type[ChunkEncoder] =
                              "(WordPiece treats line breaks as spaces)")
     for note in info.warnings:
         logger.warning(f"note: {note}")
+    if info.switched_off:
+        logger.info(f"{info.source}: its {' and '.join(info.switched_off)} switched off: every sentence is "
+                    "written with its own tokens, none cut off or added")
+    for path in paths:
+        hint = layout_hint(path, options.input_format)
+        if hint:
+            logger.warning(hint)
+    tokens = tokens_by_id(tokenizer_vocab(info.tokenizer))
+    vocabulary = VocabularyRecord.of(tokens, info.lowercase, info.source)
     from .indexed import dtype_for_vocab, get_bin_path, get_idx_path
 
     dtype = dtype_for_vocab(info.vocab_size, options.dtype)
@@ -211,11 +223,14 @@ def preprocess(options: PreprocessOptions, encoder_factory: type[ChunkEncoder] =
             keep_newlines=options.keep_newlines,
             append_eod=options.append_eod,
             eod_id=info.special_ids["[SEP]"],
+            special_ids=tuple(special_token_ids(tokens)),
+            pad_id=info.special_ids["[PAD]"],
         )
         with _Interrupts().installed() as interrupts, atomic_outputs(finals) as temps:
             _run(options, paths, encode_options, encoder_factory, dtype, prefixes, temps, report, started, interrupts)
-            for prefix in prefixes.values():
-                write_fingerprint(temps[get_bin_path(prefix)], temps[get_idx_path(prefix)], temps[fingerprint_path(prefix)])
+            for key, prefix in prefixes.items():
+                write_fingerprint(temps[get_bin_path(prefix)], temps[get_idx_path(prefix)],
+                                  temps[fingerprint_path(prefix)], record_members(vocabulary, report.keys[key].counts))
     finally:
         remove_quietly([tokenizer_path])
     report.elapsed = time.perf_counter() - started
@@ -273,6 +288,7 @@ def _run(options: PreprocessOptions, paths: list[str], encode_options: EncodeOpt
                     stats.sentences += len(encoded.lengths)
                     stats.tokens += encoded.ids.size
                     stats.empty_documents += encoded.empty_documents
+                    stats.counts += encoded.counts
                 progress.update(result)
         close_part(part)
         while part < options.partitions - 1:  # parts the input did not reach are empty
@@ -281,6 +297,7 @@ def _run(options: PreprocessOptions, paths: list[str], encode_options: EncodeOpt
             close_part(part)
         progress.close()
         _check_not_empty(report)
+        _check_mostly_text(report)
         if options.partitions > 1:
             for key, prefix in prefixes.items():
                 merged = StreamingIndexedDatasetBuilder(temps[get_bin_path(prefix)], dtype=dtype)
@@ -378,6 +395,15 @@ def _check_not_empty(report: PreprocessReport) -> None:
                       f"{report.malformed:,} malformed lines{': ' + kinds if kinds else ''}"
                       + (f"; first: {report.problems[0]}" if report.problems else ""))
             raise PreprocessError(f"no document with tokens for key {key!r} ({detail}); nothing written")
+
+
+def _check_mostly_text(report: PreprocessReport) -> None:
+    """Refuse an output of mostly special tokens, before anything is renamed into place."""
+    for key, stats in report.keys.items():
+        refusal = stats.counts.refusal(f"{stats.output_prefix}.bin (key {key!r}, tokenized with {report.tokenizer})")
+        if refusal:
+            raise PreprocessError(f"{refusal}; check that the vocabulary covers this text's script and case (a "
+                                  "word it cannot spell becomes [UNK]); nothing written")
 
 
 class _Progress:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from tokenizers import Tokenizer, decoders
 from tokenizers.models import WordPiece
@@ -37,6 +37,11 @@ __all__ = [
     "check_case",
     "bert_wordpiece_tokenizer",
     "tokenizer_vocab",
+    "tokens_by_id",
+    "vocabulary_tokens",
+    "special_token_ids",
+    "vocabulary_difference",
+    "without_padding",
     "load_tokenizer",
     "tokenizer_model_type",
     "wordpiece_vocab",
@@ -162,6 +167,51 @@ def tokenizer_vocab(tokenizer: Tokenizer) -> dict[str, int]:
     return tokenizer.get_vocab(with_added_tokens=True)
 
 
+def tokens_by_id(vocab: Mapping[str, int]) -> tuple[str, ...]:
+    """id -> token ("" for an id no token has, which a tokenizer.json may leave)."""
+    tokens = [""] * (max(vocab.values()) + 1)
+    for token, i in vocab.items():
+        tokens[i] = token
+    return tuple(tokens)
+
+
+def vocabulary_tokens(path: str) -> tuple[str, ...]:
+    """The tokens, in id order, of a vocab.txt or (by its .json suffix) a tokenizer.json."""
+    if path.endswith(".json"):
+        return tokens_by_id(tokenizer_vocab(load_tokenizer(tokenizer_json=path, allow_case_mismatch=True).tokenizer))
+    return tokens_by_id(read_vocab(path))  # checks the special tokens
+
+
+def special_token_ids(tokens: Sequence[str]) -> list[int]:
+    """Ids of the control tokens: the five BERT needs and any other bracketed one ([unused0], ...)."""
+    return [i for i, t in enumerate(tokens) if t.startswith("[") and t.endswith("]")]
+
+
+def vocabulary_difference(ours: Sequence[str], theirs: Sequence[str], here: str = "here",
+                          there: str = "there") -> str:
+    """How two different vocabularies differ, for a message: the first id that has another token
+    (an equal-size vocabulary differs in no other way), else the sizes."""
+    differ = [i for i in range(min(len(ours), len(theirs))) if ours[i] != theirs[i]]
+    if not differ:
+        return f"{len(ours)} tokens {here}, {len(theirs)} {there}"
+    i = differ[0]
+    return f"{len(differ)} of the ids have another token (e.g. id {i}: {ours[i]!r} {here}, {theirs[i]!r} {there})"
+
+
+def without_padding(tokenizer: Tokenizer) -> list[str]:
+    """Switch off the padding and truncation a tokenizer.json may carry (sentence-transformers
+    ships Fixed 128 for both): text must be encoded as it is, every token kept and none added.
+    Returns what was switched off ("padding to 128", "truncation at 128"), for a note."""
+    removed = []
+    if tokenizer.padding is not None:
+        removed.append(f"padding to {tokenizer.padding.get('length') or 'the longest'}")
+        tokenizer.no_padding()
+    if tokenizer.truncation is not None:
+        removed.append(f"truncation at {tokenizer.truncation.get('max_length')}")
+        tokenizer.no_truncation()
+    return removed
+
+
 def _json_lowercase(config: dict) -> bool | None:
     """The lowercase flag of a tokenizer.json's normalizer (None if it has no normalizer)."""
     normalizer = config.get("normalizer")
@@ -182,6 +232,7 @@ class BertTokenizerInfo:
     special_ids: dict[str, int]
     source: str  # the file it came from
     warnings: list[str] = field(default_factory=list)
+    switched_off: list[str] = field(default_factory=list)  # the tokenizer.json's own padding / truncation
 
     def to_str(self) -> str:
         return self.tokenizer.to_str()
@@ -193,7 +244,9 @@ def load_tokenizer(vocab_file: str | None = None, tokenizer_json: str | None = N
 
     ``tokenizer_type`` (a TOKENIZER_TYPES name) sets lowercasing; without it, a vocab.txt gets
     the case its entries show and a tokenizer.json keeps its own normalizer. A tokenizer.json
-    whose normalizer contradicts ``tokenizer_type`` is an error.
+    whose normalizer contradicts ``tokenizer_type`` is an error; its own padding and truncation
+    are switched off (``without_padding``): every user of a loaded tokenizer wants the text's
+    tokens as they are, or sets its own fixed length.
     """
     if (vocab_file is None) == (tokenizer_json is None):
         raise TokenizerError("give exactly one of a vocab file (vocab.txt) or a tokenizer.json")
@@ -201,6 +254,7 @@ def load_tokenizer(vocab_file: str | None = None, tokenizer_json: str | None = N
         raise TokenizerError(f"unknown tokenizer type {tokenizer_type!r}; expected one of {', '.join(TOKENIZER_TYPES)}")
     wanted = TOKENIZER_TYPES.get(tokenizer_type) if tokenizer_type else None
     notes: list[str] = []
+    switched_off: list[str] = []
     if vocab_file is not None:
         source = vocab_file
         vocab = read_vocab(vocab_file)
@@ -226,6 +280,7 @@ def load_tokenizer(vocab_file: str | None = None, tokenizer_json: str | None = N
             raise TokenizerError(f"{tokenizer_json}: its normalizer {'lowercases' if has_lowercase else 'keeps case'}, "
                                  f"but --tokenizer-type {tokenizer_type} asks for the opposite")
         wanted = has_lowercase
+        switched_off = without_padding(tokenizer)
         vocab = tokenizer_vocab(tokenizer)
         check_special_tokens(vocab, tokenizer_json)
     notes += check_case(vocab, wanted, source, allow_case_mismatch)
@@ -237,6 +292,7 @@ def load_tokenizer(vocab_file: str | None = None, tokenizer_json: str | None = N
         special_ids={t: vocab[t] for t in SPECIAL_TOKENS},
         source=os.fspath(source),
         warnings=notes,
+        switched_off=switched_off,
     )
 
 

@@ -5,26 +5,30 @@ import os
 from typing import Callable
 
 from ...config import Config
+from ..preprocess.dataset_record import dataset_problems
 from .token_ids import VocabError, WordPieceVocab
 
 
 def data_file_problems(cfg: Config) -> list[str]:
-    """Missing or unreadable data files, found before any process group starts (one line each)."""
+    """Missing or unreadable data files, datasets of mostly special tokens, and datasets made with
+    another vocabulary than data.vocab_file, found before any process group starts (one line each)."""
     d = cfg.data
     if d.kind != "indexed":
         return []
     problems = []
-    for key in ("paths", "valid_paths", "test_paths"):
-        for prefix in getattr(d, key):
-            for suffix in (".bin", ".idx"):
-                if not os.path.isfile(prefix + suffix):
-                    problems.append(f"data.{key}: {prefix}{suffix} does not exist (give prefixes without .bin/.idx, "
-                                    "as tools/preprocess_data.py prints them)")
+    tokens = None
     if d.vocab_file:
         try:
-            WordPieceVocab.from_file(d.vocab_file)
+            tokens = WordPieceVocab.from_file(d.vocab_file).tokens
         except VocabError as err:
             problems.append(f"data.vocab_file: {err}")
+    for key in ("paths", "valid_paths", "test_paths"):
+        for prefix in getattr(d, key):
+            missing = [prefix + suffix for suffix in (".bin", ".idx") if not os.path.isfile(prefix + suffix)]
+            problems += [f"data.{key}: {path} does not exist (give prefixes without .bin/.idx, as "
+                         "tools/preprocess_data.py prints them)" for path in missing]
+            if not missing:
+                problems += dataset_problems(prefix, f"data.{key}", tokens, d.vocab_file, d.accept_dataset_vocab)
     return problems
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..preprocess.tokenizer import TokenizerError, load_tokenizer, read_vocab, tokenizer_vocab
+from ..preprocess.tokenizer import TokenizerError, special_token_ids, vocabulary_tokens
 
 VocabError = TokenizerError  # a vocabulary file that cannot be used; the message names the file
 
@@ -33,20 +33,15 @@ class WordPieceVocab:
     @classmethod
     def from_file(cls, path: str | Path) -> "WordPieceVocab":
         path = str(path)
-        if path.endswith(".json"):
-            ids = tokenizer_vocab(load_tokenizer(tokenizer_json=path, allow_case_mismatch=True).tokenizer)
-        else:
-            ids = read_vocab(path)  # checks the special tokens
-        tokens = [""] * (max(ids.values()) + 1)
-        for token, i in ids.items():
-            tokens[i] = token
-        return cls(path, tuple(tokens), ids["[PAD]"], ids["[UNK]"], ids["[CLS]"], ids["[SEP]"], ids["[MASK]"])
+        tokens = vocabulary_tokens(path)  # checks the special tokens
+        ids = {token: i for i, token in enumerate(tokens)}
+        return cls(path, tokens, ids["[PAD]"], ids["[UNK]"], ids["[CLS]"], ids["[SEP]"], ids["[MASK]"])
 
     @property
     def special_ids(self) -> np.ndarray:
         """Ids never chosen for masking nor drawn as random replacements: the five specials and
         any other bracketed control token ([unused0], [BOS], ...)."""
-        return np.array([i for i, t in enumerate(self.tokens) if t.startswith("[") and t.endswith("]")], dtype=np.int64)
+        return np.array(special_token_ids(self.tokens), dtype=np.int64)
 
     def continuation_flags(self) -> np.ndarray:
         """bool[size]: token i continues the previous word (a '##' WordPiece)."""
