@@ -14,10 +14,10 @@ from pretrain.config.precision import precision_problems
 class TaskSection:
     name: str = ""  # a GLUE task (cola sst2 mrpc stsb qqp mnli qnli rte wnli), swag, squad (1.1), squad2 (2.0), conll2003
     data_dir: str | None = None  # the task's directory: GLUE's standard layout (train.tsv, dev.tsv, test.tsv), SWAG's train/val/test.csv
-    train_file: str | None = None  # instead of data_dir/train.tsv: a .tsv (standard layout), .csv, .json or .jsonl
+    train_file: str | None = None  # instead of data_dir/train.tsv: a .tsv (standard layout or named columns), .csv, .json or .jsonl
     dev_files: list[str] = field(default_factory=list)  # instead of the task's dev files
     test_files: list[str] = field(default_factory=list)  # instead of the task's test files (predictions only)
-    text_a_column: str | None = None  # CSV/JSON column names (default: the task's usual names)
+    text_a_column: str | None = None  # names of the columns of .csv/.json/.jsonl files and named .tsv (default: the task's usual names)
     text_b_column: str | None = None
     label_column: str = "label"
     max_seq_length: int = 128
@@ -41,7 +41,7 @@ class TaskSection:
         if self.name not in TASK_NAMES:
             p.append(f"task.name {self.name!r} must be one of {', '.join(TASK_NAMES)}")
         if not (self.data_dir or self.train_file or self.dev_files):
-            p.append("give task.data_dir (the task's standard layout) or task.train_file / task.dev_files")
+            p.append(self._no_data())
         p += _missing_paths([self.data_dir, self.train_file, *self.dev_files, *self.test_files])
         if self.max_seq_length < 8:
             p.append(f"task.max_seq_length ({self.max_seq_length}) must be at least 8")
@@ -50,6 +50,18 @@ class TaskSection:
         if self.doc_stride < 1 or self.n_best_size < 1 or self.max_answer_length < 1:
             p.append("task.doc_stride, task.n_best_size and task.max_answer_length must be >= 1")
         return p
+
+
+    def _no_data(self) -> str:
+        """The data keys to set, with the files task.data_dir holds for this task."""
+        from .tasks import TASK_NAMES, TASKS
+
+        files = ""
+        if self.name in TASK_NAMES:
+            task = TASKS[self.name]
+            files = f" (the directory of {self.name}'s {', '.join((task.train_file, *task.dev_files))})"
+        return (f"task.data_dir is not set: give the task's directory on the command line, task.data_dir=DIR{files}, "
+                "or its files: task.train_file=FILE task.dev_files=[FILE]")
 
 
 @dataclass

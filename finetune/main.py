@@ -50,8 +50,10 @@ def start(args: argparse.Namespace) -> int:
                                    [f"task.name={args.task}", *args.overrides])
         cfg.validate(launch.world_size, feature_based=args.feature_based)
     except ConfigError as error:
-        # every problem on its own line under one heading, before any rank started
-        print(f"invalid configuration ({config}):\n{error}", file=sys.stderr)
+        # every problem on its own line under one heading, before any rank started; the heading
+        # names both sources, the problems their keys (a key the command line must give is no
+        # fault of the task's YAML)
+        print(f"invalid configuration ({config} + command line):\n{error}", file=sys.stderr)
         return 2
 
     if args.feature_based:

@@ -2,6 +2,7 @@
 carriage-return redraws, and rank-prefixed, timestamped lines when several ranks share the output."""
 import io
 import re
+import time
 
 import pytest
 
@@ -133,3 +134,48 @@ def test_phase_times_are_exclusive(monkeypatch):
                 now[0] += 0.002
     assert t.read(steps=2) == pytest.approx({"backward": 35.0, "grad_reduce": 10.0, "optimizer": 2.0})
     assert t.read(steps=1) == {}
+
+
+def test_loader_start_up_is_logged_apart_from_the_data_wait(caplog):
+    """A training loader's first draw waits for its processes to start and build their first
+    batches (seconds): one log line says how long, and the data wait of the first log window
+    (wait_seconds) leaves it out, so that it does not read as a data bottleneck."""
+    import logging
+
+    import torch
+
+    from pretrain.data.samples.synthetic import SyntheticDataset
+    from pretrain.training.loaders import TrainingBatches
+
+    batches = TrainingBatches(SyntheticDataset(64, 32, 5, 1000, seed=1), 0, 2, 0, 1, torch.device("cpu"),
+                              num_workers=1)
+    draws = []  # the seconds each draw took
+    with caplog.at_level(logging.INFO, logger="pretrain.training.loaders"):
+        try:
+            for _ in range(4):
+                began = time.perf_counter()
+                next(batches)
+                draws.append(time.perf_counter() - began)
+        finally:
+            batches.close()
+    started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("training loader started in ")]
+    assert started == [f"training loader started in {batches.start_seconds:.1f} s (1 loader process; "
+                       "not counted in the data wait)"], started
+    assert 0 < draws[0] - batches.start_seconds < 0.01  # the first draw is the start-up ...
+    assert batches.wait_seconds <= sum(draws[1:])  # ... and the data wait is the later draws' alone
+    assert batches.consumed_samples == 8
+
+
+
+
+@pytest.mark.parametrize("seconds_per_step, shown", [(3.0, "3 s/step"), (150.0, "150 s/step"), (0.4, "2.5 step/s"),
+                                                      (0.1, "10 step/s"), (0.0008, "1,250 step/s")])
+def test_a_slow_rate_is_not_rounded_to_zero(clock, seconds_per_step, shown):
+    """Fine-tuning's steps take seconds on a CPU: the line said "0 step/s"."""
+    log = io.StringIO()
+    bar = progress(626, "fine-tuning rte", unit="step", file=log, interval=10.0)
+    for _ in range(40):
+        clock.now += seconds_per_step
+        bar.update(1)
+    bar.close()
+    assert f" | {shown} | " in log.getvalue().splitlines()[0]

@@ -269,3 +269,179 @@ def test_fine_tuning_logs_only_the_heads_it_uses(tmp_path):
     assert not any("next-sentence head" in n or "MLM head" in n for n in kept) and kept, kept  # "read BertModel ..." stays
     mlm_notes = notes_that_matter(read_any(str(tmp_path / "mlm"), with_optimizer=False).notes)
     assert any("has no pooler" in n for n in mlm_notes), mlm_notes
+
+
+# ----------------------------------------------------------------------------- headers and the read report
+# Rows of GLUE MRPC as the GLUE download has them (train.tsv; test.tsv with an index for the label)
+MRPC_ROWS = ["1\t702876\t702977\tAmrozi accused his brother , whom he called \" the witness \" , of deliberately "
+             "distorting his evidence .\tReferring to him as only \" the witness \" , Amrozi accused his brother of "
+             "deliberately distorting his evidence .",
+             "0\t2108705\t2108831\tYucaipa owned Dominick 's before selling the chain to Safeway in 1998 for $ 2.5 "
+             "billion .\tYucaipa bought Dominick 's in 1995 for $ 693 million and sold it to Safeway for $ 1.8 "
+             "billion in 1998 .",
+             "1\t1330381\t1330521\tThey had published an advertisement on the Internet on June 10 , offering the "
+             "cargo for sale , he added .\tOn June 10 , the ship 's owners had published an advertisement on the "
+             "Internet , offering the explosives for sale ."]
+
+
+@pytest.mark.parametrize("split", ["train", "dev"])
+def test_a_headerless_mrpc_file_is_refused_not_short_of_its_first_example(tmp_path, split):
+    """The GLUE download's MRPC files begin with a header line; without it the first example
+    was read as the header and lost (119 of 120, exit 0)."""
+    path = write(tmp_path / f"{split}.tsv", MRPC_ROWS)
+    with pytest.raises(TaskDataError) as error:
+        read_examples(TASKS["mrpc"], path, split)
+    assert str(error.value) == (
+        f"{path}:1: this row is data (label '1') where the mrpc train/dev layout has its header line "
+        "(GLUE's: Quality, #1 ID, #2 ID, #1 String, #2 String); add a header line, or give the rows as "
+        ".csv/.jsonl or a .tsv whose header names its columns (docs/finetuning.md)")
+    examples, report = read_examples(TASKS["mrpc"], write(tmp_path / "whole.tsv", [MRPC_HEADER, *MRPC_ROWS]), split)
+    assert len(examples) == 3 and (report.rows, report.examples, report.skipped) == (3, 3, {})
+    assert report.summary() == f"{tmp_path / 'whole.tsv'}: 3 rows after the header line, 3 examples"
+
+
+# One data row of each task's standard layout (train/dev; test) as the GLUE download has it
+STANDARD_ROWS = {
+    "sst2": ("hide new secretions from the parental units \t0", "0\tuneasy mishmash of styles and genres ."),
+    "stsb": ("0\tmain-captions\tMSRvid\t2012test\t0001\tnone\tnone\tA plane is taking off.\tAn air plane is taking "
+             "off.\t5.000", "0\tmain-news\theadlines\t2015\t0001\tnone\tnone\tA man.\tA woman."),
+    "qqp": ("133273\t213221\t213222\tHow is the life of a math student?\tWhich level of prepration is enough?\t0",
+            "0\tWhy am I mentally very lonely?\tWhat is the best way to become lonely?"),
+    "mnli": ("0\t31193\t31193n\tgovernment\t( x )\t( y )\t(ROOT x)\t(ROOT y)\tConceptually cream skimming has two "
+             "dimensions.\tProduct and geography are what make cream skimming work.\tneutral\tneutral",
+             "0\t31193\t31193n\tgovernment\t( x )\t( y )\t(ROOT x)\t(ROOT y)\tP.\tH."),
+    "qnli": ("0\tWhen did the third Digimon series begin?\tUnlike the two seasons before it, ...\tnot_entailment",
+             "0\tWhat organization is devoted to Jihad against Israel?\tFor some decades prior ..."),
+    "rte": ("0\tNo Weapons of Mass Destruction Found in Iraq Yet.\tWeapons of Mass Destruction Found in Iraq."
+            "\tnot_entailment", "0\tMexico's new president.\tMexico has a president."),
+    "wnli": ("0\tI stuck a pin through a carrot.\tThe carrot has a hole.\t1", "0\tThe cat sat.\tIt sat."),
+    "mrpc": (MRPC_ROWS[0], "0\t1089874\t1089925\tPCCW 's chief operating officer .\tCurrent Chief Operating "
+             "Officer ."),
+    "cola": (None, "0\tBill whistled past the house."),
+}
+
+
+@pytest.mark.parametrize("task, split", [(task, split) for task, rows in STANDARD_ROWS.items()
+                                         for split, row in zip(("train", "test"), rows) if row is not None])
+def test_every_glue_layout_with_a_header_refuses_a_file_without_it(tmp_path, task, split):
+    """A first row that reads as data (a valid label, or a test file's numeric index) where the
+    header belongs is named, for every task whose files have a header (CoLA's train/dev have none)."""
+    row = STANDARD_ROWS[task][split == "test"]
+    headerless = write(tmp_path / f"{task}.tsv", [row, row])
+    with pytest.raises(TaskDataError, match=rf"{task}.tsv:1: this row is data \((label|index) '[^']+'\) where the "
+                                            rf"{task} {'test' if split == 'test' else 'train/dev'} layout has its header"):
+        read_examples(TASKS[task], headerless, split)
+    header = "\t".join(f"c{i}" for i in range(len(row.split("\t"))))  # any names: what matters is that it is no data
+    examples, report = read_examples(TASKS[task], write(tmp_path / f"{task}_h.tsv", [header, row, row]), split)
+    assert len(examples) == 2 and report.rows == 2
+
+
+def test_cola_train_is_read_without_a_header_and_a_header_line_is_recognised(tmp_path):
+    rows = ["gj04\t1\t\tThe sailors rode the breeze clear of the rocks.", "gj04\t0\t*\tThe more you eat."]
+    examples, report = read_examples(TASKS["cola"], write(tmp_path / "train.tsv", rows), "train")
+    assert len(examples) == 2 and report.summary() == f"{tmp_path / 'train.tsv'}: 2 rows (no header line), 2 examples"
+    named = write(tmp_path / "named.tsv", ["source\tlabel\tauthor\tsentence", *rows])
+    examples, report = read_examples(TASKS["cola"], named, "train")
+    assert [e.label for e in examples] == ["1", "0"] and report.summary().endswith("2 rows after the header line, 2 examples")
+    unnamed = write(tmp_path / "unnamed.tsv", ["a\tb\tc\td", *rows])
+    with pytest.raises(TaskDataError, match=r"unnamed.tsv:1: unknown label 'b' for cola .*; the cola train/dev layout "
+                                            r"has no header line: is this one\?"):
+        read_examples(TASKS["cola"], unnamed, "train")
+
+
+def test_every_row_is_counted_in_the_read_report(tmp_path):
+    qqp = write(tmp_path / "qqp.tsv", ["id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate", "1\t1\t2\tHow?\tWhy?\t0",
+                                       "2\t3\t4\tbroken row", "", "3\t5\t6\tWhat?\tWhat?\t1"])
+    examples, report = read_examples(TASKS["qqp"], qqp, "train")
+    assert (report.rows, report.examples, report.skipped) == (4, 2, {"missing fields": 1, "blank line": 1})
+    assert report.summary().startswith(f"{qqp}: 4 rows after the header line, 2 examples; skipped 1 (missing fields), "
+                                       f"1 (blank line) — e.g. {qqp}:3: missing fields; {qqp}:4: blank line")
+    jsonl = write(tmp_path / "rte.jsonl", [json.dumps({"sentence1": "A", "sentence2": "B", "label": "entailment"})] * 3)
+    assert read_examples(TASKS["rte"], jsonl, "train")[1].summary() == f"{jsonl}: 3 lines, 3 examples"
+
+
+HF_MRPC = ["sentence1\tsentence2\tlabel\tidx",
+           '"Amrozi accused his brother , whom he called "" the witness "" ."\t"Referring to him as "" the witness "" ."'
+           '\t1\t0',
+           "Yucaipa owned Dominick 's .\tYucaipa bought Dominick 's in 1995 .\t0\t1"]
+
+
+@pytest.mark.parametrize("task", ["mrpc", "rte"])
+def test_a_tsv_whose_header_names_its_columns_is_read_by_name(tmp_path, task):
+    """Hugging Face datasets' layout (sentence1, sentence2, label, idx; written by pandas, so with
+    CSV quoting). RTE's standard layout has 4 columns too: read by position it took sentence2 for
+    sentence1 and idx for the label."""
+    lines = HF_MRPC if task == "mrpc" else [HF_MRPC[0], "A.\tB.\tentailment\t0", "C.\tD.\tnot_entailment\t1"]
+    path = write(tmp_path / f"{task}.tsv", lines)
+    examples, report = read_examples(TASKS[task], path, "dev")
+    first = examples[0]
+    if task == "mrpc":
+        assert (first.text_a, first.text_b, first.label) == ('Amrozi accused his brother , whom he called " the '
+                                                             'witness " .', 'Referring to him as " the witness " .', "1")
+    else:
+        assert (first.text_a, first.text_b, first.label) == ("A.", "B.", "entailment")
+    assert [e.guid for e in examples] == ["0", "1"] and report.summary() == f"{path}: 2 rows after the header line, 2 examples"
+    test = write(tmp_path / "test.tsv", [HF_MRPC[0], "A.\tB.\t-1\t0"])
+    assert read_examples(TASKS[task], test, "test")[0][0].guid == "0"
+
+
+def test_a_named_tsv_row_that_is_not_one_line_is_refused(tmp_path):
+    path = write(tmp_path / "mrpc.tsv", [HF_MRPC[0], '"A quote never closed.\tB.\t1\t0', "C.\tD.\t0\t1"])
+    with pytest.raises(TaskDataError, match=r"mrpc.tsv:2: a quoted field runs over 2 lines"):
+        read_examples(TASKS["mrpc"], path, "train")
+    wide = write(tmp_path / "wide.tsv", [HF_MRPC[0], "A.\tB.\t1\t0\textra"])
+    with pytest.raises(TaskDataError, match=r"wide.tsv:2: 5 column\(s\), the header line has 4"):
+        read_examples(TASKS["mrpc"], wide, "train")
+
+
+def test_a_tsv_of_another_width_names_the_named_column_alternative(tmp_path):
+    path = write(tmp_path / "mrpc.tsv", ["a\tb\tc\td", "x\ty\t1\t0"])
+    with pytest.raises(TaskDataError) as error:
+        read_examples(TASKS["mrpc"], path, "train")
+    assert str(error.value) == (
+        f"{path}:1 (header): 4 column(s), the mrpc train/dev layout has 5 (tab-separated, no quoting); 4 is the "
+        "layout of cola, qnli, rte, wnli: is this another task's file? Other columns: a header line naming them "
+        "(sentence1, sentence2, label; or set task.text_a_column, task.text_b_column, task.label_column) in a .tsv, "
+        ".csv or .jsonl file")
+
+
+def test_a_missing_data_dir_is_named_by_its_key(tmp_path, capsys):
+    from finetune.main import main
+
+    assert main(["mrpc", f"model.init_from={tmp_path}"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].endswith("configs/finetune/mrpc.yaml + command line):")
+    assert err[1] == ("task.data_dir is not set: give the task's directory on the command line, task.data_dir=DIR "
+                      "(the directory of mrpc's train.tsv, dev.tsv), or its files: task.train_file=FILE task.dev_files=[FILE]")
+
+
+def test_swag_squad_and_tagged_files_count_every_record(tmp_path):
+    from finetune.tasks.squad import read_squad
+    from finetune.tasks.swag import read_swag
+    from finetune.tasks.tagging import read_tagged
+
+    header = "video-id,fold-ind,sent1,sent2,ending0,ending1,ending2,ending3,label"
+    swag = write(tmp_path / "val.csv", [header, "v1,7,A man,He,runs.,sits.,eats.,flies.,0", "",
+                                        "v2,8,A dog,It,barks.,sings.,reads.,swims.,3"])
+    examples, report = read_swag(swag, "dev")
+    assert [e.guid for e in examples] == ["7", "8"] and report.skipped == {"blank line": 1}
+    assert report.summary().startswith(f"{swag}: 3 rows after the header line, 2 examples; skipped 1 (blank line)")
+    wide = write(tmp_path / "wide.csv", [header, "v1,7,A man,He,runs.,sits.,eats.,flies.,0,surplus"])
+    with pytest.raises(TaskDataError, match=r"wide.csv:2: 10 column\(s\), the header line has 9"):
+        read_swag(wide, "dev")  # a surplus column was ignored without a word
+
+    qas = [{"id": "q1", "question": "Where?", "answers": [{"text": "Paris", "answer_start": 0}]},
+           {"id": "q2", "question": "What?", "answers": [{"text": "Paris", "answer_start": 3}]}]
+    squad = tmp_path / "train.json"
+    squad.write_text(json.dumps({"data": [{"title": "t", "paragraphs": [{"context": "Paris is.", "qas": qas}]}]}))
+    _, _, report = read_squad(str(squad), "1.1", training=True)
+    assert report.summary().startswith(f"{squad}: 2 questions, 1 examples; skipped 1 (answer_start does not point")
+    flat = tmp_path / "flat.json"  # Hugging Face's flattened export: one object per question, no paragraphs
+    flat.write_text(json.dumps({"data": [{"id": "q1", "context": "Paris is.", "question": "Where?"}]}))
+    with pytest.raises(TaskDataError, match=r'flat.json: data\[0\] has no "paragraphs" list'):
+        read_squad(str(flat), "1.1", training=True)
+
+    conll = write(tmp_path / "train.jsonl", ['{"tokens": ["EU", "rejects"], "tags": ["B-ORG", "O"]}',
+                                             '{"tokens": [], "tags": []}'])
+    _, report = read_tagged(conll, -1, ("O", "B-ORG", "I-ORG"))
+    assert report.summary() == f"{conll}: 2 sentences, 1 examples; skipped 1 (no tokens) — e.g. {conll}:2: no tokens"

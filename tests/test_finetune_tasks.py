@@ -175,6 +175,22 @@ def test_eval_only_predicts_a_submission_and_bad_vocab_is_refused(tiny, tmp_path
     assert "model.init_from /nonexistent does not exist" in done.stderr and "task.data_dir" in done.stderr
 
 
+def test_a_headerless_glue_directory_stops_the_run_in_one_line(tiny, tmp_path):
+    """The GLUE MRPC files without their header line: the run lost the first example of each
+    (exit 0); it now stops before training, naming the file, exit 1, no traceback."""
+    rows = ["1\t702876\t702977\tw1 w2 w3\tw1 w2 w3", "0\t2108705\t2108831\tw4 w5\tw6 w7",
+            "1\t1330381\t1330521\tw8\tw8"]
+    for name in ("train.tsv", "dev.tsv"):
+        (tmp_path / name).write_text("\n".join(rows) + "\n")
+    done = finetune("mrpc", [f"model.init_from={tiny / 'hf'}", f"task.data_dir={tmp_path}",
+                             f"train.output_dir={tmp_path / 'out'}"], expect_success=False)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'train.tsv'}:1: this row is data (label '1') where the mrpc train/dev layout has its "
+        "header line (GLUE's: Quality, #1 ID, #2 ID, #1 String, #2 String); add a header line, or give the rows as "
+        ".csv/.jsonl or a .tsv whose header names its columns (docs/finetuning.md)")
+
+
 def test_multiple_choice_learns_and_predicts(tiny, tmp_path):
     """SWAG layout; the right ending comes from the context's word family (w0-w5 or w6-w11),
     the three others from the other family: the choice needs context and ending together."""

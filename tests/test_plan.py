@@ -121,7 +121,7 @@ def test_plan_tool_picks_a_fitting_layout(capsys):
     assert fitting and all(r["zero"] == 1 and r["recompute"] == "none" for r in rows)
     times = [r["step_seconds"]["total"] for r in fitting]
     assert times == sorted(times)
-    usable = 6e9 - 2e9  # --reserve 2GB
+    usable = (6 - 2) * 2**30  # --device-memory 6GB less --reserve 2GB: GiB both
     assert all(r["memory_bytes"]["total"] <= usable for r in fitting)
     assert all(r["memory_bytes"]["total"] > usable and "GiB usable" in r["why_not"] for r in rows if not r["fits"])
     assert any(not r["fits"] for r in rows)
@@ -135,3 +135,75 @@ def test_plan_tool_says_when_nothing_fits(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--config", LARGE_PHASE2, "--gpus", "12", "--device-memory", "40GB"])
     assert exit_.value.code == 2
+
+
+# ----------------------------------------------------------------------------- tools/plan.py's arguments
+GiB = 2**30
+
+
+@pytest.mark.parametrize("text", ["80G", "80GB", "80 GiB", "80 gb", "81920MiB", "81920 M", "0.078125TB", "80g"])
+def test_memory_sizes_read_as_users_mean_them(text):
+    """A GPU's "80GB" is 80 GiB of memory (nvidia-smi: 81,559-81,920 MiB): G, GB and GiB all
+    mean 2^30 bytes, as nvidia-smi's MiB and torch.cuda.mem_get_info's bytes users compare with."""
+    from tools.plan import size
+
+    assert size(text) == 80 * GiB
+
+
+def test_bandwidths_are_decimal_as_vendors_quote_them():
+    from tools.plan import bandwidth
+
+    assert bandwidth("150GB/s") == bandwidth("150 GB/s") == bandwidth("150G/s") == 150e9
+    assert bandwidth("1.5TB/s") == 1.5e12 and bandwidth("100GiB/s") == 100 * GiB
+
+
+def usage_error(capsys, argv) -> str:
+    """The stderr of a usage error (exit 2), which must be one line."""
+    from tools.plan import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "[-h]" not in err, err  # no usage dump
+    return err.strip()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device-memory", "80"], "argument --device-memory: '80' has no unit: write e.g. 80GB (G, GB and GiB all "
+                                "mean 2^30 bytes, as nvidia-smi's MiB are 2^20)"),
+    (["--device-memory", "80GB", "--reserve", "2"], "argument --reserve: '2' has no unit: write e.g. 2GB"),
+    (["--device-memory", "80 gigs"], "argument --device-memory: '80 gigs': unknown unit 'gigs' (B, K, M, G, T; "
+                                     "G, GB and GiB alike)"),
+    (["--device-memory", "80GB", "--inter-node-bandwidth", "200Gb/s"],
+     "argument --inter-node-bandwidth: '200Gb/s': a lower-case b is bits; give bytes per second (200 Gb/s = 25GB/s)"),
+    (["--device-memory", "80GB", "--memory-bandwidth", "2000"], "argument --memory-bandwidth: '2000' has no unit"),
+    (["--device-memory", "2GB", "--reserve", "2GB"], "--reserve (2.0 GiB) must be less than --device-memory (2.0 GiB)"),
+    (["--device-memory", "80GB", "--zero", "4"], "argument --zero: '4': choose from 0, 1, 2, 3"),
+])
+def test_a_bad_argument_is_one_line_naming_it(capsys, argv, message):
+    err = usage_error(capsys, ["--config", "configs/bert-tiny.yaml", "--gpus", "1", *argv])
+    assert err.startswith(f"python tools/plan.py: error: {message}"), err
+    assert err.endswith("(usage: python tools/plan.py --help)")
+
+
+def test_a_missing_argument_is_one_line(capsys):
+    assert "the following arguments are required: --gpus, --device-memory" in usage_error(
+        capsys, ["--config", "configs/bert-tiny.yaml"])
+
+
+def test_the_plan_says_what_it_does_not_model(capsys):
+    from tools.plan import main
+
+    small = ["--config", "configs/bert-tiny.yaml", "--gpus", "1", "--precision", "fp32", "--zero", "0",
+             "--recompute", "none", "--micro-batch", "8"]
+    assert main([*small, "--device-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "1 devices (1 per node) of 80.0 GiB, 78.0 GiB usable each" in out  # 80GB is 80 GiB, 2GB reserve 2 GiB
+    assert ("not modelled: data.packing (packed micro-batches are predicted as padded rows of data.seq_length); "
+            "CPU offload (offload_optimizer, offload_param); evaluation") in out
+    assert "this config packs" not in out
+    assert main([*small, "--device-memory", "80GB", "data.packing=true"]) == 0
+    out = capsys.readouterr().out
+    assert ("this config packs samples (data.packing=true): its memory and step time are predicted for padded rows; "
+            "GPUs also keep a [rows, 1, seq, seq] attention mask per layer") in out

@@ -16,9 +16,14 @@ communication buffers, the framework's workspace; and its step time from the FLO
 computes at the device's achievable rate (peak x efficiency) and the TP, PP and DP traffic over
 the given bandwidths. The table lists the fastest layouts that fit, then the fastest that do
 not and why; the last line is the pick, as overrides for `python -m pretrain`. Layouts the
-trainer would refuse are counted by its reason. Sizes take B, KB, MB, GB (10^n) or KiB, MiB,
-GiB (2^n); nvidia-smi's total "81920MiB" can be given as it is. Exit status: 0 a layout fits,
-1 none fits (or bad input), 2 bad usage.
+trainer would refuse are counted by its reason, and what the plan does not model is said
+(data.packing, CPU offload, ...).
+
+Memory sizes need a unit, and K, M, G, T are binary whichever way they are written: 80G, 80GB,
+80 GiB and 81920MiB are all 80 GiB, what a GPU sold as "80GB" has (nvidia-smi reports 81,559-81,920
+MiB for one; its total can be given as it is). Bandwidths are decimal, as vendors quote them
+(150GB/s = 150e9 bytes/s; GiB/s binary); a lower-case b (Gb/s: bits) is refused. Exit status: 0
+a layout fits, 1 none fits (or bad input), 2 bad usage (one line naming the argument).
 """
 from __future__ import annotations
 
@@ -29,26 +34,75 @@ import sys
 
 from pretrain.cli import positive_int, run_command
 
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+GiB = 2**30
+_AMOUNT = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*")
+
+
+def _amount(text: str, example: str) -> tuple[float, str]:
+    """'80 GB' -> (80.0, 'GB'); a bare number or an unknown word is refused (argparse type errors)."""
+    found = _AMOUNT.fullmatch(text)
+    if not found:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an amount (e.g. {example})")
+    value, unit = float(found.group(1)), found.group(2)
+    if not unit:
+        raise argparse.ArgumentTypeError(f"{text.strip()!r} has no unit: write e.g. {value:g}{example}")
+    return value, unit
+
+
+def _scale(unit: str, decimal: bool) -> int | None:
+    """Bytes per `unit`: B; K, M, G, T alone or with B or iB (iB always 2^10n; the others 10^3n
+    where `decimal`, else 2^10n); None for anything else."""
+    upper = unit.upper()
+    if upper == "B":
+        return 1
+    if len(upper) > 3 or upper[0] not in "KMGT" or upper[1:] not in ("", "B", "IB"):
+        return None
+    power = "KMGT".index(upper[0]) + 1
+    return 1000**power if decimal and not upper.endswith("IB") else 1024**power
 
 
 def size(text: str) -> int:
-    """'80GB', '81920MiB', '2.5GB' -> bytes (argparse type)."""
-    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*", text, flags=re.IGNORECASE)
-    if not found:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 80GB, 81920MiB)")
-    return int(float(found.group(1)) * UNITS[(found.group(2) or "").upper()])
+    """A memory size -> bytes (argparse type): G, GB and GiB all mean 2^30 bytes (K, M, T alike),
+    as a GPU's "80GB" is 80 GiB of memory chips and nvidia-smi's MiB are 2^20: '80GB', '80G',
+    '80 GiB' and '81920MiB' are the same size. A bare number is refused (bytes? GB?)."""
+    value, unit = _amount(text, "GB (G, GB and GiB all mean 2^30 bytes, as nvidia-smi's MiB are 2^20)")
+    scale = _scale(unit, decimal=False)
+    if scale is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: unknown unit {unit!r} (B, K, M, G, T; G, GB and GiB alike)")
+    return int(value * scale)
 
 
 def bandwidth(text: str) -> float:
-    """'150GB/s' -> bytes per second (argparse type)."""
-    return float(size(re.sub(r"/s\s*$", "", text.strip())))
+    """A bandwidth -> bytes per second (argparse type), decimal as vendors quote them: 150GB/s is
+    150e9 bytes/s (GiB/s: 2^30). A lower-case b is bits (a network's 200 Gb/s): refused."""
+    value, unit = _amount(re.sub(r"/s\s*$", "", text.strip()), "GB/s (10^9 bytes per second)")
+    if unit.endswith("b"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a lower-case b is bits; give bytes per second "
+                                         f"({value:g} {unit}/s = {value / 8:g}{unit[:-1]}B/s)")
+    scale = _scale(unit, decimal=True)
+    if scale is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: unknown unit {unit!r} (e.g. GB/s, TB/s, GiB/s)")
+    return value * scale
+
+
+def gib(size_bytes: int) -> str:
+    return f"{size_bytes / GiB:.1f} GiB"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser with a usage error in one line (the problem, and where the usage is)
+    instead of the usage dump above it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
 
 
 def choices(kind, allowed=None):
     def parse(text: str) -> list:
-        values = [kind(v) for v in text.split(",") if v]
+        try:
+            values = [kind(v) for v in text.split(",") if v]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of {kind.__name__} values") from None
         bad = [v for v in values if allowed is not None and v not in allowed]
         if not values or bad:
             raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(map(str, allowed or []))}")
@@ -59,13 +113,15 @@ def choices(kind, allowed=None):
 def parse_args(argv=None) -> argparse.Namespace:
     from pretrain.config.choices import PRECISIONS, RECOMPUTE
 
-    parser = argparse.ArgumentParser(prog="python tools/plan.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python tools/plan.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="the pretraining config (YAML, with its base: files)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     parser.add_argument("--gpus", type=positive_int, required=True, help="devices of the job")
     parser.add_argument("--gpus-per-node", type=positive_int, default=8)
-    parser.add_argument("--device-memory", type=size, required=True, help="memory of one device, e.g. 80GB")
+    parser.add_argument("--device-memory", type=size, required=True,
+                        help="memory of one device, e.g. 80GB: a GPU sold as 80GB (G, GB, GiB: 2^30 bytes), "
+                             "or nvidia-smi's total as it prints it (81559MiB)")
     parser.add_argument("--reserve", type=size, default=size("2GB"),
                         help="kept off the plan: CUDA context, NCCL buffers, allocator fragmentation (default 2GB)")
     parser.add_argument("--peak-tflops", type=float, default=312.0,
@@ -102,7 +158,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--gpus {args.gpus} must be a multiple of --gpus-per-node {args.gpus_per_node} "
                      "(or fewer than one node)")
     if args.reserve >= args.device_memory:
-        parser.error("--reserve must be less than --device-memory")
+        parser.error(f"--reserve ({gib(args.reserve)}) must be less than --device-memory ({gib(args.device_memory)})")
     return args
 
 
@@ -117,9 +173,6 @@ def hardware(args, cfg):
                     intra_node_bandwidth=args.intra_node_bandwidth, inter_node_bandwidth=args.inter_node_bandwidth,
                     memory_bandwidth=args.memory_bandwidth, latency=args.latency_us * 1e-6,
                     layer_overhead=args.layer_overhead_ms * 1e-3)
-
-
-GiB = 2**30
 
 
 def row_json(row) -> dict:
@@ -150,7 +203,7 @@ def row_line(index: int, row) -> str:
 
 def body(args) -> int:
     from pretrain.config import load_config
-    from pretrain.plan.planner import Budget, plan
+    from pretrain.plan.planner import NOT_MODELLED, Budget, plan, unmodelled
 
     cfg = load_config(args.config, args.overrides)
     choices_given = dict(precisions=args.precision, recompute=args.recompute, zero_stages=args.zero,
@@ -158,9 +211,10 @@ def body(args) -> int:
     budget = Budget(args.device_memory, args.reserve)
     rows, refused = plan(cfg, args.gpus, budget, hardware(args, cfg), args.device, **choices_given)
     fitting = [row for row in rows if row.fits]
-    if args.json:
+    if args.json:  # one object per line on stdout; what the plan leaves out on stderr
         for row in rows:
             print(json.dumps(row_json(row)))
+        print("\n".join([*unmodelled(cfg), "not modelled: " + "; ".join(NOT_MODELLED)]), file=sys.stderr)
         return 0 if fitting else 1
     m, d, t = cfg.model, cfg.data, cfg.train
     print(f"{args.config}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
@@ -177,6 +231,9 @@ def body(args) -> int:
         print(f"refused by the trainer's config rules ({sum(refused.values())} layouts):")
         for reason, count in sorted(refused.items(), key=lambda kv: -kv[1])[:8]:
             print(f"  {count:>5} x {reason}")
+    for note in unmodelled(cfg):
+        print(note)
+    print("not modelled: " + "; ".join(NOT_MODELLED))
     if not fitting:
         print("no layout fits: more devices, a larger --device-memory, or a smaller micro-batch / sequence")
         return 1

@@ -8,6 +8,8 @@ The trainer (finetune/finetuner.py) only calls these methods; it knows no task b
 """
 from __future__ import annotations
 
+import csv
+import io
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -35,9 +37,13 @@ class TaskDataError(UserError, ValueError):
 
 @dataclass
 class ReadReport:
-    """What reading a file found: examples, and rows skipped by reason (counted, never silent)."""
+    """What reading a file found: every record read (`rows`, a header line not counted), each an
+    example or skipped for a reason (counted, never silent)."""
 
     path: str
+    unit: str = "rows"  # what the file's records are: rows, lines, entries, questions, sentences
+    header: bool | None = None  # whether a header line came before the rows (None: a file without lines of data)
+    rows: int = 0
     examples: int = 0
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
     first_skips: list[str] = field(default_factory=list)
@@ -48,11 +54,38 @@ class ReadReport:
             self.first_skips.append(f"{where}: {reason}")
 
     def summary(self) -> str:
-        text = f"{self.path}: {self.examples:,} examples"
+        header = {True: " after the header line", False: " (no header line)", None: ""}[self.header]
+        text = f"{self.path}: {self.rows:,} {self.unit}{header}, {self.examples:,} examples"
         if self.skipped:
             text += "; skipped " + ", ".join(f"{n:,} ({reason})" for reason, n in self.skipped.items())
             text += " — e.g. " + "; ".join(self.first_skips)
         return text
+
+
+def delimited_rows(path: str, text: str, delimiter: str,
+                    report: ReadReport) -> tuple[list[tuple[str, dict]], list[str]]:
+    """The rows of a CSV (or tab-separated) file with a header line, as dicts (blank lines counted
+    in `report`); a row wider than the header is refused naming its line, and in a .tsv so is a
+    quoted field that runs over several lines (a stray quote would swallow the rows after it)."""
+    reader = csv.reader(io.StringIO(text.removeprefix("\ufeff"), newline=""), delimiter=delimiter)
+    fields = next(reader, None)
+    if fields is None:
+        raise TaskDataError(f"{path}: empty file")
+    rows, end = [], reader.line_num
+    for row in reader:
+        start, end = end + 1, reader.line_num
+        where = f"{path}:{start}"
+        if delimiter == "\t" and end > start:
+            raise TaskDataError(f"{where}: a quoted field runs over {end - start + 1} lines (a named-column .tsv is "
+                                'read with CSV quoting: a field that starts with " must end with ")')
+        if not row:
+            report.rows += 1
+            report.skip("blank line", where)
+        elif len(row) > len(fields):
+            raise TaskDataError(f"{where}: {len(row)} column(s), the header line has {len(fields)}")
+        else:
+            rows.append((where, dict(zip(fields, row))))  # a shorter row lacks the last columns' values
+    return rows, fields
 
 
 class Read(NamedTuple):

@@ -133,7 +133,7 @@ class SquadExample:
 def read_squad(path: str, version: str, training: bool) -> tuple[list[SquadExample], list[dict], ReadReport]:
     """Examples and the raw `data` list (for the official evaluation). In training files an
     answer whose answer_start does not point at its text is skipped and counted."""
-    report = ReadReport(path)
+    report = ReadReport(path, unit="questions")
     try:
         document = json.loads(read_text(path, TaskDataError))
     except json.JSONDecodeError as e:
@@ -143,11 +143,15 @@ def read_squad(path: str, version: str, training: bool) -> tuple[list[SquadExamp
         raise TaskDataError(f"{path}: expected {{\"version\": ..., \"data\": [articles]}}")
     examples = []
     for a, article in enumerate(data):
-        for p, paragraph in enumerate(article.get("paragraphs", [])):
-            context = paragraph.get("context")
+        if not isinstance(article, dict) or not isinstance(article.get("paragraphs"), list):
+            raise TaskDataError(f"{path}: data[{a}] has no \"paragraphs\" list (SQuAD's layout: "
+                                "data[].paragraphs[].context and .qas[])")
+        for p, paragraph in enumerate(article["paragraphs"]):
+            context = paragraph.get("context") if isinstance(paragraph, dict) else None
             if not isinstance(context, str):
                 raise TaskDataError(f"{path}: data[{a}].paragraphs[{p}] has no context")
             for q, qa in enumerate(paragraph.get("qas", [])):
+                report.rows += 1
                 where = f"{path}: data[{a}].paragraphs[{p}].qas[{q}]"
                 if "id" not in qa or "question" not in qa:
                     raise TaskDataError(f"{where}: needs 'id' and 'question'")

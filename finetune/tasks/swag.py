@@ -17,7 +17,7 @@ from pretrain.common.textfile import read_text
 
 from ..config import ModelSection, TaskSection
 from ..inputs import TextFeatures
-from .base import Dataset, Evaluation, Read, ReadReport, Task, TaskDataError
+from .base import Dataset, Evaluation, Read, ReadReport, Task, TaskDataError, delimited_rows
 from .glue import Example, prediction_table
 
 if TYPE_CHECKING:  # annotations only
@@ -84,30 +84,27 @@ class ChoiceExample(Example):
 
 
 def read_swag(path: str, split: str) -> tuple[list[ChoiceExample], ReadReport]:
+    """Examples of a SWAG CSV (a header line naming the columns): every row an example, a blank
+    line counted as skipped, a row wider than the header or short of a needed value refused."""
     with_labels = split != "test"
-    report = ReadReport(path)
-    with io.StringIO(read_text(path, TaskDataError), newline="") as f:
-        reader = csv.DictReader(f)
-        fields = reader.fieldnames
-        if not fields:
-            raise TaskDataError(f"{path}: empty file")
-        needed = ["sent1", "sent2", *ENDINGS] + (["label"] if with_labels else [])
-        absent = [c for c in needed if c not in fields]
-        if absent:
-            raise TaskDataError(f"{path}: missing column(s) {', '.join(absent)} (has: {', '.join(fields)})")
-        examples = []
-        for line, row in enumerate(reader, start=2):
-            where = f"{path}:{line}"
-            if any(row.get(c) is None for c in needed):
-                raise TaskDataError(f"{where}: missing value for {', '.join(c for c in needed if row.get(c) is None)}")
-            label = None
-            if with_labels:
-                label = row["label"].strip()
-                if label not in LABELS:
-                    raise TaskDataError(f"{where}: label {row['label']!r} is not one of 0, 1, 2, 3")
-            guid = row.get("fold-ind") or row.get("video-id") or str(line - 2)
-            examples.append(ChoiceExample(guid, row["sent1"], row["sent2"], label,
-                                          tuple(row[e] for e in ENDINGS)))
+    report = ReadReport(path, header=True)
+    rows, fields = delimited_rows(path, read_text(path, TaskDataError), ",", report)
+    needed = ["sent1", "sent2", *ENDINGS] + (["label"] if with_labels else [])
+    absent = [c for c in needed if c not in fields]
+    if absent:
+        raise TaskDataError(f"{path}: missing column(s) {', '.join(absent)} (has: {', '.join(fields)})")
+    examples = []
+    for n, (where, row) in enumerate(rows):
+        report.rows += 1
+        if any(row.get(c) is None for c in needed):
+            raise TaskDataError(f"{where}: missing value for {', '.join(c for c in needed if row.get(c) is None)}")
+        label = None
+        if with_labels:
+            label = row["label"].strip()
+            if label not in LABELS:
+                raise TaskDataError(f"{where}: label {row['label']!r} is not one of 0, 1, 2, 3")
+        guid = row.get("fold-ind") or row.get("video-id") or str(n)
+        examples.append(ChoiceExample(guid, row["sent1"], row["sent2"], label, tuple(row[e] for e in ENDINGS)))
     if not examples:
         raise TaskDataError(f"{path}: no examples")
     report.examples = len(examples)

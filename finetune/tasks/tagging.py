@@ -135,7 +135,7 @@ def read_tagged(path: str, tag_column: int, labels: Sequence[str]) -> tuple[list
     naming file:line for a line that cannot be read; empty sentences of JSON lines are skipped and
     counted."""
     lines = read_lines(path, TaskDataError)
-    report = ReadReport(path)
+    report = ReadReport(path, unit="sentences")
     reader = _read_json_lines if path.endswith((".jsonl", ".json")) else _read_conll
     documents = [d for d in reader(path, lines, tag_column, labels, report) if d.sentences]
     sentences = [s for d in documents for s in d.sentences]
@@ -153,6 +153,7 @@ def read_tagged(path: str, tag_column: int, labels: Sequence[str]) -> tuple[list
                 raise TaskDataError(f"{path}:{line}: {e} (token classification scores entities; "
                                     "is task.tag_column the entity column?)") from None
     report.examples = len(sentences)
+    report.rows = report.examples + sum(report.skipped.values())  # every sentence is kept or skipped by reason
     return documents, report
 
 

@@ -30,6 +30,11 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+def _two_digits(value: float) -> str:
+    """2.5, 10, 1,234: two significant digits, or the whole number from 10 on."""
+    return f"{value:.2g}" if value < 9.95 else f"{value:,.0f}"
+
+
 class PlainProgress:
     """The subset of tqdm's interface the programs use, as plain periodic lines:
 
@@ -54,12 +59,21 @@ class PlainProgress:
             value /= 1000
         return f"{value:.1f}P"
 
+    def _rate(self, rate: float) -> str:
+        """Units per second to two significant digits; below one per second, seconds per unit (as
+        tqdm shows a slow rate): a fine-tuning step of 3 s reads "3 s/step", never "0 step/s"."""
+        if self.unit_scale or rate == 0:
+            return f"{self._amount(rate)} {self.unit}/s"
+        if rate >= 1:
+            return f"{_two_digits(rate)} {self.unit}/s"
+        return f"{_two_digits(1 / rate)} s/{self.unit}"
+
     def line(self) -> str:
         elapsed = time.monotonic() - self.started
         rate = self.n / elapsed if elapsed > 0 else 0.0
         done = f"{self._amount(self.n)}/{self._amount(self.total)}{' ' + self.unit if self.unit_scale else ''}"
         parts = [f"{self.desc}: {done} ({100 * self.n / self.total:.0f}%)" if self.total else f"{self.desc}: {done}",
-                 f"{self._amount(rate)} {self.unit}/s", f"{duration(elapsed)} elapsed"]
+                 self._rate(rate), f"{duration(elapsed)} elapsed"]
         if self.total and rate > 0 and self.n < self.total:
             parts.append(f"ETA {duration((self.total - self.n) / rate)}")
         if self.postfix:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import Config
+from ..config.deepspeed import read_user_deepspeed_config
 from .layouts import Layout, candidate_layouts, shapes_only
 from .memory import MemoryPrediction, predict_memory, zero_settings
 from .shapes import StageParams, stage_parameters
@@ -43,6 +44,29 @@ class PlanRow:
     @property
     def samples_per_second(self) -> float:
         return self.global_batch / self.time.total
+
+
+# What no prediction models, for the plan to say so (docs/training.md, "Limits")
+NOT_MODELLED = ("data.packing (packed micro-batches are predicted as padded rows of data.seq_length)",
+                "CPU offload (offload_optimizer, offload_param)",
+                "evaluation, checkpoint saves and data loading (not in the step time)",
+                "communication overlapped with compute (none assumed)")
+
+
+def unmodelled(cfg: Config) -> list[str]:
+    """What of this config the plan does not model (one line each; none for most configs)."""
+    notes = []
+    if cfg.data.packing:
+        notes.append("this config packs samples (data.packing=true): its memory and step time are predicted for "
+                     "padded rows; GPUs also keep a [rows, 1, seq, seq] attention mask per layer")
+    if cfg.train.deepspeed_config:
+        zero = read_user_deepspeed_config(cfg.train.deepspeed_config).get("zero_optimization", {})
+        offload = [key for key in ("offload_optimizer", "offload_param")
+                   if isinstance(zero.get(key), dict) and zero[key].get("device", "none") != "none"]
+        if offload:
+            notes.append(f"{cfg.train.deepspeed_config} offloads to the CPU ({', '.join(offload)}): the plan counts "
+                         "those states on the device")
+    return notes
 
 
 def why_not(memory: MemoryPrediction, budget: Budget) -> str:

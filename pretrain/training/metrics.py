@@ -63,7 +63,6 @@ class ThroughputWindow:
 
     def restart(self) -> None:
         self.started = time.perf_counter()
-        self.steps = 0
         self.real = torch.zeros((), dtype=torch.float64, device=self.device)
         self.computed = 0
         self.items = 0
