@@ -11,7 +11,8 @@
 #   tool tools/SCRIPT.py [ARGS...]
 #
 # Launchers (default torchrun):
-#   torchrun   run once on every node, each with its --node-rank; --master-addr is node 0.
+#   torchrun   run once on every node, each with its --node-rank; --master-addr is node 0. Runs as
+#              pretrain.resilience.torchrun: torchrun, its failure report one line per rank.
 #   deepspeed  one node: --nproc-per-node; several: --hostfile. With --node-rank, every node runs
 #              the launcher itself (deepspeed --no_ssh); without it, node 0 starts all nodes by ssh.
 #   mpirun     mpiexec (MPICH or Open MPI) starts every rank; several nodes need --hostfile.
@@ -29,7 +30,9 @@
 #
 # Signals and restarts (every launcher): SIGTERM to the job (scancel, a time limit, a preemption,
 # `kill` of this script or of its whole process group) makes the ranks save one checkpoint and stop;
-# the launch then exits 0. --max-restarts N (default 0) starts a failed job again, up to N times,
+# the launch then exits 0 with "launcher.sh: the job stopped (...)". A job whose rank failed on bad
+# input ends with that rank's one-line error: "launcher.sh: the job failed (exit N): MESSAGE".
+# --max-restarts N (default 0) starts a failed job again, up to N times,
 # each run resuming from checkpoint.load_dir's latest checkpoint: a killed, crashed or hung rank (the
 # watchdog, resilience.hang_timeout_minutes) restarts; bad input and non-finite training do not, and
 # neither does a stop on SIGTERM. On several nodes give every node's launcher the same N; restart k
@@ -162,7 +165,8 @@ case "$launcher" in
   torchrun)
     [[ -n "$node_rank" ]] || multi_node_needs "--node-rank (run it once on every node)"
     [[ -n "$master_addr" ]] || multi_node_needs "--master-addr (node 0's address) or --hostfile"
-    cmd=(python -m torch.distributed.run --nnodes "$nnodes" --node-rank "$node_rank" --nproc-per-node "$nproc"
+    # torch.distributed.run itself, with a failure reported in one line per rank, not a traceback
+    cmd=(python -m pretrain.resilience.torchrun --nnodes "$nnodes" --node-rank "$node_rank" --nproc-per-node "$nproc"
          --master-addr "$master_addr" --master-port "$master_port" "${target[@]}") ;;
   deepspeed)
     if [[ "${target[0]}" == "-m" ]]; then target=(--module "${target[@]:1}"); fi
@@ -280,13 +284,13 @@ while :; do
   code=0
   wait "$child" || code=$?
   child=""
-  (( code != 0 )) || exit 0
-  wait_for_ranks
+  (( code == 0 )) || wait_for_ranks
   stopped="$(rank_outcome stopped)"
-  if [[ -n "$stopped" ]]; then  # a complete checkpoint was saved before the stop
+  if [[ -n "$stopped" ]]; then  # a complete checkpoint was saved before the stop (the tool may say 0 or not)
     echo "launcher.sh: the job stopped ($stopped); launch it again to resume" >&2
     exit 0
   fi
+  (( code != 0 )) || exit 0
   if [[ "$signalled" == INT ]]; then  # Ctrl-C: stop now, without a save
     echo "launcher.sh: interrupted (SIGINT); a relaunch resumes from the last complete checkpoint the ranks named" >&2
     exit 130
@@ -296,8 +300,12 @@ while :; do
     exit 143
   fi
   failed="$(rank_outcome failed)"
-  if (( max_restarts > 0 )) && [[ -n "$failed" ]]; then
-    echo "launcher.sh: not restarting: a restart would fail the same way ($failed)" >&2
+  if [[ -n "$failed" ]]; then  # a rank's one-line error: the last line, after the tool's own report
+    if (( max_restarts > 0 )); then
+      echo "launcher.sh: not restarting: a restart would fail the same way ($failed)" >&2
+    else
+      echo "launcher.sh: the job failed (exit $code): $failed" >&2
+    fi
     exit "$code"
   fi
   if (( attempt < max_restarts )); then

@@ -7,6 +7,7 @@ The processes run tests/_crash_worker.py (the tiny model, the trainer's log on s
 SIGKILL in the middle of a checkpoint file) or `python -m pretrain` (its error output)."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,8 @@ import pytest
 
 from _train_worker import TINY
 from distributed import REPO, free_port
-from pretrain.checkpoint.exact import _prune
+from pretrain.checkpoint.exact import _drop_recovery_scripts, _prune, _recovery_scripts
+from test_file_modes import assert_modes
 from pretrain.checkpoint.format import CheckpointError, latest_tag, resolve_tag_dir, tag_for, verify_checkpoint
 
 # Dropout on: a resumed run must also restore the RNG streams to draw the same masks. ZeRO-1 so a
@@ -169,13 +171,14 @@ def saved_checkpoint(tmp_path_factory):
     return ckpt
 
 
-def pretrain(tmp, overrides) -> subprocess.CompletedProcess:
+def pretrain(tmp, overrides, umask=-1) -> subprocess.CompletedProcess:
+    """`python -m pretrain` of the tiny model on one process (under `umask`, if given)."""
     config = tmp / "tiny.yaml"
     config.write_text("train:\n  train_steps: 1000\n")
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "pretrain", "--config", str(config), *TINY, *COMMON, *overrides],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300, umask=umask)
 
 
 def truncate(path):
@@ -291,6 +294,29 @@ def test_damaged_checkpoint_without_file_list_fails_clearly(tmp_path, saved_chec
     assert "Traceback" not in output and "step 1/" not in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=oct)
+def test_a_save_honours_the_umask_and_leaves_no_deepspeed_converter(tmp_path, umask):
+    """Every file and directory of a save has the modes the user's umask gives (issue 37), and
+    save_dir holds the checkpoint and `latest` only: not the zero_to_fp32.py and zero_to_torch.py
+    that DeepSpeed copies there at every ZeRO save, which cannot convert our checkpoints."""
+    ckpt = tmp_path / "ckpt"
+    proc = pretrain(tmp_path, [f"checkpoint.save_dir={ckpt}", "resilience.exit_after_steps=1"], umask=umask)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(os.listdir(ckpt)) == ["iter_0000001", "latest"]
+    assert_complete(ckpt / "iter_0000001")
+    assert_modes(ckpt, umask)
+
+
+def test_deepspeeds_converters_are_removed_only_when_this_save_left_them(tmp_path):
+    (tmp_path / "zero_to_fp32.py").write_text("# another program's, there before the save")
+    before = _recovery_scripts(str(tmp_path))
+    (tmp_path / "zero_to_fp32.py").write_text("# overwritten by DeepSpeed")
+    (tmp_path / "zero_to_torch.py").write_text("# new")
+    _drop_recovery_scripts(str(tmp_path), before)
+    assert sorted(os.listdir(tmp_path)) == ["zero_to_fp32.py"]
+
+
 # ----------------------------------------------------------------------------- 3. pruning
 @pytest.mark.slow
 def test_keep_last_prunes_exactly_the_oldest_and_nothing_else(tmp_path):
@@ -350,6 +376,37 @@ def test_latest_takes_back_a_checkpoint_left_aside_by_a_killed_replacement(tmp_p
     (tmp_path / "latest").write_text("iter_0000006")
     with pytest.raises(CheckpointError, match="names 'iter_0000006', which is not a directory"):
         latest_tag(str(tmp_path))
+
+
+def test_an_unfinished_save_is_named_so_and_the_complete_checkpoints_listed(tmp_path, capsys):
+    """The converter (any reader of a checkpoint path) given a <tag>.partial directory, or a
+    save_dir without `latest`, names the complete checkpoints to pass instead: the one `latest`
+    names first, then the others newest first; never the .partial its advice once led to."""
+    from tools import convert_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    for name in ("iter_0000002", "iter_0000004"):
+        (ckpt / name).mkdir(parents=True)
+        (ckpt / name / "meta.json").write_text(json.dumps({"layout": {}, "config": {}, "files": {}}))
+    (ckpt / "latest").write_text("iter_0000002")  # a user who wrote an older one into it
+    partial = ckpt / "iter_0000006.partial"
+    partial.mkdir()
+    (partial / "mp_rank_00_model_states.pt").write_bytes(b"half")
+    assert convert_checkpoint.main(["native-to-hf", "--input", str(partial), "--output", str(tmp_path / "hf")]) == 1
+    assert capsys.readouterr().err == (
+        f"convert_checkpoint: error: {partial} is an unfinished save (in progress, or killed before it completed), "
+        f"not a checkpoint; pass a complete checkpoint: {ckpt}/iter_0000002 (latest), {ckpt}/iter_0000004\n")
+    os.remove(ckpt / "latest")
+    with pytest.raises(CheckpointError) as no_latest:
+        resolve_tag_dir(str(ckpt))
+    assert str(no_latest.value) == (f"{ckpt} has iter_* directories but no 'latest' file; pass a complete "
+                                    f"checkpoint: {ckpt}/iter_0000004, {ckpt}/iter_0000002")
+    for name in ("iter_0000002", "iter_0000004"):
+        shutil.rmtree(ckpt / name)
+    with pytest.raises(CheckpointError, match=f"no 'latest' file; {ckpt} holds no complete checkpoint yet$"):
+        resolve_tag_dir(str(ckpt))
+    with pytest.raises(CheckpointError, match=f"not a checkpoint; {ckpt} holds no complete checkpoint yet$"):
+        resolve_tag_dir(str(partial))
 
 
 # ----------------------------------------------------------------------------- 4. SIGTERM to one rank

@@ -49,12 +49,54 @@ def test_invalid_config_is_refused_before_launch():
     assert "+ " not in result.stdout  # nothing was launched
 
 
+def test_a_failed_job_ends_with_the_rank_s_own_error(tmp_path):
+    """A rank that fails on bad input prints its one-line error (a tool's here: pretraining's ranks
+    report through the same run_command); torchrun's ChildFailedError traceback and report box give
+    way to one line per failed rank, and the launcher repeats the rank's error as the last line."""
+    missing = tmp_path / "missing"
+    result = launch("--master-port", str(free_port()), "tool", "tools/convert_checkpoint.py", "native-to-hf",
+                    "--input", str(missing), "--output", str(tmp_path / "hf"))
+    error = f"{missing}: no such checkpoint directory"
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1, result.stderr
+    assert f"convert_checkpoint: error: {error}" in lines  # the rank's own line
+    assert any(re.fullmatch(r"torchrun: rank 0 \(local rank 0, pid \d+, .+\) exited with status 1", line)
+               for line in lines), lines
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, result.stderr
+    assert lines[-1] == f"launcher.sh: the job failed (exit 1): {error}"
+
+
+def test_torchrun_names_a_killed_rank_in_one_line():
+    from types import SimpleNamespace
+
+    from pretrain.resilience.torchrun import describe
+
+    killed = SimpleNamespace(local_rank=1, pid=42, exitcode=-9, signal_name=lambda: "SIGKILL")
+    assert re.fullmatch(r"rank 3 \(local rank 1, pid 42, .+\) was killed by SIGKILL", describe(3, killed))
+
+
+def test_a_failed_rank_tells_the_launcher_its_error(tmp_path, monkeypatch, capsys):
+    """What the launcher repeats: the printing process's error, in the status directory under its
+    rank, also for a program that starts no process group (a tool)."""
+    from pretrain.cli import run_command
+    from pretrain.common.errors import UserError
+
+    def bad_input(args):
+        raise UserError("data.vocab_file x.txt:\n  line 3 is empty")
+
+    monkeypatch.setenv("BERT_LAUNCH_STATUS_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "2")
+    assert run_command(lambda argv: None, bad_input, [], name="tool") == 1
+    assert capsys.readouterr().err == "tool: error: data.vocab_file x.txt:\n  line 3 is empty\n"
+    assert (tmp_path / "rank-2").read_text() == "failed data.vocab_file x.txt: line 3 is empty\n"
+
+
 def test_dry_run_commands(tmp_path):
     """Multi-node command lines as printed (and not run) for every launcher, from one hostfile."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# two nodes\nnode-a slots=2\nnode-b slots=2  # the second\n")
     expected = {
-        ("torchrun", "--node-rank", "1"): "python -m torch.distributed.run --nnodes 2 --node-rank 1 --nproc-per-node 2 "
+        ("torchrun", "--node-rank", "1"): "python -m pretrain.resilience.torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2 "
                                           "--master-addr node-a --master-port 29500 -m pretrain",
         ("deepspeed", "--node-rank", "0"): f"deepspeed --hostfile {hostfile} --no_ssh --node_rank 0 --master_addr "
                                            "node-a --master_port 29500 --module pretrain",

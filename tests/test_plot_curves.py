@@ -130,3 +130,29 @@ def test_errors(logs, tmp_path, capsys):
     with pytest.raises(SystemExit) as usage:
         plot_curves.main(["--output", str(out)])  # --logdir is required
     assert usage.value.code == 2
+
+
+def test_series_of_few_points_get_markers(tmp_path, monkeypatch):
+    """A line through one point draws nothing: the test set's single evaluation (test/*, at the end
+    of pretraining) and any short series are drawn with a marker on each point, and the test split
+    dashed as an evaluation; a long train series stays a plain line."""
+    from matplotlib.axes import Axes
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(tmp_path / "run")) as writer:
+        for step in range(1, 41):
+            writer.add_scalar("train/lm_loss", 9.0 / step + 1, step)
+        writer.add_scalar("train/grad_norm", 1.5, 40)  # a one-step run's
+        writer.add_scalar("test/lm_loss", 2.0, 40)
+    drawn = {}
+    plot_line = Axes.plot
+
+    def recording(ax, *args, **kwargs):
+        drawn[kwargs["label"]] = kwargs
+        return plot_line(ax, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", recording)
+    assert plot_curves.main(["--logdir", str(tmp_path / "run"), "--output", str(tmp_path / "curves.png")]) == 0
+    assert (drawn["test/lm_loss"]["marker"], drawn["test/lm_loss"]["linestyle"]) == ("o", "--")
+    assert drawn["train/grad_norm"]["marker"] == "o"
+    assert (drawn["train/lm_loss"]["marker"], drawn["train/lm_loss"]["linestyle"]) == (None, "-")

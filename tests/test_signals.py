@@ -124,6 +124,9 @@ def test_sigterm_saves_exits_0_and_the_relaunch_equals_a_straight_run(runs, laun
     step = int(saved.split("_")[-1])
     assert step % STRAIGHT_SAVES == 0, saved  # stopped at a stop check
     ckpt = REPO / first_log.split("saved checkpoint ")[-1].split("\n")[0].strip()
+    # the launcher's documented line, also when the tool between ended well (SIGTERM to the launcher alone)
+    assert (f"launcher.sh: the job stopped (SIGTERM received: saved step {step} in {ckpt.parent}); launch it again "
+            "to resume") in first_log.splitlines(), first_log[-4000:]
     layout = read_meta(str(ckpt))["layout"]
     settings = dict(item.split("=") for item in config)
     assert (layout["precision"], layout["zero_stage"], layout["pipeline_parallel"]) == \
@@ -147,8 +150,8 @@ def test_sigterm_saves_exits_0_and_the_relaunch_equals_a_straight_run(runs, laun
 
 def test_ctrl_c_ends_every_rank_with_one_line_naming_the_last_checkpoint(runs):
     """Ctrl-C (SIGINT to the job's process group): each rank stops at once with one line naming
-    what a relaunch resumes from, no KeyboardInterrupt traceback of a rank or loader process; the
-    launcher says so and exits 130. (torchrun's agent still prints its own SignalException.)"""
+    what a relaunch resumes from, no KeyboardInterrupt traceback of a rank or loader process, nor
+    torchrun's SignalException traceback (one line instead); the launcher says so and exits 130."""
     _, stopped = runs
     code, log, saved, _, _ = stopped[CTRL_C]
     assert code == 130, log[-4000:]
@@ -157,4 +160,5 @@ def test_ctrl_c_ends_every_rank_with_one_line_naming_the_last_checkpoint(runs):
     assert saved is not None and all(f"the last complete checkpoint is " in line and line.endswith(saved)
                                      for line in lines), (saved, lines)
     assert "KeyboardInterrupt" not in log and "DataLoader worker" not in log, log[-4000:]
+    assert "Traceback" not in log and "torchrun: ended by SIGINT" in log, log[-4000:]
     assert "launcher.sh: interrupted (SIGINT)" in log, log[-4000:]

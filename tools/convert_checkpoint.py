@@ -25,7 +25,8 @@ reshard rewrites a native checkpoint at another TP x PP, with its optimizer mome
 count and LR-schedule position: training resumes from it in any DP size and ZeRO stage.
 
 Outputs are written to a temporary directory and renamed when complete: a failed conversion
-leaves nothing behind. Exit status: 0 done, 1 error, 2 bad usage.
+leaves nothing behind. Their files get the modes the user's umask gives (0644 under umask 022).
+Exit status: 0 done, 1 error, 2 bad usage.
 """
 from __future__ import annotations
 

@@ -5,11 +5,13 @@ usage: python tools/plot_curves.py --logdir DIR [--logdir DIR2 ...] --output cur
 
 Every directory under a --logdir that holds event files (events.out.tfevents.*) is a run, e.g.
 pretraining and fine-tuning logs under one root. Each run gets a row of panels (rows in the order
-the runs started), one per metric family, a metric in one colour, train solid, evaluation dashed: pretraining's MLM loss and NSP loss (train vs eval),
-accuracy (MLM and NSP, train vs eval), learning rate and grad norm; fine-tuning's loss and its
-dev metrics per epoch (eval-vs-epoch/*). Step on the x axis (epoch for per-epoch metrics).
-Without --tags: those families (not the *-vs-samples copies, not the total loss where its MLM and
-NSP parts are drawn); a requested tag of no family gets a panel of its own.
+the runs started), one per metric family, a metric in one colour, train solid, evaluation (eval,
+test) dashed, markers on evaluations and on series of few points (one point draws no line):
+pretraining's MLM loss and NSP loss (train vs eval), accuracy (MLM and NSP, train vs eval),
+learning rate and grad norm; fine-tuning's loss and its dev metrics per epoch (eval-vs-epoch/*).
+Step on the x axis (epoch for per-epoch metrics). Without --tags: those families (not the
+*-vs-samples copies, not the total loss where its MLM and NSP parts are drawn); a requested tag of
+no family gets a panel of its own.
 Events are read with TensorBoard's own EventAccumulator; the PNG is drawn with matplotlib's Agg
 backend (no display needed) and written to a temporary file renamed into place.
 Exit status: 0 done, 1 bad input, 2 bad usage.
@@ -143,6 +145,20 @@ def panels_of(series) -> list[tuple[str, list[str]]]:
     return [(label, sorted(panels, key=lambda p: order.get(p, len(order)))) for label, panels in layout.items()]
 
 
+# A series of this many points or fewer gets a marker at each: a line through one point draws
+# nothing (a test set evaluated once, a run of a few steps).
+FEW_POINTS = 20
+
+
+def line_style(tag: str, points: int) -> dict:
+    """matplotlib keywords of a series: train solid; evaluation (eval, test) dashed and heavier;
+    markers on evaluation points and on any series of few points."""
+    evaluation = tag.split("/")[0].split("-")[0] in ("eval", "test")
+    marked = evaluation or points <= FEW_POINTS
+    return {"marker": "o" if marked else None, "markersize": 4, "linewidth": 1.6 if evaluation else 1.0,
+            "linestyle": "--" if evaluation else "-"}
+
+
 def plot(series, output: str, title: str | None) -> int:
     """One row of panels per run (program), one panel per metric family, train solid and
     evaluation dashed; the PNG written atomically. Returns the number of panels."""
@@ -170,10 +186,8 @@ def plot(series, output: str, title: str | None) -> int:
                 if run != label or series_panel != panel:
                     continue
                 steps, values = zip(*points)
-                evaluation = tag.startswith("eval")
                 colour = colours[metrics.index(tag.rpartition("/")[2]) % len(colours)]
-                ax.plot(steps, values, label=tag, color=colour, marker="o" if evaluation else None, markersize=4,
-                        linewidth=1.6 if evaluation else 1.0, linestyle="--" if evaluation else "-")
+                ax.plot(steps, values, label=tag, color=colour, **line_style(tag, len(points)))
             ax.set_title(f"{label}: {panel}" if len(rows) > 1 else panel, fontsize="medium")
             ax.set_xlabel("epoch" if panel == "dev metrics per epoch" else "step")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -8,9 +8,10 @@ loads anything.
 """
 from __future__ import annotations
 
-import logging
-
+import contextlib
+import glob
 import json
+import logging
 import os
 import pickle
 import random
@@ -19,7 +20,7 @@ import shutil
 import numpy as np
 import torch
 
-from ..common.atomic import replace_durably
+from ..common.atomic import honour_umask, replace_durably
 from ..common.diskspace import disk_full_named
 from ..config import Config
 from ..distributed.device import all_gather_object, barrier
@@ -104,6 +105,7 @@ def save_checkpoint(engine, save_dir: str, step: int, consumed_samples: int, cfg
     # `unexpected pos` or `iostream error`, not ENOSPC)
     with disk_full_named(staging, f"the checkpoint of step {step}", f"this save is never loaded; `{LATEST}` is unchanged"):
         client_state = {"step": step, "consumed_samples": consumed_samples}
+        scripts = _recovery_scripts(save_dir) if parallel.rank == 0 else set()
         engine.save_checkpoint(save_dir, tag=staging_tag, client_state=client_state, save_latest=False)
         rng_path = rng_file(staging, parallel.rank)
         torch.save(rng_state(tracker), rng_path + ".tmp")
@@ -111,6 +113,9 @@ def save_checkpoint(engine, save_dir: str, step: int, consumed_samples: int, cfg
         if parallel.rank == 0 and cfg.data.vocab_file:
             save_vocab(cfg.data.vocab_file, staging)
         barrier()  # every rank's files are written
+        if parallel.rank == 0:
+            _drop_recovery_scripts(save_dir, scripts)
+            honour_umask(staging)  # whatever a writer made private, as the user's other files
         # Rank 0 lists the files, every rank fingerprints its share of them (a save's whole size is
         # read once, in parallel), rank 0 records all in meta.json.
         share = (parallel.rank, parallel.world_size)
@@ -134,6 +139,25 @@ def save_checkpoint(engine, save_dir: str, step: int, consumed_samples: int, cfg
             _prune(save_dir, keep_last, keep=tag)
     barrier()
     return tag
+
+
+# What every ZeRO save of DeepSpeed copies into save_dir (engine._copy_recovery_script, no option to
+# switch it off): its converters, zero_to_fp32.py and zero_to_torch.py, which join ZeRO partitions
+# only, not tensor-parallel shards or pipeline stages, and write the engine's parameter names. The
+# converter of our checkpoints is tools/convert_checkpoint.py.
+RECOVERY_SCRIPTS = "zero_to_*.py"
+
+
+def _recovery_scripts(save_dir: str) -> set[str]:
+    return set(glob.glob(os.path.join(save_dir, RECOVERY_SCRIPTS)))
+
+
+def _drop_recovery_scripts(save_dir: str, before: set[str]) -> None:
+    """Remove the converter scripts this save's DeepSpeed call left in save_dir; any that were
+    there before it (another program's) stay."""
+    for path in _recovery_scripts(save_dir) - before:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def _publish(staging: str, final: str) -> None:

@@ -19,14 +19,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from ..config import Config
-from ..common.diskspace import disk_full_named
+from ..common.atomic import directory_output
 from ..model.bert import full_initial_value
 from ..model.names import spec_modules
 from ..optim.groups import group_by_kind
@@ -358,74 +357,65 @@ def write_native(ckpt: LogicalCheckpoint, out_dir: str, tp: int, pp: int, with_o
     with_optimizer = with_optimizer and ckpt.moments is not None
     m = cfg.model
     info, padded = hf_parameter_info(m, cfg.binary_head), m.padded_vocab_size(tp)
-    tmp = f"{out_dir.rstrip(os.sep)}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tag = tag_for(ckpt.step)
-    tag_dir = os.path.join(tmp, tag)
-    os.makedirs(tag_dir)
-    try:
-        with disk_full_named(out_dir, "the native checkpoint"):
-            if ckpt.vocab_dir:  # first: a tokenizer that cannot be carried fails before the weights are written
-                check_vocab_fits(copy_vocab_files(ckpt.vocab_dir, tag_dir), m.vocab_size, ckpt.vocab_dir)
-            for p, t, mp in model_ranks(tp, pp):
-                names = stage_param_names(m.num_layers, pp, p, cfg.binary_head)
+    with directory_output(out_dir, "the native checkpoint") as tmp:
+        tag_dir = os.path.join(tmp, tag)
+        os.makedirs(tag_dir)
+        if ckpt.vocab_dir:  # first: a tokenizer that cannot be carried fails before the weights are written
+            check_vocab_fits(copy_vocab_files(ckpt.vocab_dir, tag_dir), m.vocab_size, ckpt.vocab_dir)
+        for p, t, mp in model_ranks(tp, pp):
+            names = stage_param_names(m.num_layers, pp, p, cfg.binary_head)
 
-                def local(hf_name, tensor):
-                    return local_value(hf_name, tensor, padded, info[hf_name].partition_dim, t, tp)
+            def local(hf_name, tensor):
+                return local_value(hf_name, tensor, padded, info[hf_name].partition_dim, t, tp)
 
-                module = OrderedDict((name, local(hf, ckpt.weights[hf])) for name, hf in names)
-                state = {
-                    "module": module if pp == 1 else None,
-                    "buffer_names": [],
-                    "optimizer": _indexed_optimizer_state(ckpt, names, local) if with_optimizer else None,
-                    "param_shapes": None,
-                    "lr_scheduler": {"last_epoch": ckpt.scheduler_steps, "_step_count": ckpt.scheduler_steps + 1},
-                    "skipped_steps": 0,
-                    "global_steps": ckpt.step,
-                    "global_samples": ckpt.consumed_samples,
-                    "dp_world_size": 1,
-                    "mp_world_size": tp * pp if pp > 1 else tp,
-                    "step": ckpt.step,
-                    "consumed_samples": ckpt.consumed_samples,
-                }
-                torch.save(state, mp_file(tag_dir, mp))
-                if pp > 1:
-                    by_spec: dict[int, OrderedDict] = {}
-                    for name, _ in names:
-                        spec, local_name = _split_pipeline_name(name)
-                        by_spec.setdefault(spec, OrderedDict())[local_name] = module[name]
-                    decoder_spec = len(spec_modules(m.num_layers)) - 2
-                    for spec, layer in by_spec.items():
-                        if spec == 0 and 0 not in stage_spec_range(m.num_layers, pp, p):
-                            continue  # the last stage's copy of the tied embedding: DeepSpeed keeps the first
-                        assert spec != decoder_spec
-                        torch.save(layer, layer_file(tag_dir, spec, t))
-            names = checkpoint_files(tag_dir)
-            meta = {
+            module = OrderedDict((name, local(hf, ckpt.weights[hf])) for name, hf in names)
+            state = {
+                "module": module if pp == 1 else None,
+                "buffer_names": [],
+                "optimizer": _indexed_optimizer_state(ckpt, names, local) if with_optimizer else None,
+                "param_shapes": None,
+                "lr_scheduler": {"last_epoch": ckpt.scheduler_steps, "_step_count": ckpt.scheduler_steps + 1},
+                "skipped_steps": 0,
+                "global_steps": ckpt.step,
+                "global_samples": ckpt.consumed_samples,
+                "dp_world_size": 1,
+                "mp_world_size": tp * pp if pp > 1 else tp,
                 "step": ckpt.step,
                 "consumed_samples": ckpt.consumed_samples,
-                "world_size": tp * pp,
-                "layout": {"tensor_parallel": tp, "pipeline_parallel": pp, "data_parallel": 1, "zero_stage": 0,
-                           "precision": "fp32", "optimizer": cfg.optimizer.name},
-                "model_shape": model_shape_of(cfg),
-                "config": cfg.to_dict(),
-                "exact_resume": False,  # no RNG or data-loader state: the trainer loads it layout-free
-                "optimizer_state": with_optimizer,
-                "converted_from": converted_from or ckpt.source,
-                "initialised_heads": ckpt.initialised_heads,
-                "files": {name: os.path.getsize(os.path.join(tag_dir, name)) for name in names},
-                "crc32": fingerprints(tag_dir, names),
             }
-            with open(os.path.join(tag_dir, META), "w") as f:
-                json.dump(meta, f, indent=2)
-            with open(os.path.join(tmp, LATEST), "w") as f:
-                f.write(tag)
-            if os.path.isdir(out_dir):
-                os.rmdir(out_dir)  # empty (checked above)
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            torch.save(state, mp_file(tag_dir, mp))
+            if pp > 1:
+                by_spec: dict[int, OrderedDict] = {}
+                for name, _ in names:
+                    spec, local_name = _split_pipeline_name(name)
+                    by_spec.setdefault(spec, OrderedDict())[local_name] = module[name]
+                decoder_spec = len(spec_modules(m.num_layers)) - 2
+                for spec, layer in by_spec.items():
+                    if spec == 0 and 0 not in stage_spec_range(m.num_layers, pp, p):
+                        continue  # the last stage's copy of the tied embedding: DeepSpeed keeps the first
+                    assert spec != decoder_spec
+                    torch.save(layer, layer_file(tag_dir, spec, t))
+        names = checkpoint_files(tag_dir)
+        meta = {
+            "step": ckpt.step,
+            "consumed_samples": ckpt.consumed_samples,
+            "world_size": tp * pp,
+            "layout": {"tensor_parallel": tp, "pipeline_parallel": pp, "data_parallel": 1, "zero_stage": 0,
+                       "precision": "fp32", "optimizer": cfg.optimizer.name},
+            "model_shape": model_shape_of(cfg),
+            "config": cfg.to_dict(),
+            "exact_resume": False,  # no RNG or data-loader state: the trainer loads it layout-free
+            "optimizer_state": with_optimizer,
+            "converted_from": converted_from or ckpt.source,
+            "initialised_heads": ckpt.initialised_heads,
+            "files": {name: os.path.getsize(os.path.join(tag_dir, name)) for name in names},
+            "crc32": fingerprints(tag_dir, names),
+        }
+        with open(os.path.join(tag_dir, META), "w") as f:
+            json.dump(meta, f, indent=2)
+        with open(os.path.join(tmp, LATEST), "w") as f:
+            f.write(tag)
     return os.path.join(out_dir, tag)
 
 

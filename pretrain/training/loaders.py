@@ -2,10 +2,37 @@
 evaluations, their worker processes named for the hang watchdog and closed together."""
 from __future__ import annotations
 
+import logging
+import time
+
 from ..config import Config
 from ..data.samples.batches import FixedMicroBatches, MicroBatchIterator
 from ..distributed.parallel import Parallel
 from ..resilience.watchdog import process_state
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingBatches(MicroBatchIterator):
+    """The training stream, whose loader start-up (its processes starting and building their first
+    batches: seconds, at the first draw and after a restart) is logged on its own line and left out
+    of `wait_seconds`, which would otherwise make the first log window read as a data bottleneck."""
+
+    def __init__(self, *args, num_workers: int = 0, **kwargs):
+        super().__init__(*args, num_workers=num_workers, **kwargs)
+        self.num_workers = num_workers
+        self.start_seconds = 0.0  # every start-up of its loader processes so far
+
+    def __next__(self):
+        if not self.num_workers or self.worker_pids():  # no processes to start, or running
+            return super().__next__()
+        waited, started = self.wait_seconds, time.perf_counter()
+        batch = super().__next__()
+        seconds = time.perf_counter() - started
+        self.wait_seconds, self.start_seconds = waited, self.start_seconds + seconds
+        processes = f"{self.num_workers} loader process" + ("es" if self.num_workers > 1 else "")
+        logger.info(f"training loader started in {seconds:.1f} s ({processes}; not counted in the data wait)")
+        return batch
 
 
 class Loaders:
@@ -31,13 +58,13 @@ class Loaders:
         """data.packing packs a rank's share of a step (its micro-batches) together; 0 = unpacked."""
         return self.grad_accum if self.cfg.data.packing else 0
 
-    def training(self, dataset, consumed_samples: int) -> MicroBatchIterator:
+    def training(self, dataset, consumed_samples: int) -> TrainingBatches:
         """This rank's micro-batches of `dataset` from sample `consumed_samples` on; closed with the rest."""
         p = self.parallel
         if self._training is not None:
             self._training.close()
-        self._training = MicroBatchIterator(dataset, consumed_samples, self.cfg.train.micro_batch_size, p.dp_rank,
-                                            p.dp_size, p.device, num_workers=self.workers, pack_group=self.pack_group)
+        self._training = TrainingBatches(dataset, consumed_samples, self.cfg.train.micro_batch_size, p.dp_rank,
+                                         p.dp_size, p.device, num_workers=self.workers, pack_group=self.pack_group)
         return self._training
 
     def evaluation(self, dataset) -> FixedMicroBatches:
