@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from .common.errors import UserError
 from .observability.console import configure_logging
 from .observability.quiet import hide_library_warnings
+from .resilience import launch_status
 
 if TYPE_CHECKING:  # the real imports start torch: only run_distributed pays for them
     from .distributed.parallel import LaunchEnv, Parallel
@@ -80,10 +81,10 @@ def run_command(parse: Callable[[Sequence[str] | None], argparse.Namespace],
     try:
         return body(args) or 0
     except UserError as error:
-        print(f"{prefix}{error}", file=sys.stderr)
+        _report(prefix, error)
         return error.exit_status
     except input_errors as error:
-        print(f"{prefix}{error}", file=sys.stderr)
+        _report(prefix, error)
         return 1
     except KeyboardInterrupt as stop:
         if interrupted is None:
@@ -94,6 +95,13 @@ def run_command(parse: Callable[[Sequence[str] | None], argparse.Namespace],
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _report(prefix: str, error: Exception) -> None:
+    """Print the error, and tell launcher.sh (when it started this process) not to restart and to
+    repeat the message as the job's last line, after what the launching tool prints."""
+    print(f"{prefix}{error}", file=sys.stderr)
+    launch_status.failed(launch_status.own_rank(), str(error))
 
 
 def run_distributed(work: Callable[["Parallel"], int | None], tensor_parallel: int, pipeline_parallel: int = 1,
@@ -108,12 +116,12 @@ def run_distributed(work: Callable[["Parallel"], int | None], tensor_parallel: i
     parallelism CUDA_DEVICE_MAX_CONNECTIONS=1 is set there too (unless the user set it), before
     any CUDA context exists, whichever launcher started the rank (pretrain/distributed/device.py), and torch's
     hang diagnostics are switched on (flight recorder; on NCCL dump on timeout, desync report).
+    JIT-built extensions go to the environment's own directory (device.prepare_extensions_dir).
     Every rank meets the same bad input: only the logging rank raises the UserError (for
     run_command to print), the others return its status quietly, so it is printed once; every
-    rank tells launcher.sh not to restart (pretrain/resilience/launch_status.py).
+    rank tells launcher.sh not to restart (pretrain/resilience/launch_status.py), the others here.
     """
-    from .resilience import launch_status
-    from .distributed.device import prepare_cuda_environment, prepare_hang_diagnostics
+    from .distributed.device import prepare_cuda_environment, prepare_extensions_dir, prepare_hang_diagnostics
     from .distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
 
     launch = discover_launch_env() if launch is None else launch
@@ -121,14 +129,15 @@ def run_distributed(work: Callable[["Parallel"], int | None], tensor_parallel: i
     launch_status.register(launch.rank)
     prepare_cuda_environment(tensor_parallel)  # before init_parallel makes this rank's CUDA context
     prepare_hang_diagnostics()
+    prepare_extensions_dir()
     parallel = init_parallel(launch, tensor_parallel, pipeline_parallel, timeout_minutes, rendezvous_timeout_minutes)
     configure_logging(parallel.rank, parallel.world_size, parallel.logging_rank)
     try:
         return work(parallel) or 0
     except UserError as error:
+        if parallel.rank == parallel.logging_rank:
+            raise
         launch_status.failed(parallel.rank, str(error))  # a restart would meet it again
-        if parallel.rank != parallel.logging_rank:
-            return error.exit_status
-        raise
+        return error.exit_status
     finally:
         shutdown_parallel()

@@ -53,10 +53,13 @@ def start(args: argparse.Namespace) -> int:
 
             if not torch.cuda.is_available():
                 problems.append("train.precision=fp16 needs a GPU (DeepSpeed has no fp16 on CPU); use bf16 or fp32")
+        from .checkpoint.data_sequence import data_sequence_problems
+        from .checkpoint.starting_point import starting_point_problems
         from .checkpoint.vocabulary import vocabulary_problems
         from .data.samples.provider import data_file_problems
 
-        problems += data_file_problems(cfg) + vocabulary_problems(cfg)
+        problems += starting_point_problems(cfg)
+        problems += data_file_problems(cfg) + vocabulary_problems(cfg) + data_sequence_problems(cfg)
         if args.restartable and not (cfg.checkpoint.save_dir and cfg.checkpoint.load_dir):
             problems.append("launcher.sh --max-restarts: a restart resumes from checkpoint.load_dir's latest checkpoint; "
                             "set checkpoint.save_dir and checkpoint.load_dir (usually the same directory)")
@@ -67,7 +70,11 @@ def start(args: argparse.Namespace) -> int:
         print(f"invalid configuration ({args.config}):\n{error}", file=sys.stderr)
         return 2
     if args.check_config:
+        from .checkpoint.starting_point import untrained_head_notes
+
         print(f"{args.config}: valid for {world_size} rank(s)")
+        for note in untrained_head_notes(cfg):
+            print(f"note: {note}")
         return 0
 
     from .resilience import launch_status

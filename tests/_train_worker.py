@@ -2,7 +2,8 @@
 
 usage: python tests/_train_worker.py OUT.json TP PP RUN_JSON...
 Each RUN_JSON is {"name": ..., "overrides": [...]} applied on top of tests' tiny config, with
-optional "evaluate": true (evaluation metrics after training), "per_shard_lamb": true (the
+optional "evaluate": true (evaluation metrics after training), "expect_error": true (a run the
+trainer must refuse: its error message is recorded, and the job goes on), "per_shard_lamb": true (the
 negative control: LAMB trust ratios of whatever tensor each rank steps, not of whole parameters)
 and "tp"/"pp" (this run's layout instead of TP PP: the process group stays, the TP/PP/DP groups
 are built anew, so one job runs several layouts of its world size and starts its processes once).
@@ -150,7 +151,14 @@ def main():
         trainer = Trainer(cfg, parallel)
         if run.get("per_shard_lamb"):
             use_per_shard_trust_ratios(trainer)
-        history = trainer.train()
+        try:
+            history = trainer.train()
+        except Exception as error:  # noqa: BLE001 (a run that must be refused: its message is the result)
+            if not run.get("expect_error"):
+                raise
+            results[run["name"]] = {"error": str(error), "log": lines}
+            trainer.close_loaders()
+            continue
         results[run["name"]] = {"history": history, "params_norm": trainer.params_norm(),
                                 "device": where_it_ran(trainer, parallel),
                                 "ranks": device.all_gather_object(layout_report(trainer, parallel)),

@@ -190,6 +190,25 @@ def test_unknown_keys_in_overrides_name_command_line():
     assert "'nosection'" in lines[1]
 
 
+@pytest.mark.parametrize("override,suggestion", [
+    ("model.ffn_size=8", "(did you mean 'model.ffn_hidden_size'?)"),  # the name the old shape message used
+    ("train.vocab_file=v.txt", "(did you mean 'data.vocab_file'?)"),  # the right name in another section
+    ("train.micro_batchsize=2", "(did you mean 'train.micro_batch_size'?)"),
+    ("modl.hidden_size=8", "(did you mean 'model'?)"),
+])
+def test_unknown_key_says_did_you_mean(override, suggestion):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    (line,) = problems_of(e)
+    assert suggestion in line
+
+
+def test_unknown_key_without_a_close_name_suggests_nothing():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["train.qqqq=1"])
+    assert "did you mean" not in problems_of(e)[0]
+
+
 @pytest.mark.parametrize("bad", ["train.precision", "precision=bf16", "a.b.c=1", ".x=1"])
 def test_malformed_override(bad):
     with pytest.raises(ConfigError, match="command line: malformed override"):

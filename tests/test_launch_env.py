@@ -8,6 +8,7 @@ import pytest
 
 from conftest import LAUNCH_KEYS
 from distributed import REPO, free_port
+from pretrain.distributed.device import prepare_extensions_dir
 from pretrain.distributed.parallel import LaunchEnv, _first_slurm_host, discover_launch_env, init_parallel, shutdown_parallel
 
 
@@ -73,6 +74,15 @@ def test_single_process_port_is_free_while_a_job_holds_29500():
     assert discover_launch_env({"MASTER_PORT": "1234"}).master_port == 1234
 
 
+def test_extensions_are_built_in_the_environment_unless_the_user_chose(tmp_path):
+    environ = {}
+    prepare_extensions_dir(environ)
+    assert environ == {"TORCH_EXTENSIONS_DIR": os.path.join(sys.prefix, "torch_extensions")}
+    chosen = {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    prepare_extensions_dir(chosen)
+    assert chosen == {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
+
+
 def test_export_to_writes_exactly_the_launch_variables():
     environ = {"PATH": "/bin", "RANK": "0"}
     LaunchEnv(5, 8, 1, "gpu07", 4000, "slurm").export_to(environ)
@@ -89,6 +99,10 @@ def test_init_parallel_leaves_the_environment_alone(monkeypatch):
     parallel = init_parallel(LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "single"), 1, 1, timeout_minutes=1)
     try:
         assert (parallel.rank, parallel.world_size, parallel.tp_size, parallel.dp_size) == (0, 1, 1, 1)
+        # one process reduces nothing: DeepSpeed's CPU shared-memory op is not built (20-30 s of compiling)
+        from deepspeed.comm import comm as ds_comm
+
+        assert ds_comm.cdb.shm_comm_op is None
         assert [key for key in LAUNCH_KEYS if key in os.environ] == []
         # nothing else of ours either (torch and DeepSpeed add their own on first import)
         assert {key: os.environ.get(key) for key in before} == before

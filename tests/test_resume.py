@@ -1,9 +1,12 @@
 """Invariant 4: N steps + save + resume N steps equals 2N steps straight; bad resumes fail clearly."""
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 
-from distributed import run_ranks
+from distributed import REPO, run_ranks
 
 pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
 
@@ -69,7 +72,47 @@ def test_checkpoint_of_other_model_shape_is_refused(tmp_path):
     assert all(r.returncode != 0 for r in results)
     log = results[0].stdout
     assert "does not fit this run's model" in log
-    assert "model.ffn_size: checkpoint 256 vs run 128" in log
+    assert "model.ffn_hidden_size (the feed-forward width; unset = 4 x model.hidden_size): checkpoint 256 vs run 128" in log
     assert not out.exists()
 
 
+
+
+def check_config(overrides):
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "pretrain", "--check-config", "--world-size", "1", "--config",
+                             "configs/bert-tiny.yaml", *overrides], cwd=REPO, capture_output=True, text=True, timeout=60)
+    return result, time.monotonic() - started
+
+
+def test_resume_with_other_data_settings_is_refused_or_starts_the_new_sequence_over(tmp_path):
+    """A checkpoint at seq 32 resumed at seq 64: refused before any rank starts (and by the trainer
+    itself), naming the key; checkpoint.accept_new_data resumes with the new sequence from sample 0."""
+    ckpt = str(tmp_path / "ckpt")
+    save = [f"checkpoint.save_dir={ckpt}", f"checkpoint.load_dir={ckpt}"]
+    runs = {"first": save + ["resilience.exit_after_steps=2"],
+            "refused": save + ["data.seq_length=64"],
+            "accepted": save + ["data.seq_length=64", "checkpoint.accept_new_data=true", "train.train_steps=3"]}
+    out = tmp_path / "runs.json"
+    run_ranks(["tests/_train_worker.py", str(out), "1", "1",
+               *[json.dumps({"name": name, "overrides": COMMON + overrides, "expect_error": name == "refused"})
+                 for name, overrides in runs.items()]], 1, timeout=600)
+    results = json.loads(out.read_text())
+    assert "data.seq_length: checkpoint 32, run 64" in results["refused"]["error"]
+    assert "checkpoint.accept_new_data=true" in results["refused"]["error"]
+    accepted = results["accepted"]
+    assert len(accepted["history"]) == 1, "resumed at step 2 of 3"
+    assert any("starts over from its first sample (16 samples of the old one seen)" in line
+               for line in accepted["log"]), accepted["log"]
+    assert any("at step 2 (0 samples)" in line for line in accepted["log"]), accepted["log"]
+
+    # the same refusal before any rank starts, from the config and the checkpoint's meta.json alone
+    # (the latest checkpoint is now the accepted run's, at seq 64)
+    same = ["model.vocab_size=200", "data.max_predictions_per_seq=5", "train.global_batch_size=8",
+            "train.micro_batch_size=2", "data.seq_length=64", f"checkpoint.load_dir={ckpt}"]
+    result, _ = check_config(same)
+    assert result.returncode == 0, result.stderr
+    result, seconds = check_config(same + ["data.seq_length=32", "data.masking=dynamic"])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "data.seq_length: checkpoint 64, run 32; data.masking: checkpoint static, run dynamic" in result.stderr
+    assert seconds < 5, f"{seconds:.1f} s: the check must not start torch"

@@ -24,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from ..config import Config, ConfigError
-from ..common.errors import UserError
 from ..model.layers import TransformerLayer, WordEmbedding
 from ..model.names import HF_NAME_TABLE, TIED_EMBEDDING_KEY, spec_modules
+from .errors import CheckpointError  # noqa: F401 (re-exported)
 from .filenames import CONFIG_JSON, LATEST, META, TOKENIZER_JSON, VOCAB_FILE  # noqa: F401 (re-exported)
 
 PARTIAL = ".partial"  # suffix of a tag directory being written
@@ -52,11 +52,8 @@ def head_of(hf_name: str) -> str | None:
 
 
 # shape keys that are not a model.<key> of the config
-SHAPE_NAMES = {"binary_head": "binary (next-sentence) head, from data.segment_pairs"}
-
-
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint that cannot be read, written or used as asked (the message names the file)."""
+SHAPE_NAMES = {"binary_head": "binary (next-sentence) head, from data.segment_pairs",
+               "ffn_size": "model.ffn_hidden_size (the feed-forward width; unset = 4 x model.hidden_size)"}
 
 
 def tag_for(step: int) -> str:
@@ -397,10 +394,33 @@ def resolve_tag_dir(path: str) -> str:
         raise CheckpointError(f"{path}: no such checkpoint directory")
     if os.path.exists(os.path.join(path, META)):
         return path
+    name = os.path.basename(os.path.normpath(path))
+    if name.endswith(PARTIAL) and TAG_PATTERN.fullmatch(name[:-len(PARTIAL)]):
+        save_dir = os.path.dirname(os.path.normpath(path)) or "."
+        raise CheckpointError(f"{path} is an unfinished save (in progress, or killed before it completed), not a "
+                              f"checkpoint; {complete_ones(save_dir)}")
     tag = latest_tag(path)
     if tag is not None:
         return os.path.join(path, tag)
     if glob.glob(os.path.join(path, "iter_*")):
-        raise CheckpointError(f"{path} has iter_* directories but no '{LATEST}' file: no save completed "
-                              "(pass one iter_* directory to use it anyway)")
+        raise CheckpointError(f"{path} has iter_* directories but no '{LATEST}' file; {complete_ones(path)}")
     raise CheckpointError(f"{path} is not a checkpoint of this trainer (no {META} and no '{LATEST}' file)")
+
+
+def complete_ones(save_dir: str, shown: int = 5) -> str:
+    """The complete checkpoints of save_dir as paths to pass instead: the one `latest` names first,
+    then the others newest first (an unfinished <tag>.partial never)."""
+    tags = complete_tags(save_dir)[::-1]
+    if not tags:
+        return f"{save_dir} holds no complete checkpoint yet"
+    try:
+        with open(os.path.join(save_dir, LATEST), encoding="utf-8") as f:
+            named = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        named = None
+    if named in tags:
+        tags.remove(named)
+        tags.insert(0, named)
+    listed = [os.path.join(save_dir, tag) + (f" ({LATEST})" if tag == named else "") for tag in tags[:shown]]
+    more = f" and {len(tags) - shown} older" if len(tags) > shown else ""
+    return f"pass a complete checkpoint: {', '.join(listed)}{more}"

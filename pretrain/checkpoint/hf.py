@@ -17,82 +17,23 @@ import shutil
 
 import torch
 
-from ..config import Config, ConfigError
-from ..common.diskspace import disk_full_named
+from ..config import Config
+from ..common.atomic import directory_output
 from ..data.preprocess.tokenizer import SPECIAL_TOKENS, TokenizerError, load_tokenizer, read_vocab
 from ..model.names import MLM_BIAS, WORD_EMBEDDINGS
-from .format import (CONFIG_JSON, HEADS, LATEST, META, TOKENIZER_FILES, TOKENIZER_JSON, VOCAB_FILE, CheckpointError,
+from .hf_config import (ARCHITECTURE_HEADS, ARCHITECTURES, PRETRAINING_ARCHITECTURES,  # noqa: F401 (re-exported)
+                        config_from_hf, read_hf_config)
+from .format import (CONFIG_JSON, HEADS, TOKENIZER_FILES, TOKENIZER_JSON, VOCAB_FILE, CheckpointError,
                      head_of, hf_parameter_info)
 from .logical import LogicalCheckpoint, initialise_missing
 from .tokenizer_files import check_vocab_fits, copy_vocab_files, has_tokenizer
 
-PRETRAINING_ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel")
-ARCHITECTURES = PRETRAINING_ARCHITECTURES + ("BertForSequenceClassification", "BertForMultipleChoice",
-                                             "BertForQuestionAnswering", "BertForTokenClassification")
 # Task heads of fine-tuned checkpoints: kept aside (LogicalCheckpoint.extra) for the fine-tuner.
 TASK_HEAD_PREFIXES = ("classifier.", "qa_outputs.")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 DECODER_WEIGHT, DECODER_BIAS = "cls.predictions.decoder.weight", "cls.predictions.decoder.bias"
 BUFFERS = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids")
-ARCHITECTURE_HEADS = {
-    "BertForPreTraining": ("pooler", "next-sentence head", "MLM head"),
-    "BertForMaskedLM": ("MLM head",),
-    "BertModel": (),  # its pooler is optional (add_pooling_layer=False leaves it out)
-    "BertForSequenceClassification": ("pooler",),
-    "BertForMultipleChoice": ("pooler",),
-    "BertForQuestionAnswering": (),
-    "BertForTokenClassification": (),  # no pooler (transformers builds it with add_pooling_layer=False)
-}
-
-
 # ----------------------------------------------------------------------------- reading
-def read_hf_config(path: str) -> tuple[dict, str]:
-    config_path = os.path.join(path, CONFIG_JSON)
-    if not os.path.exists(config_path):
-        native = any(os.path.exists(os.path.join(path, f)) for f in (LATEST, META))
-        raise CheckpointError(f"{config_path} is missing: {path} is not a Hugging Face model directory"
-                              + (" (it is a native checkpoint)" if native else ""))
-    try:
-        with open(config_path) as f:
-            hf = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{config_path}: cannot read ({e})") from None
-    problems = []
-    if hf.get("model_type") != "bert":
-        problems.append(f"model_type is {hf.get('model_type')!r}, not 'bert'")
-    architectures = hf.get("architectures") or []
-    architecture = architectures[0] if architectures else None  # None: inferred from the tensors
-    if architecture is not None and architecture not in ARCHITECTURES:
-        problems.append(f"unknown architecture {architecture!r} (architectures: {architectures}); "
-                        f"supported: {', '.join(ARCHITECTURES)}")
-    if hf.get("hidden_act", "gelu") != "gelu":
-        problems.append(f"hidden_act {hf.get('hidden_act')!r}: only 'gelu' (erf) is supported")
-    if hf.get("position_embedding_type", "absolute") != "absolute":
-        problems.append(f"position_embedding_type {hf.get('position_embedding_type')!r}: only 'absolute' is supported")
-    if problems:
-        raise CheckpointError(f"{config_path}:\n  " + "\n  ".join(problems))
-    return hf, architecture
-
-
-def config_from_hf(hf: dict, source: str) -> Config:
-    keys = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
-            "num_attention_heads": "num_attention_heads", "ffn_hidden_size": "intermediate_size",
-            "max_position_embeddings": "max_position_embeddings", "type_vocab_size": "type_vocab_size",
-            "layernorm_epsilon": "layer_norm_eps", "hidden_dropout": "hidden_dropout_prob",
-            "attention_dropout": "attention_probs_dropout_prob", "init_std": "initializer_range"}
-    missing = [theirs for theirs in keys.values() if theirs not in hf and theirs not in ("layer_norm_eps",
-               "hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range", "type_vocab_size")]
-    if missing:
-        raise CheckpointError(f"{source}: config.json lacks {', '.join(missing)}")
-    model = {ours: hf[theirs] for ours, theirs in keys.items() if theirs in hf}
-    try:
-        cfg = Config.from_dict({"model": model}, source=source)
-    except ConfigError as e:
-        raise CheckpointError(f"{source}: config.json does not describe a model we can build:\n  "
-                              + "\n  ".join(e.problems)) from None
-    return cfg
-
-
 def _load_weight_file(path: str) -> dict[str, torch.Tensor]:
     try:
         if path.endswith(".safetensors"):
@@ -344,26 +285,16 @@ def write_hf(ckpt: LogicalCheckpoint, out_dir: str, vocab_file: str | None = Non
                               "data, or converted without one): pass --vocab-file")
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise CheckpointError(f"{out_dir} already exists and is not empty; choose a new output directory")
-    tmp = f"{out_dir.rstrip(os.sep)}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        with disk_full_named(out_dir, "the Hugging Face model"):
-            m = ckpt.config.model
-            if vocab_file is not None:
-                shutil.copyfile(vocab_file, os.path.join(tmp, VOCAB_FILE))
-                pad_id = _write_tokenizer_files(tmp, tmp, m.max_position_embeddings, m.vocab_size)
-            else:
-                pad_id = _write_tokenizer_files(vocab_dir, tmp, m.max_position_embeddings, m.vocab_size)
-            save_file(_written_tensors(ckpt, architecture), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-            with open(os.path.join(tmp, CONFIG_JSON), "w") as f:
-                json.dump({**hf_config(ckpt.config, pad_id, architecture), **(config_extra or {})}, f, indent=2)
-            if os.path.isdir(out_dir):
-                os.rmdir(out_dir)
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with directory_output(out_dir, "the Hugging Face model") as tmp:
+        m = ckpt.config.model
+        if vocab_file is not None:
+            shutil.copyfile(vocab_file, os.path.join(tmp, VOCAB_FILE))
+            pad_id = _write_tokenizer_files(tmp, tmp, m.max_position_embeddings, m.vocab_size)
+        else:
+            pad_id = _write_tokenizer_files(vocab_dir, tmp, m.max_position_embeddings, m.vocab_size)
+        save_file(_written_tensors(ckpt, architecture), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, CONFIG_JSON), "w") as f:
+            json.dump({**hf_config(ckpt.config, pad_id, architecture), **(config_extra or {})}, f, indent=2)
     return sorted(os.listdir(out_dir))
 
 

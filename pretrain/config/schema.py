@@ -175,6 +175,9 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)  # dataset prefixes: <prefix>.bin/.idx from tools/preprocess_data.py
     weights: list[float] = field(default_factory=list)  # blending weights, one per path; empty = equal
     vocab_file: str | None = None  # vocab.txt or tokenizer.json the data was preprocessed with
+    # train on datasets whose recorded vocabulary is not vocab_file's (a deliberate change; without
+    # it such a dataset is refused before the run starts, naming both files)
+    accept_dataset_vocab: bool = False
     split: str = "949,50,1"  # train,valid,test shares of each corpus's documents (Megatron's rule)
     # separate validation / test corpora (all their documents; Megatron's --valid-data-path and
     # --test-data-path): used instead of the split's valid / test shares of data.paths
@@ -282,6 +285,11 @@ class CheckpointConfig:
     # deliberate change (the embedding of a changed id keeps what it learnt for the old token).
     # Without it such a run is refused, naming both files
     accept_new_vocab: bool = False
+    # resume although the data settings that define the sample sequence (data.paths, weights, split,
+    # seq_length, masking, segment pairs, seed...) differ from the checkpoint's: weights, optimizer,
+    # step and LR schedule resume, the new sequence starts over from its first sample. Without it
+    # such a resume is refused, naming the keys (a new phase uses init_from instead)
+    accept_new_data: bool = False
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -608,5 +616,9 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
     separate: call cfg.validate(world_size) once the world size is known.
     `base:` paths are relative to the file naming them; this file's values win over its bases.
     Override values are parsed as YAML (`checkpoint.save_dir=null`, `optimizer.no_weight_decay=[bias]`).
+    A run with checkpoint.init_from takes every model shape key it leaves unset from that checkpoint
+    (pretrain/checkpoint/starting_point.py; its pre-start check refuses a key set to another value).
     """
-    return _build(load_sections(path, overrides, SECTIONS, MOVED_KEYS))
+    from ..checkpoint.starting_point import inherit_model_keys  # torch-free; imports this package
+
+    return _build(inherit_model_keys(load_sections(path, overrides, SECTIONS, MOVED_KEYS)))

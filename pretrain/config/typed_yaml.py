@@ -6,6 +6,7 @@ reported all at once (one line each) in a ConfigError. Pretraining (schema.py) a
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 import re
 import types
@@ -96,7 +97,8 @@ def check_tree(d: Any, source: str, sections: dict[str, type],
     problems: list[str] = []
     for section, entries in d.items():
         if section not in sections:
-            problems.append(f"{source}: unknown section {section!r}; valid sections: {', '.join(sections)}")
+            problems.append(f"{source}: unknown section {section!r}{_did_you_mean(section, sections)}; "
+                            f"valid sections: {', '.join(sections)}")
             continue
         if entries is None:  # a section with every line commented out
             entries = {}
@@ -110,8 +112,8 @@ def check_tree(d: Any, source: str, sections: dict[str, type],
                 problems.append(f"{source}: {section}.{key} has moved: it is {moved[f'{section}.{key}']} now")
                 continue
             if key not in fields:
-                problems.append(f"{source}: unknown key '{section}.{key}'; valid keys in {section!r}: "
-                                f"{', '.join(fields)}")
+                problems.append(f"{source}: unknown key '{section}.{key}'{_key_suggestion(section, key, field_types)}; "
+                                f"valid keys in {section!r}: {', '.join(fields)}")
                 continue
             try:
                 clean[section][key] = _coerce(value, fields[key])
@@ -119,6 +121,24 @@ def check_tree(d: Any, source: str, sections: dict[str, type],
                 problems.append(f"{source}: {section}.{key} must be {_type_name(fields[key])}, "
                                 f"got {_value_desc(value)}")
     return clean, problems
+
+
+def _did_you_mean(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _key_suggestion(section: str, key: str, field_types: dict[str, dict[str, Any]]) -> str:
+    """' (did you mean ...)' for an unknown key: the same name in another section first (train.vocab_file
+    -> data.vocab_file), else a close spelling in its own section (model.ffn_size -> model.ffn_hidden_size)."""
+    elsewhere = [f"{other}.{key}" for other, fields in field_types.items() if other != section and key in fields]
+    if elsewhere:
+        return f" (did you mean {' or '.join(repr(e) for e in elsewhere)}?)"
+    close = difflib.get_close_matches(key, list(field_types[section]), n=1, cutoff=0.6)
+    if not close:  # a prefix of a longer name: ffn_size -> ffn_hidden_size
+        close = [name for name in field_types[section] if name.split("_")[0] == key.split("_")[0]
+                 and name.split("_")[-1] == key.split("_")[-1]][:1]
+    return f" (did you mean '{section}.{close[0]}'?)" if close else ""
 
 
 def deep_merge(base: dict, top: dict) -> dict:

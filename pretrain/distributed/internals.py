@@ -38,7 +38,27 @@ PINNED: dict[str, tuple[str, ...]] = {
     "deepspeed.utils.mixed_precision_linkage": ("_hp_mapping",),  # ZeRO-1/2, bf16: parameter -> fp32 fragment
     "deepspeed.utils.tensor_fragment": ("get_hp_fragment_address", "lp_fragment_address"),
     "megatron.core.tensor_parallel.layers": ("_forward_impl", "tensor_model_parallel", "partition_dim"),
+    "deepspeed.comm.torch": ("build_shm_op",),  # TorchBackend's JIT build of the CPU shared-memory op
 }
+
+
+# ----------------------------------------------------------------------------- deepspeed.comm
+@contextlib.contextmanager
+def without_shared_memory_comm():
+    """DeepSpeed's CPU backend JIT-builds its shared-memory all-reduce op (20-30 s of compiling the
+    first time in an extensions directory) in every process it starts, also in a one-process tool
+    that never reduces anything: inside this block its backend starts without it."""
+    import importlib
+
+    # by name: `import deepspeed.comm.torch as m` gives the torch package (deepspeed.comm's attribute)
+    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
+
+    build = ds_comm_torch.build_shm_op
+    ds_comm_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_comm_torch.build_shm_op = build
 
 
 # ----------------------------------------------------------------------------- megatron-core

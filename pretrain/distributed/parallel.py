@@ -7,6 +7,7 @@ that the two agree, because another order silently pairs the wrong ranks.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .device import backend_for, select_device
+from .internals import without_shared_memory_comm
 from ..observability.quiet import without_noise_lines
 
 
@@ -213,7 +215,8 @@ def init_parallel(launch: LaunchEnv, tensor_parallel: int, pipeline_parallel: in
         dist.init_process_group(backend, store=store, rank=launch.rank, world_size=launch.world_size,
                                 timeout=timeout, **bound)
     # DeepSpeed's communication layer over the group just started (it starts none of its own)
-    with without_noise_lines():  # its CPU communication op's "built successfully", per rank
+    one_process = without_shared_memory_comm() if launch.world_size == 1 else contextlib.nullcontext()
+    with without_noise_lines(), one_process:  # its CPU communication op's "built successfully", per rank
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     world = dist.get_world_size()
     model_parallel = tensor_parallel * pipeline_parallel

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 
 from ..checkpoint import exact as checkpoint_saving, load as checkpoint_loading
+from ..checkpoint.data_sequence import data_sequence_problems, resumed_data_changes
 from ..checkpoint.format import CheckpointError
+from ..checkpoint.starting_point import untrained_head_notes
 from ..config import Config
 from ..distributed import internals
 from ..distributed.parallel import Parallel
@@ -38,7 +40,9 @@ class Checkpointer:
         """(step, consumed samples) to go on from: a checkpoint's in checkpoint.load_dir, else (0, 0)
         after initialising from checkpoint.init_from if given."""
         t = self.cfg.checkpoint
-        found = None
+        found, changes = None, resumed_data_changes(self.cfg)
+        if changes and not t.accept_new_data:  # python -m pretrain refuses it before the ranks start
+            raise CheckpointError("\n".join(data_sequence_problems(self.cfg)))
         if t.load_dir:
             found = checkpoint_loading.resume(self.engine, self.model, t.load_dir, self.cfg, self.parallel,
                                               self.tracker)
@@ -50,10 +54,16 @@ class Checkpointer:
                                                       t.init_optimizer_states)
                 what = "weights and optimizer states" if t.init_optimizer_states else "weights"
                 logger.info(f"initialised {what} from {loaded}; starting at step 0")
+                for note in untrained_head_notes(self.cfg):
+                    logger.info(f"note: {note}")
             elif t.load_dir:
                 logger.info(f"no checkpoint in {t.load_dir} yet: starting from scratch")
             return 0, 0
         step, consumed_samples = found
+        if changes:
+            logger.info(f"data settings changed ({'; '.join(changes)}); checkpoint.accept_new_data: the new sample "
+                        f"sequence starts over from its first sample ({consumed_samples} samples of the old one seen)")
+            consumed_samples = 0
         if self.cfg.train.precision == "fp16":  # DeepSpeed's checkpoint carries the loss scaler object itself
             internals.let_loss_scaler_reach_minimum(self.engine)
         logger.info(f"resumed from {t.load_dir} at step {step} ({consumed_samples} samples)")

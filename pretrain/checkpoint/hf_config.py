@@ -1,0 +1,84 @@
+"""A Hugging Face BERT directory's config.json, read without torch (hf.py reads the weights): what
+it must say for us to build it, its architecture and heads, and the model.* keys it implies. The
+pre-start checks (starting_point.py) read it before any rank starts.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ..config import Config, ConfigError
+from .errors import CheckpointError
+from .filenames import CONFIG_JSON, LATEST, META
+
+PRETRAINING_ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel")
+ARCHITECTURES = PRETRAINING_ARCHITECTURES + ("BertForSequenceClassification", "BertForMultipleChoice",
+                                             "BertForQuestionAnswering", "BertForTokenClassification")
+
+# The heads each architecture's weights hold (format.HEADS names); the others are initialised.
+ARCHITECTURE_HEADS = {
+    "BertForPreTraining": ("pooler", "next-sentence head", "MLM head"),
+    "BertForMaskedLM": ("MLM head",),
+    "BertModel": (),  # its pooler is optional (add_pooling_layer=False leaves it out)
+    "BertForSequenceClassification": ("pooler",),
+    "BertForMultipleChoice": ("pooler",),
+    "BertForQuestionAnswering": (),
+    "BertForTokenClassification": (),  # no pooler (transformers builds it with add_pooling_layer=False)
+}
+
+# Our model.* key -> config.json's key; the optional ones default as transformers' BertConfig does.
+HF_MODEL_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
+                 "num_attention_heads": "num_attention_heads", "ffn_hidden_size": "intermediate_size",
+                 "max_position_embeddings": "max_position_embeddings", "type_vocab_size": "type_vocab_size",
+                 "layernorm_epsilon": "layer_norm_eps", "hidden_dropout": "hidden_dropout_prob",
+                 "attention_dropout": "attention_probs_dropout_prob", "init_std": "initializer_range"}
+OPTIONAL_HF_KEYS = ("layer_norm_eps", "hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range",
+                    "type_vocab_size")
+
+
+def read_hf_config(path: str) -> tuple[dict, str | None]:
+    """(config.json, its architecture or None when it names none) of a Hugging Face BERT directory,
+    checked for what we can build."""
+    config_path = os.path.join(path, CONFIG_JSON)
+    if not os.path.exists(config_path):
+        native = any(os.path.exists(os.path.join(path, f)) for f in (LATEST, META))
+        raise CheckpointError(f"{config_path} is missing: {path} is not a Hugging Face model directory"
+                              + (" (it is a native checkpoint)" if native else ""))
+    try:
+        with open(config_path) as f:
+            hf = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{config_path}: cannot read ({e})") from None
+    problems = []
+    if hf.get("model_type") != "bert":
+        problems.append(f"model_type is {hf.get('model_type')!r}, not 'bert'")
+    architectures = hf.get("architectures") or []
+    architecture = architectures[0] if architectures else None  # None: inferred from the tensors
+    if architecture is not None and architecture not in ARCHITECTURES:
+        problems.append(f"unknown architecture {architecture!r} (architectures: {architectures}); "
+                        f"supported: {', '.join(ARCHITECTURES)}")
+    if hf.get("hidden_act", "gelu") != "gelu":
+        problems.append(f"hidden_act {hf.get('hidden_act')!r}: only 'gelu' (erf) is supported")
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        problems.append(f"position_embedding_type {hf.get('position_embedding_type')!r}: only 'absolute' is supported")
+    if problems:
+        raise CheckpointError(f"{config_path}:\n  " + "\n  ".join(problems))
+    return hf, architecture
+
+
+def model_keys_of_hf(hf: dict, source: str) -> dict:
+    """config.json's values under our model.* names (those it has)."""
+    missing = [theirs for theirs in HF_MODEL_KEYS.values() if theirs not in hf and theirs not in OPTIONAL_HF_KEYS]
+    if missing:
+        raise CheckpointError(f"{source}: config.json lacks {', '.join(missing)}")
+    return {ours: hf[theirs] for ours, theirs in HF_MODEL_KEYS.items() if theirs in hf}
+
+
+def config_from_hf(hf: dict, source: str) -> Config:
+    model = model_keys_of_hf(hf, source)
+    try:
+        cfg = Config.from_dict({"model": model}, source=source)
+    except ConfigError as e:
+        raise CheckpointError(f"{source}: config.json does not describe a model we can build:\n  "
+                              + "\n  ".join(e.problems)) from None
+    return cfg

@@ -1,0 +1,144 @@
+"""What a run starts from, read before torch: the model.* keys of `checkpoint.init_from` (a native
+checkpoint's meta.json or a Hugging Face directory's config.json), the problems with it, and the
+heads it lacks.
+
+Continued pretraining (BioBERT, SciBERT, an in-house encoder from a published BERT) needs the model's
+shape exactly: every model.* key the config and the command line leave unset is taken from the
+checkpoint (load_config calls `inherit_model_keys`), and a key set to another value is refused by
+the pre-start check with both values, before any rank starts.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ..config import Config, ConfigError
+from .errors import CheckpointError
+from .filenames import CONFIG_JSON, LATEST, META
+from .hf_config import ARCHITECTURE_HEADS, HF_MODEL_KEYS, read_hf_config, model_keys_of_hf
+from .vocabulary import loaded_checkpoint
+
+# The model.* keys a run takes from its init_from checkpoint: the shape, and the LayerNorm epsilon the
+# weights were trained with. Dropout and the initialisation range are the new run's choice.
+INHERITED_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
+                  "max_position_embeddings", "type_vocab_size", "layernorm_epsilon")
+# What a head that starts from random weights means for the first steps of a continued pretraining.
+UNTRAINED_HEAD_MEANING = {
+    "MLM head": "the masked-LM loss starts near ln(vocabulary size) (10.3 for 30k tokens), not near the 1.5-2.5 "
+                "of a trained head, and for the first few hundred steps the predictions are the corpus's most "
+                "frequent tokens (',', '.', 'the') while the head learns; the encoder is pretrained, so the loss "
+                "falls much faster than from scratch. A BertForPreTraining or BertForMaskedLM checkpoint keeps "
+                "its trained head",
+    "next-sentence head": "the next-sentence loss starts near ln 2 = 0.69 (chance); data.segment_pairs=none "
+                          "trains without it",
+}
+
+
+def _is_hf_directory(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, CONFIG_JSON)) and not os.path.exists(os.path.join(path, LATEST))
+
+
+def _native_tag_dir(path: str) -> str:
+    latest = os.path.join(path, LATEST)
+    if not os.path.isfile(latest):
+        return path
+    with open(latest, encoding="utf-8") as f:
+        return os.path.join(path, f.read().strip())
+
+
+def read_model_keys(path: str) -> tuple[dict, str, list[str]]:
+    """(model.* keys, the file they come from, the pretraining heads it lacks) of a native
+    checkpoint (a save_dir or one iter_* directory) or a Hugging Face BERT directory."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} does not exist")
+    if _is_hf_directory(path):
+        hf, architecture = read_hf_config(path)
+        source = os.path.join(path, CONFIG_JSON)
+        # a config.json naming no architecture: the weights tell (hf.read_hf), not checked here
+        lacks = [head for head in UNTRAINED_HEAD_MEANING if head not in ARCHITECTURE_HEADS[architecture]] \
+            if architecture else []
+        return model_keys_of_hf(hf, source), source, lacks
+    try:
+        source = os.path.join(_native_tag_dir(path), META)
+        with open(source, encoding="utf-8") as f:
+            meta = json.load(f)
+        model = Config.from_stored(meta["config"], source=source).model
+    except (OSError, ValueError, KeyError, TypeError, ConfigError) as e:
+        raise CheckpointError(f"{path} is neither a checkpoint of this trainer nor a Hugging Face directory "
+                              f"({CONFIG_JSON}): cannot read its {META} ({type(e).__name__}: {e})") from None
+    lacks = [head for head in meta.get("initialised_heads", []) if head in UNTRAINED_HEAD_MEANING]
+    if not meta.get("model_shape", {}).get("binary_head", True) and "next-sentence head" not in lacks:
+        lacks.append("next-sentence head")
+    return {key: getattr(model, key) for key in HF_MODEL_KEYS}, source, lacks
+
+
+def inherit_model_keys(tree: dict) -> dict:
+    """The {section: {key: value}} tree with every model.* key of INHERITED_KEYS it leaves unset
+    taken from checkpoint.init_from (when it names a readable checkpoint; the pre-start check
+    reports one that is not)."""
+    init_from = tree.get("checkpoint", {}).get("init_from")
+    if not init_from:
+        return tree
+    try:
+        theirs, _, _ = read_model_keys(init_from)
+    except CheckpointError:
+        return tree
+    given = tree.get("model", {})
+    inherited = {key: theirs[key] for key in INHERITED_KEYS if key in theirs and key not in given}
+    return {**tree, "model": {**given, **inherited}}
+
+
+def starting_point_problems(cfg: Config) -> list[str]:
+    """checkpoint.init_from missing or unreadable, or a model.* key of the run that differs from the
+    checkpoint it loads (init_from's, or the latest in checkpoint.load_dir when it resumes)."""
+    t = cfg.checkpoint
+    if t.init_from and not os.path.exists(t.init_from):
+        return [f"checkpoint.init_from {t.init_from} does not exist"]
+    found = loaded_checkpoint(cfg)
+    if found is None:
+        return []
+    how, path = found
+    if how == "resumes":
+        key_name, path = "checkpoint.load_dir", t.load_dir
+    else:
+        key_name, path = "checkpoint.init_from", t.init_from
+    try:
+        theirs, source, _ = read_model_keys(path)
+    except CheckpointError as e:
+        return [f"{key_name}: {e}"] if how != "resumes" else []  # a resume names a damaged checkpoint itself
+    ours = cfg.model
+    differ = [key for key in INHERITED_KEYS if key in theirs and key != "layernorm_epsilon"
+              and _resolved(ours, key) != _resolved_value(theirs, key)]
+    if not differ:
+        return []
+    listed = "; ".join(f"model.{key}: run {_resolved(ours, key)}, checkpoint {_resolved_value(theirs, key)}"
+                       for key in differ)
+    remedy = ("remove these keys from the config and the command line to take the checkpoint's shape"
+              if how != "resumes" else "resume with the checkpoint's shape")
+    return [f"{key_name} {path} does not fit this run's model ({source}): {listed}; {remedy}"]
+
+
+def _resolved(model, key: str):
+    return model.ffn_size if key == "ffn_hidden_size" else getattr(model, key)
+
+
+def _resolved_value(keys: dict, key: str):
+    if key == "ffn_hidden_size" and keys.get(key) is None:
+        return 4 * keys["hidden_size"]  # unset: 4 x hidden, as ModelConfig.ffn_size
+    return keys[key]
+
+
+def untrained_head_notes(cfg: Config) -> list[str]:
+    """One line per pretraining head the init_from checkpoint lacks (it starts from random weights),
+    saying what that means for the first steps; [] when the run resumes its own checkpoint."""
+    found = loaded_checkpoint(cfg)
+    if found is None or found[0] == "resumes":
+        return []
+    try:
+        _, source, lacks = read_model_keys(cfg.checkpoint.init_from)
+    except CheckpointError:
+        return []
+    if not cfg.binary_head and "next-sentence head" in lacks:
+        lacks = [head for head in lacks if head != "next-sentence head"]
+    return [f"checkpoint.init_from {cfg.checkpoint.init_from} has no {head} (from {source}): it starts from random "
+            f"weights; {UNTRAINED_HEAD_MEANING[head]}" for head in lacks]
