@@ -37,12 +37,21 @@ def first_line_seconds(command: list[str], cwd: str, env: dict, marker: str) -> 
         if first is None and marker in line:
             first = time.monotonic() - started
     if process.wait() != 0:
-        raise SystemExit(f"{' '.join(command)} in {cwd} failed (exit {process.returncode})")
+        raise SystemExit(f"{' '.join(command)} in {cwd} failed (exit {process.returncode}); run it for its error")
     return (first if first is not None else float("nan")), time.monotonic() - started
+
+
+def write_vocab(path: str, size: int = 1000) -> str:
+    """A vocabulary for fill-mask (a synthetic-data checkpoint keeps none): any tokens will do."""
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b"]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(tokens + [f"word{i}" for i in range(size - len(tokens))]) + "\n")
+    return path
 
 
 def measure(checkouts: list[str], rounds: int, work: str) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {"launch": [], "fill-mask": []}
+    vocab = write_vocab(os.path.join(work, "vocab.txt"))
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}  # launcher.sh: each checkout's .venv
     env["OMP_NUM_THREADS"] = "1"
     for round_ in range(rounds):
@@ -51,7 +60,8 @@ def measure(checkouts: list[str], rounds: int, work: str) -> dict[str, list[floa
             first, _ = first_line_seconds(["bash", "launcher.sh", "--nproc-per-node", "2", "pretrain", *JOB,
                                            f"checkpoint.save_dir={save}"], checkout, env, "rank 0]")
             _, mask = first_line_seconds([os.path.join(checkout, ".venv", "bin", "python"), "tools/fill_mask.py",
-                                          "--checkpoint", save, "--top-k", "1", "a [MASK] b"], checkout, env, "[MASK]")
+                                          "--checkpoint", save, "--vocab-file", vocab, "--top-k", "1",
+                                          "a [MASK] b"], checkout, env, "[MASK]")
             print(f"  round {round_ + 1} checkout {'AB'[index]}: first log line {first:5.1f} s, fill-mask {mask:5.1f} s",
                   flush=True)
             if round_:  # the first round may build the op once per directory: not the steady state
