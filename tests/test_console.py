@@ -7,7 +7,7 @@ import time
 import pytest
 
 import pretrain.observability.console as console
-from pretrain.observability.console import PlainProgress, progress, rank_printer
+from pretrain.observability.console import PlainProgress, RankFormatter, progress
 
 
 class Clock:
@@ -69,10 +69,12 @@ def test_a_terminal_gets_tqdm():
     bar.close()
 
 
-def test_lines_of_several_ranks_carry_time_and_rank(capsys):
-    assert rank_printer(0, 1) is print
-    rank_printer(3, 8)("step 5/10 | loss 2.0\nsecond line", flush=True)
-    out = capsys.readouterr().out.splitlines()
+def test_lines_of_several_ranks_carry_time_and_rank():
+    import logging
+
+    record = logging.LogRecord("pretrain", logging.INFO, __file__, 1, "step 5/10 | loss 2.0\nsecond line", None, None)
+    assert RankFormatter(0, 1).format(record) == "step 5/10 | loss 2.0\nsecond line"
+    out = RankFormatter(3, 8).format(record).splitlines()
     stamp = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d rank 3\] "
     assert re.fullmatch(stamp + r"step 5/10 \| loss 2\.0", out[0]), out
     assert re.fullmatch(stamp + "second line", out[1]), out

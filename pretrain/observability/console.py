@@ -8,7 +8,6 @@
   are with one rank; with several ranks sharing one output, every line starts with the time and
   the rank that wrote it, and only the logging rank's information is shown (every rank's
   warnings are). A program embedding the library configures logging its own way instead.
-- `rank_printer`: print() with the same prefix, for what a program itself prints.
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import datetime
 import logging
 import sys
 import time
-from typing import Callable, TextIO
+from typing import TextIO
 
 
 def _is_terminal(stream: TextIO) -> bool:
@@ -180,16 +179,3 @@ def configure_logging(rank: int = 0, world_size: int = 1, logging_rank: int | No
         logger.addHandler(err)
         logger.setLevel(logging.INFO if logging_rank is None or rank == logging_rank else logging.WARNING)
         logger.propagate = False  # the program prints them; a root handler would print them twice
-
-
-def rank_printer(rank: int, world_size: int, file: TextIO | None = None) -> Callable[..., None]:
-    """print() for one rank's lines; with several ranks, each line is prefixed
-    "[2026-11-23 14:05:09 rank 3] " (the ranks share the launcher's output)."""
-    if world_size == 1:
-        return print
-
-    def rank_print(*values, sep: str = " ", end: str = "\n", flush: bool = False, **kwargs) -> None:
-        text = sep.join(str(v) for v in values)
-        print(_stamped(text, rank), end=end, flush=flush, file=kwargs.get("file", file) or sys.stdout)
-
-    return rank_print

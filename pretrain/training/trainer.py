@@ -62,7 +62,7 @@ class Trainer:
         seed_streams(self.tracker, cfg.train.seed, parallel.tp_rank, parallel.pp_rank, parallel.dp_rank)
         self.loss_fn = PretrainingLoss(parallel.tp_group, parallel.tp_rank)
         built = build_pretraining_engine(cfg, parallel, self.tracker, self.loss_fn)
-        self.engine, self.model, self.ds_config = built.engine, built.model, built.ds_config
+        self.engine, self.model = built.engine, built.model
         accumulation, reduction = internals.gradient_dtypes(self.engine)
         logger.info(f"optimizer {cfg.optimizer.name} under DeepSpeed's {type(self.engine.optimizer).__name__}; "
                     f"gradients accumulated in {_dtype_name(accumulation)}, reduced in {_dtype_name(reduction)}, "
