@@ -12,7 +12,7 @@ import pytest
 
 from distributed import REPO, free_port
 from toy_corpus import documents
-from pretrain.checkpoint.data_sequence import data_sequence_changes
+from pretrain.checkpoint.data_sequence import data_sequence_changes, data_sequence_problems
 from pretrain.config import DataConfig, load_config
 
 HEADING = "## Continue pretraining a Hugging Face BERT on your own text"
@@ -104,6 +104,26 @@ def test_data_sequence_changes():
     assert data_sequence_changes(blend, DataConfig(kind="indexed", paths=["a", "b"], weights=[2.0, 6.0])) == []
     assert data_sequence_changes(blend, DataConfig(kind="indexed", paths=["a", "b"])) == [
         "data.weights: checkpoint [1.0, 3.0], run []"]
+
+
+def test_a_resume_compares_with_the_latest_checkpoint_that_read_samples(tmp_path):
+    """The check reads the latest checkpoint's meta.json; one that read no sample (a conversion from
+    Hugging Face, step 0) has no sequence to continue."""
+    ck = tmp_path / "ck"
+    (ck / "iter_0000010").mkdir(parents=True)
+    (ck / "latest").write_text("iter_0000010")
+    meta = {"step": 10, "consumed_samples": 80, "layout": {}, "config": {"data": {"seq_length": 128}}}
+    (ck / "iter_0000010" / "meta.json").write_text(json.dumps(meta))
+    run = load_config(None, [f"checkpoint.load_dir={ck}", "data.seq_length=256"])
+    (line,) = data_sequence_problems(run)
+    assert line.startswith(f"checkpoint.load_dir {ck}: its latest checkpoint was trained on another sample sequence "
+                           "(data.seq_length: checkpoint 128, run 256)")
+    assert data_sequence_problems(load_config(None, [f"checkpoint.load_dir={ck}", "data.seq_length=256",
+                                                     "checkpoint.accept_new_data=true"])) == []
+    assert data_sequence_problems(load_config(None, [f"checkpoint.init_from={ck}", "data.seq_length=256"])) == [], \
+        "init_from starts a new sequence"
+    (ck / "iter_0000010" / "meta.json").write_text(json.dumps({**meta, "step": 0, "consumed_samples": 0}))
+    assert data_sequence_problems(run) == []
 
 
 def documented_block() -> str:

@@ -50,12 +50,14 @@ def data_sequence_changes(saved: DataConfig, ours: DataConfig) -> list[str]:
 
 
 def saved_data_config(tag_dir: str) -> DataConfig | None:
-    """The data settings a checkpoint was trained with (its meta.json); None when unreadable: the
-    resume reports that itself, naming the file."""
+    """The data settings a checkpoint was trained with (its meta.json); None when it has read no
+    sample (a conversion from Hugging Face: no sequence to continue) or when meta.json is unreadable
+    (the resume reports that itself, naming the file)."""
     try:
         with open(os.path.join(tag_dir, META), encoding="utf-8") as f:
-            return Config.from_stored(json.load(f)["config"]).data
-    except (OSError, ValueError, KeyError, TypeError, ConfigError):
+            meta = json.load(f)
+        return Config.from_stored(meta["config"]).data if meta.get("consumed_samples") != 0 else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ConfigError):
         return None
 
 
