@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from _train_worker import TINY
 from distributed import REPO, run_ranks
 
 pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
@@ -108,8 +109,7 @@ def test_resume_with_other_data_settings_is_refused_or_starts_the_new_sequence_o
 
     # the same refusal before any rank starts, from the config and the checkpoint's meta.json alone
     # (the latest checkpoint is now the accepted run's, at seq 64)
-    same = ["model.vocab_size=200", "data.max_predictions_per_seq=5", "train.global_batch_size=8",
-            "train.micro_batch_size=2", "data.seq_length=64", f"checkpoint.load_dir={ckpt}"]
+    same = TINY + ["model.ffn_hidden_size=256", "data.seq_length=64", f"checkpoint.load_dir={ckpt}"]  # the workers' run
     result, _ = check_config(same)
     assert result.returncode == 0, result.stderr
     result, seconds = check_config(same + ["data.seq_length=32", "data.masking=dynamic"])

@@ -56,6 +56,13 @@ def run(launcher, ckpt, steps, bin_dir, log, save_interval=100000):
     return code, log.read_text()
 
 
+def signals_as_a_job_has():
+    """SIGINT and SIGQUIT at their defaults in the job: a suite started in the background (`cmd &`,
+    nohup) hands its children SIGINT ignored, and a shell cannot trap a signal ignored on entry."""
+    for number in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(number, signal.SIG_DFL)
+
+
 def stop_and_relaunch(tmp, launcher, whom, config, bin_dir):
     """Start the job of STEPS steps, SIGTERM it (its process group, or the launcher alone) after
     step 6 (it stops at the next stop check, resilience.stop_check_interval: step 10), then relaunch the
@@ -66,7 +73,8 @@ def stop_and_relaunch(tmp, launcher, whom, config, bin_dir):
     command, env = job(launcher, ckpt, STEPS, bin_dir, config=config)
     with open(first_log, "w") as out:
         proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # its own process group, as a batch job has
+                                start_new_session=True,  # its own process group, as a batch job has
+                                preexec_fn=signals_as_a_job_has)
     try:
         deadline = time.monotonic() + 400
         while "step 6/" not in first_log.read_text():
