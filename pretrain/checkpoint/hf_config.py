@@ -66,16 +66,12 @@ def read_hf_config(path: str) -> tuple[dict, str | None]:
     return hf, architecture
 
 
-def model_keys_of_hf(hf: dict, source: str) -> dict:
-    """config.json's values under our model.* names (those it has)."""
+def config_from_hf(hf: dict, source: str) -> Config:
+    """The model config.json describes (its keys under our model.* names, checked and typed)."""
     missing = [theirs for theirs in HF_MODEL_KEYS.values() if theirs not in hf and theirs not in OPTIONAL_HF_KEYS]
     if missing:
         raise CheckpointError(f"{source}: config.json lacks {', '.join(missing)}")
-    return {ours: hf[theirs] for ours, theirs in HF_MODEL_KEYS.items() if theirs in hf}
-
-
-def config_from_hf(hf: dict, source: str) -> Config:
-    model = model_keys_of_hf(hf, source)
+    model = {ours: hf[theirs] for ours, theirs in HF_MODEL_KEYS.items() if theirs in hf}
     try:
         cfg = Config.from_dict({"model": model}, source=source)
     except ConfigError as e:

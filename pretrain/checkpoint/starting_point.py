@@ -15,7 +15,7 @@ import os
 from ..config import Config, ConfigError
 from .errors import CheckpointError
 from .filenames import CONFIG_JSON, LATEST, META
-from .hf_config import ARCHITECTURE_HEADS, HF_MODEL_KEYS, read_hf_config, model_keys_of_hf
+from .hf_config import ARCHITECTURE_HEADS, HF_MODEL_KEYS, config_from_hf, read_hf_config
 from .vocabulary import loaded_checkpoint
 
 # The model.* keys a run takes from its init_from checkpoint: the shape, and the LayerNorm epsilon the
@@ -57,7 +57,8 @@ def read_model_keys(path: str) -> tuple[dict, str, list[str]]:
         # a config.json naming no architecture: the weights tell (hf.read_hf), not checked here
         lacks = [head for head in UNTRAINED_HEAD_MEANING if head not in ARCHITECTURE_HEADS[architecture]] \
             if architecture else []
-        return model_keys_of_hf(hf, source), source, lacks
+        model = config_from_hf(hf, source).model  # checked and typed; transformers' defaults where absent
+        return {key: getattr(model, key) for key in HF_MODEL_KEYS}, source, lacks
     try:
         source = os.path.join(_native_tag_dir(path), META)
         with open(source, encoding="utf-8") as f:
