@@ -36,8 +36,9 @@ Public API
 
 Environment
     FAKEGPU_DEVICE_COUNT  number of fakegpu devices (default 8, read once when the extension loads)
-    FAKEGPU_BUILD_DIR     build directory of the JIT-compiled extension (default: torch's
-                          extensions cache, TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions)
+    FAKEGPU_BUILD_DIR     build directory of the JIT-compiled extension (default: under
+                          TORCH_EXTENSIONS_DIR when set, else the environment's
+                          <sys.prefix>/torch_extensions)
     FAKEGPU_NO_DEEPSPEED=1  enable() leaves DeepSpeed's accelerator alone
 
 Behaviour worth knowing
@@ -73,6 +74,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -93,6 +95,10 @@ def _load_extension():
 
     kwargs = {}
     build_dir = os.environ.get("FAKEGPU_BUILD_DIR")
+    if not build_dir and "TORCH_EXTENSIONS_DIR" not in os.environ and os.access(sys.prefix, os.W_OK):
+        # this environment's own, as the product's extensions: torch's shared ~/.cache would be
+        # rebuilt by every checkout over the other's build (the build hash covers the source path)
+        build_dir = os.path.join(sys.prefix, "torch_extensions", "fakegpu_ext")
     if build_dir:
         os.makedirs(build_dir, exist_ok=True)
         kwargs["build_directory"] = build_dir
