@@ -102,6 +102,8 @@ def test_data_sequence_changes():
                                                    "data.segment_pairs: checkpoint nsp, run sop"]
     blend = DataConfig(kind="indexed", paths=["a", "b"], weights=[1.0, 3.0])
     assert data_sequence_changes(blend, DataConfig(kind="indexed", paths=["a", "b"], weights=[2.0, 6.0])) == []
+    tenths = DataConfig(kind="indexed", paths=["a", "b"], weights=[0.1, 0.2])
+    assert data_sequence_changes(tenths, DataConfig(kind="indexed", paths=["a", "b"], weights=[1.0, 2.0])) == []
     assert data_sequence_changes(blend, DataConfig(kind="indexed", paths=["a", "b"])) == [
         "data.weights: checkpoint [1.0, 3.0], run []"]
 

@@ -36,9 +36,9 @@ def _comparable(data: DataConfig, key: str):
     value = getattr(data, key)
     if key == "paths":
         return _corpus_names(value)
-    if key == "weights":  # shares: empty = equal, and [2, 2] = [1, 1]
+    if key == "weights":  # shares: empty = equal, and [2, 2] = [1, 1] (to rounding: [0.1, 0.2] = [1, 2])
         weights = value or [1.0] * len(data.paths)
-        return [w / sum(weights) for w in weights]
+        return [round(w / sum(weights), 12) for w in weights]
     return value
 
 
