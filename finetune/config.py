@@ -117,6 +117,10 @@ class TrainSection:
     # lengths, the epoch still every example once in a seeded order
     group_by_length: bool = True
     output_dir: str = "outputs/finetune"
+    # true: replace the outputs a previous run left in output_dir (metrics.json, best/, predictions/,
+    # submission/, tensorboard/); false: a run into a directory holding any of them is refused before
+    # it starts (see previous_outputs). Other files there (feature_cache/, the user's own) never count
+    overwrite_output_dir: bool = False
     tensorboard_dir: str | None = None  # default: <output_dir>/tensorboard
     eval_only: bool = False  # evaluate (and predict) with model.init_from as it is
     keep_best: bool = True  # keep the weights of the best dev epoch in <output_dir>/best
@@ -213,6 +217,46 @@ class FinetuneConfig:
 
 def _missing_paths(paths: list[str | None]) -> list[str]:
     return [f"{path} does not exist" for path in paths if path and not os.path.exists(path)]
+
+
+# What a fine-tuning run (finetuner.py) writes into train.output_dir, in the order a refusal names
+# them; it writes no config file there. Not among them: feature_cache/ (reused by every run) and the
+# --feature-based run's feature_based/.
+FINETUNE_OUTPUTS = ("metrics.json", "best", "predictions", "submission")
+
+
+def previous_outputs(cfg: FinetuneConfig) -> list[str]:
+    """What train.output_dir holds of the outputs a fine-tuning run writes there, directories with a
+    trailing slash: the names above, and tensorboard/ when the run's events go there (train.tensorboard_dir
+    unset). An empty directory holds nothing to lose and is not named."""
+    out = cfg.train.output_dir
+    names = FINETUNE_OUTPUTS + (("tensorboard",) if cfg.train.tensorboard_dir is None else ())
+    found = []
+    for name in names:
+        path = os.path.join(out, name)
+        if os.path.isdir(path):
+            if _not_empty(path):
+                found.append(name + "/")
+        elif os.path.lexists(path):
+            found.append(name)
+    return found
+
+
+def _not_empty(directory: str) -> bool:
+    try:
+        return bool(os.listdir(directory))
+    except OSError:  # unreadable: what it holds cannot be told, so it counts
+        return True
+
+
+def output_dir_problems(cfg: FinetuneConfig) -> list[str]:
+    """One line when this run would replace a previous run's outputs (unless train.overwrite_output_dir)."""
+    found = [] if cfg.train.overwrite_output_dir else previous_outputs(cfg)
+    if not found:
+        return []
+    return [f"train.output_dir {cfg.train.output_dir} already holds a previous run's outputs ({', '.join(found)}), "
+            "which this run would replace: give another train.output_dir, or set train.overwrite_output_dir=true "
+            "to replace them"]
 
 
 def load_finetune_config(path: str | None, overrides: Sequence[str] = ()) -> FinetuneConfig:

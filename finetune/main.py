@@ -3,12 +3,14 @@
 TASK is a GLUE task (cola sst2 mrpc stsb qqp mnli qnli rte wnli), swag, squad, squad2 or conll2003. The config (default
 configs/finetune/TASK.yaml when it exists) and the overrides are validated against the world
 size before any process group starts. Started once per rank by a launcher (see launcher.sh);
-a single process needs none. Exit status: 0 done, 1 bad input found after start, 2 bad config.
+a single process needs none. Exit status: 0 done, 1 bad input found after start, 2 bad config
+(also: train.output_dir holds a previous run's outputs, unless train.overwrite_output_dir=true).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -17,6 +19,8 @@ from pretrain.cli import accept_launcher_args, run_command, run_distributed
 from .tasks import TASK_NAMES  # torch-free: the tasks themselves are imported when one is asked for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+logger = logging.getLogger(__name__)
 
 
 def parse_args(argv=None):
@@ -40,20 +44,32 @@ def main(argv=None) -> int:
 def start(args: argparse.Namespace) -> int:
     from pretrain.config import ConfigError
     from pretrain.distributed.parallel import discover_launch_env
+    from pretrain.resilience import launch_status
 
-    from .config import load_finetune_config
+    from .config import load_finetune_config, output_dir_problems
 
     launch = discover_launch_env()
     config = args.config or os.path.join(REPO, "configs", "finetune", f"{args.task}.yaml")
     try:
         cfg = load_finetune_config(config if os.path.exists(config) or args.config else None,
                                    [f"task.name={args.task}", *args.overrides])
-        cfg.validate(launch.world_size, feature_based=args.feature_based)
+        problems = []
+        try:
+            cfg.validate(launch.world_size, feature_based=args.feature_based)
+        except ConfigError as error:
+            problems = error.problems
+        if not args.feature_based and one_node(launch.world_size):
+            # every rank reads the same train.output_dir: all refuse alike, before any rank started
+            # (on several nodes, which may not share it, agree_on_output_dir decides after the rendezvous)
+            problems += output_dir_problems(cfg)
+        if problems:
+            raise ConfigError(problems)
     except ConfigError as error:
         # every problem on its own line under one heading, before any rank started; the heading
         # names both sources, the problems their keys (a key the command line must give is no
         # fault of the task's YAML)
         print(f"invalid configuration ({config} + command line):\n{error}", file=sys.stderr)
+        launch_status.failed(launch_status.own_rank(), str(error))  # launcher.sh: a restart would meet it again
         return 2
 
     if args.feature_based:
@@ -62,6 +78,8 @@ def start(args: argparse.Namespace) -> int:
         from .finetuner import run
 
     def fine_tune(parallel) -> None:
+        if not args.feature_based:
+            agree_on_output_dir(cfg, parallel)
         summary = run(cfg, parallel)
         if not summary.get("best"):
             return  # the feature-based tagger trains on the logging rank only
@@ -69,6 +87,38 @@ def start(args: argparse.Namespace) -> int:
             print(json.dumps({"task": summary["task"], "best": summary["best"]}, indent=2))
 
     return run_distributed(fine_tune, cfg.parallel.tensor_parallel, launch=launch)
+
+
+def one_node(world_size: int, environ=None) -> bool:
+    """Whether the launcher says every rank of the job runs on this node (so all see one train.output_dir):
+    its ranks per node (rendezvous.py's variables; DeepSpeed's launcher: LOCAL_SIZE) are the world size."""
+    from pretrain.distributed.rendezvous import LOCAL_SIZE_VARIABLES
+
+    env = os.environ if environ is None else environ
+    if world_size == 1:
+        return True
+    local = next((env[name] for name in (*LOCAL_SIZE_VARIABLES, "LOCAL_SIZE") if env.get(name, "").isdigit()), None)
+    return local is not None and int(local) == world_size
+
+
+def agree_on_output_dir(cfg, parallel) -> None:
+    """After the rendezvous, before anything is read or written: the logging rank (the one rank that
+    writes train.output_dir) looks there and every rank follows its verdict, so that all refuse alike
+    (UsageError: one line, exit 2) even where nodes do not share the directory. With
+    train.overwrite_output_dir the logging rank says what the run replaces."""
+    from pretrain.common.errors import UsageError
+    from pretrain.distributed.device import all_gather_object
+
+    from .config import output_dir_problems, previous_outputs
+
+    writer = parallel.rank == parallel.logging_rank
+    view = (output_dir_problems(cfg), previous_outputs(cfg)) if writer else None
+    problems, found = all_gather_object(view)[parallel.logging_rank]
+    if problems:
+        raise UsageError(problems[0])
+    if found and writer:
+        logger.warning(f"train.overwrite_output_dir: this run replaces the previous run's outputs in "
+                       f"{cfg.train.output_dir} ({', '.join(found)})")
 
 
 if __name__ == "__main__":

@@ -167,7 +167,8 @@ def test_eval_only_predicts_a_submission_and_bad_vocab_is_refused(tiny, tmp_path
     big_vocab = tmp_path / "vocab.txt"
     big_vocab.write_text("\n".join(SPECIALS + [f"t{i}" for i in range(100)]) + "\n")
     done = finetune("rte", [f"model.init_from={tiny / 'hf'}", f"task.dev_files=[{files['dev']}]", "train.eval_only=true",
-                            f"model.vocab_file={big_vocab}", f"train.output_dir={out}"], expect_success=False)
+                            f"model.vocab_file={big_vocab}", f"train.output_dir={tmp_path / 'bad_vocab'}"],
+                    expect_success=False)
     assert done.returncode == 1
     assert "has 105 tokens, the checkpoint's vocabulary 32: they do not belong together" in done.stderr
     done = finetune("rte", ["model.init_from=/nonexistent", "train.epochs=0"], expect_success=False)
@@ -235,7 +236,7 @@ def test_multiple_choice_learns_and_predicts(tiny, tmp_path):
     with open(tmp_path / "bad" / "val.csv", "w") as f:
         f.write("sent1,sent2,ending0,ending1,ending2,label\na,b,c,d,e,0\n")
     done = finetune("swag", [f"model.init_from={tiny / 'hf'}", f"task.dev_files=[{tmp_path / 'bad' / 'val.csv'}]",
-                             "train.eval_only=true", f"train.output_dir={out}"], expect_success=False)
+                             "train.eval_only=true", f"train.output_dir={tmp_path / 'bad_out'}"], expect_success=False)
     assert done.returncode == 1 and "val.csv: missing column(s) ending3" in done.stderr
 
 
