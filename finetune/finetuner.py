@@ -130,7 +130,7 @@ class Finetuner:
             if self.train_features is not None else 0
         self.total_steps = max(1, math.ceil(t.epochs * self.steps_per_epoch))
         self.engine = self._build_engine()
-        self.watchdog = Watchdog.for_job(t.hang_timeout_minutes, parallel)
+        self.watchdog = Watchdog.for_job(t.hang_timeout_minutes, parallel, key="train.hang_timeout_minutes")
         self.writer = None
         if parallel.rank == parallel.logging_rank:
             os.makedirs(t.output_dir, exist_ok=True)

@@ -54,11 +54,12 @@ def start(args: argparse.Namespace) -> int:
             if not torch.cuda.is_available():
                 problems.append("train.precision=fp16 needs a GPU (DeepSpeed has no fp16 on CPU); use bf16 or fp32")
         from .checkpoint.data_sequence import data_sequence_problems
+        from .checkpoint.series import save_dir_problems
         from .checkpoint.starting_point import starting_point_problems
         from .checkpoint.vocabulary import vocabulary_problems
         from .data.samples.provider import data_file_problems
 
-        problems += starting_point_problems(cfg)
+        problems += starting_point_problems(cfg) + save_dir_problems(cfg)
         problems += data_file_problems(cfg) + vocabulary_problems(cfg) + data_sequence_problems(cfg)
         if args.restartable and not (cfg.checkpoint.save_dir and cfg.checkpoint.load_dir):
             problems.append("launcher.sh --max-restarts: a restart resumes from checkpoint.load_dir's latest checkpoint; "

@@ -31,7 +31,7 @@ from pretrain.observability.quiet import hide_library_warnings
 
 hide_library_warnings()
 
-from _guard_worker import poison  # noqa: E402
+from _guard_worker import build  # noqa: E402
 from _train_worker import TINY, finish, where_it_ran  # noqa: E402
 from pretrain.distributed import device, internals  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
@@ -40,8 +40,8 @@ from pretrain.training.trainer import Trainer  # noqa: E402
 
 BASE = ["train.train_steps=8", "scheduler.warmup_steps=4", "eval.steps=2", "data.num_workers=0",
         "logging.interval=1", "resilience.max_consecutive_skips=2"]
-# a NaN loss at steps 3 and 5, infinite gradients with a finite loss at step 6
-STRAIGHT = [{"poison": "loss", "steps": [3, 5]}, {"poison": "gradients", "steps": [6]}]
+# a NaN loss at steps 3 and 5, a NaN gradient of one parameter (PARAMETER) with a finite loss at step 6
+STRAIGHT = [{"poison": "loss", "steps": [3, 5]}, {"poison": "parameter", "steps": [6]}]
 # fp16 (ignored otherwise): a dynamic loss scale of 2**8 that is already its minimum
 AT_MIN_SCALE = ["fp16.initial_scale_power=8", "fp16.min_loss_scale=256"]
 
@@ -62,16 +62,15 @@ def what_took_effect(trainer, parallel) -> dict:
 def train(cfg, parallel, poisons=(), rank=0) -> dict:
     cfg.validate(world_size=parallel.world_size)
     gc.collect()  # the previous run's engine: its buffers would count in this run's device memory
-    trainer = Trainer(cfg, parallel)
-    for run_poison in poisons:
-        poison(trainer, dict(run_poison, rank=rank), parallel.rank)
-    norms, outcomes = [], []
+    trainer = build(cfg, parallel, [dict(run_poison, rank=rank) for run_poison in poisons])
+    norms, outcomes, sources = [], [], []
 
     def measure(step):  # after each step, on every rank
         norms.append(trainer.params_norm())
         outcomes.append(step.outcome.label if step.outcome.skipped else "")
+        sources.append([source._asdict() for source in step.outcome.sources])
 
-    result = {"norms": norms, "outcomes": outcomes, "took_effect": device.all_gather_object(what_took_effect(trainer, parallel))}
+    result = {"norms": norms, "outcomes": outcomes, "sources": sources, "took_effect": device.all_gather_object(what_took_effect(trainer, parallel))}
     try:
         trainer.train(after_step=measure)
     except Exception as error:  # the run controls' own error is what the stop looks at

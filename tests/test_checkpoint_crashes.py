@@ -350,16 +350,23 @@ def test_keep_last_prunes_exactly_the_oldest_and_nothing_else(tmp_path):
     assert assert_complete(ckpt / "iter_0000005")["files"] == saved["files"]
 
 
-def test_prune_orders_by_step_and_clears_leftovers(tmp_path):
-    for name in ["iter_9999998", "iter_9999999", "iter_10000000", "iter_10000001"]:
+def test_prune_orders_by_step_removes_only_its_own_series_and_clears_leftovers(tmp_path):
+    def checkpoint(name, meta):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "meta.json").write_text("{}")
-    for name in ["iter_0000005.partial", "iter_0000007.replaced", "iter_x", "other", "iter_0000003"]:
+        (tmp_path / name / "meta.json").write_text(json.dumps(meta))
+
+    for name in ["iter_9999998", "iter_9999999", "iter_10000000", "iter_10000001"]:
+        checkpoint(name, {"series": "ours"})
+    checkpoint("iter_20000000", {"series": "another run's"})  # a later step of another series: kept
+    checkpoint("iter_0000002", {})  # written before series were recorded: not this run's, kept
+    checkpoint("iter_0000007.replaced", {"series": "another run's"})  # no iter_0000007: the one to take back
+    for name in ["iter_0000005.partial", "iter_10000000.replaced", "iter_x", "other", "iter_0000003"]:
         (tmp_path / name).mkdir()  # iter_0000003 has no meta.json: not a checkpoint of ours, left alone
     (tmp_path / "iter_0000001").write_text("a file, not a checkpoint")
-    _prune(str(tmp_path), keep_last=2, keep="iter_10000001")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "iter_0000003", "iter_10000000",
-                                                           "iter_10000001", "iter_x", "other"]
+    _prune(str(tmp_path), keep_last=2, keep="iter_10000001", series="ours")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "iter_0000001", "iter_0000002", "iter_0000003", "iter_0000007.replaced", "iter_10000000", "iter_10000001",
+        "iter_20000000", "iter_x", "other"]
 
 
 def test_latest_takes_back_a_checkpoint_left_aside_by_a_killed_replacement(tmp_path):

@@ -177,8 +177,8 @@ def test_host_reads_per_step(tmp_path, optimizer):
     """Metrics stay on the device until the log line, LAMB's trust ratios never leave it, the
     stop flag is agreed every few steps: over 20 steps with a log line every 10, the values read
     back from the device are those of the two log lines and four stop checks (f5ae60b: 9.75 per step),
-    plus the non-finite guard's one agreed decision per step (resilience.skip_nonfinite_steps) and the
-    memory breakdown's one gather after the first step."""
+    plus the non-finite guard's one agreed decision per step (resilience.skip_nonfinite_steps), the
+    checkpoint series drawn at the start and the memory breakdown's one gather after the first step."""
     out = tmp_path / "reads.json"
     run_ranks(["tests/_sync_worker.py", str(out), "20", f"optimizer.name={optimizer}"], 1, timeout=300,
               env=DEVICES["fakegpu"][0])
@@ -186,9 +186,10 @@ def test_host_reads_per_step(tmp_path, optimizer):
     assert result["device"].startswith("fakegpu:")
     guard = sum(n for where, n in result["reads"].items() if "guard.py" in where)
     assert guard == 20, result["reads"]
-    # once per run: the first step's memory breakdown gathered from every rank (all_gather_object)
+    # once per run (all_gather_object, 2 reads each): the checkpoint series' id drawn by rank 0 at
+    # the start, the first step's memory breakdown gathered from every rank
     once = sum(n for where, n in result["reads"].items() if "distributed_c10d.py" in where)
-    assert once <= 2, result["reads"]
+    assert once <= 4, result["reads"]
     total = sum(result["reads"].values()) - guard - once
     assert total <= 8, f"{total / 20:.2f} host reads per step besides the guard's: {result['reads']}"
 

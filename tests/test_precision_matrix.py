@@ -12,8 +12,11 @@ numerics a cluster job depends on:
 - the gradient norm (logged, and the one clipping divides by; max norm 1.0, exceeded at steps 1-2)
   equals the fp32 single-layout reference: 1e-5 in fp32, within bf16/fp16 rounding otherwise;
 - the losses and the evaluation follow the reference;
-- a NaN loss at step 5 and infinite gradients at step 6 stop the job with NonFiniteTraining naming
-  loss and gradients (fp16: gradients at its minimum loss scale, where an overflow is divergence);
+- a NaN loss at step 5 and a NaN gradient of one parameter of rank 1 at step 6 stop the job with
+  NonFiniteTraining naming loss and gradients (fp16: gradients at its minimum loss scale, where an
+  overflow is divergence); each non-finite step is traced to the ranks that saw it before any
+  reduction (rank, host, device, loss or gradients, the parameter by name), and at DP2, where rank 1
+  alone saw both, the stop message names it as the device to suspect;
   above the minimum, fp16 overflows are the loss scaler's own skips and never stop the job;
 - resuming the step-2 checkpoint in a fresh trainer repeats steps 3-6, the stop and the
   evaluation exactly;
@@ -31,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from distributed import gpu_env, run_ranks
+
+PARAMETER = "bert.encoder.layer.1.attention.output.dense.weight"  # tests/_guard_worker.py poisons its gradient
 
 pytestmark = pytest.mark.slow  # multi-process: not in the fast tier
 
@@ -195,7 +200,19 @@ def test_run_controls_and_numerics(matrix, device, world, name):
     for key, value in reference["evaluation"].items():
         assert close(straight["evaluation"][key], value, 2 * tolerance["loss"]), f"evaluation {key}"
 
-    # a NaN loss at step 5 and infinite gradients at step 6 end the job, naming what was non-finite
+    # each non-finite step traced to the rank that saw it first: rank 1's loss at step 3 (at TP2 its
+    # vocabulary-parallel loss reaches rank 0 too; at PP2 the NaN flows back into stage 0's
+    # gradients), the poisoned parameter's gradient at step 6 on rank 1 alone, on its own device
+    rank1 = straight["took_effect"][1]["device"]
+    by_rank = [{s["rank"]: s for s in step} for step in straight["sources"]]
+    assert [sorted(step) for step in by_rank[:2] + by_rank[3:4]] == [[], [], []]
+    assert by_rank[2][1]["loss"] and by_rank[2][1]["gradients"] and by_rank[2][1]["device"] == rank1
+    assert sorted(by_rank[2]) == ([1] if world == "dp2" else [0, 1])
+    [step6] = straight["sources"][5]
+    assert (step6["rank"], step6["device"], step6["loss"], step6["gradients"]) == (1, rank1, False, True), step6
+    assert step6["parameters"] == [PARAMETER] and step6["more"] == 0, step6
+
+    # a NaN loss at step 5 and a NaN gradient at step 6 end the job, naming what was non-finite
     kind, message = straight["error"]
     what = ("gradients at the minimum fp16 loss scale (256, fp16.min_loss_scale) and loss"
             if precision == "fp16" else "gradients and loss")
@@ -203,6 +220,8 @@ def test_run_controls_and_numerics(matrix, device, world, name):
     assert message.startswith(f"step 6: non-finite {what} in 2 steps in a row (steps 5-6, "
                               "resilience.max_consecutive_skips=2)"), message
     assert "the weights are those after step 4" in message
+    suspect = f"rank 1 (host {step6['host']}, {rank1}) saw every one of them before the reduction and no other rank did"
+    assert (suspect in message) == (world == "dp2"), message
 
     # exact resume: the step-2 checkpoint in a fresh trainer repeats steps 3-6, the stop, the evaluation
     assert resumed["outcomes"] == straight["outcomes"][2:] and resumed["error"] == straight["error"]

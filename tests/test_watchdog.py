@@ -58,3 +58,41 @@ def test_a_timeout_of_0_starts_no_thread():
     dog.progress("anything", 1)
     assert not [t for t in threading.enumerate() if t.name == "bert-watchdog"]
     dog.stop()
+
+
+def test_start_up_steps_and_saves_each_have_their_own_limit(tmp_path):
+    """A save may rightly take longer than a step, a start-up longer still: the limit of the kind of
+    phase the rank is in applies, and the dump names the setting that fired."""
+    limits = {"start-up": (0.0, "resilience.startup_timeout_minutes"),  # no limit
+              "step": (0.01, "resilience.hang_timeout_minutes"),  # 0.6 s
+              "save": (0.04, "resilience.save_timeout_minutes")}  # 2.4 s
+    stream, ended = open(tmp_path / "rank0.log", "w+"), []
+    dog = Watchdog(limits, rank=0, world_size=1, heartbeats=None, stream=stream, end=ended.append, interval=0.05).start()
+    time.sleep(1.2)  # a start-up longer than a step's limit
+    assert ended == []
+    dog.progress("step 1", 1)
+    dog.limit("step")
+    with dog.limited("save"):
+        dog.doing("saving the checkpoint of step 1", 1)
+        time.sleep(1.2)  # a save longer than a step's limit, within its own
+        assert ended == []
+        dog.progress("the save of step 1", 1)
+    dog.doing("step 2: forward, backward, gradient reduction, optimizer", 1)
+    wait_until(lambda: ended)  # back under the step's limit
+    dog.stop()
+    stream.seek(0)
+    out = stream.read()
+    assert "(step: resilience.hang_timeout_minutes=0.01): at step 1, step 2:" in out, out
+
+    stream, ended = open(tmp_path / "rank0-save.log", "w+"), []
+    dog = Watchdog(limits, rank=0, world_size=1, heartbeats=None, stream=stream, end=ended.append, interval=0.05).start()
+    dog.limit("step")
+    with dog.limited("save"):
+        dog.doing("saving the checkpoint of step 4", 4)
+        wait_until(lambda: ended)
+    dog.stop()
+    stream.seek(0)
+    out = stream.read()
+    assert "(save: resilience.save_timeout_minutes=0.04): at step 4, saving the checkpoint of step 4" in out, out
+    with pytest.raises(ValueError, match="unknown kind"):
+        dog.limit("evaluation")

@@ -15,9 +15,10 @@ activations (1F1B's in-flight micro-batches, the MLM head at masked positions), 
 communication buffers, the framework's workspace; and its step time from the FLOPs each rank
 computes at the device's achievable rate (peak x efficiency) and the TP, PP and DP traffic over
 the given bandwidths. The table lists the fastest layouts that fit, then the fastest that do
-not and why; the last line is the pick, as overrides for `python -m pretrain`. Layouts the
-trainer would refuse are counted by its reason, and what the plan does not model is said
-(data.packing, CPU offload, ...).
+not and why; the last line is the pick, as overrides for `python -m pretrain` (with
+checkpoint.async_save, then the host memory a save's snapshot takes on the pick's fullest rank).
+Layouts the trainer would refuse are counted by its reason, and what the plan does not model is
+said (data.packing, CPU offload, ...).
 
 Memory sizes need a unit, and K, M, G, T are binary whichever way they are written: 80G, 80GB,
 80 GiB and 81920MiB are all 80 GiB, what a GPU sold as "80GB" has (nvidia-smi reports 81,559-81,920
@@ -184,7 +185,9 @@ def row_json(row) -> dict:
                              "tp": row.time.tp, "pp": row.time.pp, "dp": row.time.dp,
                              "optimizer": row.time.optimizer},
             "samples_per_second": row.samples_per_second, "fits": row.fits, "why_not": row.why,
-            "overrides": layout.overrides()}
+            "overrides": layout.overrides(),
+            # host memory (checkpoint.async_save: a save's snapshot of the rank's files; 0 without it)
+            "host_bytes": {"checkpoint_snapshot": memory.checkpoint_snapshot}}
 
 
 HEADER = (f"{'':>3} {'layout':<15} {'ZeRO':>4} {'micro':>5} {'recompute':<9} {'prec':<4} | {'states':>6} "
@@ -242,6 +245,9 @@ def body(args) -> int:
           f"recompute {best.layout.recompute}, {best.layout.precision}: {best.memory.total / GiB:.1f} GiB of "
           f"{budget.usable / GiB:.1f}, {best.time.total:.3f} s/step")
     print("  " + " ".join(best.layout.overrides()))
+    if cfg.checkpoint.async_save:
+        print(f"  checkpoint.async_save: a save's snapshot takes {gib(best.memory.checkpoint_snapshot)} of host (CPU) "
+              "memory on its fullest rank while the files are written, besides the device memory above")
     return 0
 
 

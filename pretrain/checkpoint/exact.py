@@ -4,7 +4,9 @@
 A save writes into <tag>.partial; once every rank has written its files, rank 0 lists them in
 meta.json, renames the directory to <tag> and only then moves `latest`. So an iter_* directory
 is always complete, and a resume checks every listed file (present, recorded size) before it
-loads anything.
+loads anything. With checkpoint.async_save (save_checkpoint_async, async_save.py) the files are
+written by a thread of every rank from a host snapshot taken at the save step, and rank 0's thread
+takes the same publishing steps (_finish) once every rank's files are durable.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import os
 import pickle
 import random
 import shutil
+import uuid
 
 import numpy as np
 import torch
@@ -23,11 +26,14 @@ import torch
 from ..common.atomic import honour_umask, replace_durably
 from ..common.diskspace import disk_full_named
 from ..config import Config
+from ..distributed import internals
 from ..distributed.device import all_gather_object, barrier
 from ..model.rng import seed_streams
 from .format import (LATEST, META, PARTIAL, REPLACED, TAG_PATTERN, CheckpointError, check_compatible, checkpoint_files,
-                     complete_tags, content_problems, damaged, fingerprints, latest_tag, layout_of, model_shape_of,
+                     content_problems, damaged, fingerprints, latest_tag, layout_of, model_shape_of,
                      read_meta, rng_file, tag_for, verify_checkpoint, with_older_checkpoints)
+from .async_save import BackgroundSave, FileWrite, SaveStore, Snapshot, SnapshotEngine, fsync_path
+from .series import SERIES_KEY, own_tags
 from .tokenizer_files import save_vocab
 
 logger = logging.getLogger(__name__)
@@ -91,15 +97,16 @@ def _generator_kind(device_type: str) -> str:
 
 
 def save_checkpoint(engine, save_dir: str, step: int, consumed_samples: int, cfg: Config, parallel, tracker,
-                    keep_last: int) -> str:
+                    keep_last: int, series: str | None, trainer_state: dict | None = None) -> str:
     """Save on every rank into <tag>.partial; `latest` moves only after every rank finished
-    writing and the directory was renamed to <tag> with its file list in meta.json."""
+    writing and the directory was renamed to <tag> with its file list in meta.json. `series`: the
+    run's (series.py), recorded in meta.json; retention removes only that series' checkpoints.
+    `trainer_state`: what the trainer's parts keep besides (its skipped sample ranges, the spike
+    detector's window), meta.json's "trainer_state"."""
     tag = tag_for(step)
     staging_tag = tag + PARTIAL
     staging = os.path.join(save_dir, staging_tag)
-    if parallel.rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)  # what a killed save of this step left
+    _clear_staging(save_dir, staging, parallel)
     barrier()  # nobody writes into the directory while rank 0 removes it
     # A full disk: one line naming the directory and the space left (DeepSpeed's torch.save says
     # `unexpected pos` or `iostream error`, not ENOSPC)
@@ -107,9 +114,7 @@ def save_checkpoint(engine, save_dir: str, step: int, consumed_samples: int, cfg
         client_state = {"step": step, "consumed_samples": consumed_samples}
         scripts = _recovery_scripts(save_dir) if parallel.rank == 0 else set()
         engine.save_checkpoint(save_dir, tag=staging_tag, client_state=client_state, save_latest=False)
-        rng_path = rng_file(staging, parallel.rank)
-        torch.save(rng_state(tracker), rng_path + ".tmp")
-        os.replace(rng_path + ".tmp", rng_path)
+        _write_rng(rng_state(tracker), rng_file(staging, parallel.rank))
         if parallel.rank == 0 and cfg.data.vocab_file:
             save_vocab(cfg.data.vocab_file, staging)
         barrier()  # every rank's files are written
@@ -122,23 +127,102 @@ def save_checkpoint(engine, save_dir: str, step: int, consumed_samples: int, cfg
         names = all_gather_object(checkpoint_files(staging) if parallel.rank == 0 else None)[0]
         sums = {name: crc for part in all_gather_object(fingerprints(staging, names, share)) for name, crc in part.items()}
         if parallel.rank == 0:
-            meta = {
-                "step": step,
-                "consumed_samples": consumed_samples,
-                "world_size": parallel.world_size,
-                "layout": layout_of(cfg, parallel),
-                "model_shape": model_shape_of(cfg),
-                "config": cfg.to_dict(),
-                "files": {name: os.path.getsize(os.path.join(staging, name)) for name in names},
-                "crc32": dict(sorted(sums.items())),
-            }
-            replace_durably(os.path.join(staging, META), json.dumps(meta, indent=2))
-            _publish(staging, os.path.join(save_dir, tag))
-            replace_durably(os.path.join(save_dir, LATEST), tag)
-            _fsync_dir(save_dir)
-            _prune(save_dir, keep_last, keep=tag)
+            meta = _meta(step, consumed_samples, series, trainer_state, cfg, parallel)
+            _finish(save_dir, tag, staging, meta, names, sums, keep_last, series)
     barrier()
     return tag
+
+
+def save_checkpoint_async(engine, save_dir: str, step: int, consumed_samples: int, cfg: Config, parallel, tracker,
+                          keep_last: int, series: str | None, trainer_state: dict | None, store: SaveStore | None,
+                          timeout_seconds: float, now) -> BackgroundSave:
+    """checkpoint.async_save: what save_checkpoint writes, snapshot to host memory now (DeepSpeed's
+    files through async_save.SnapshotEngine, the RNG states; the small vocabulary files are copied
+    at once) and written on a thread of every rank while training goes on; rank 0's thread publishes
+    it as save_checkpoint does (_finish: meta.json, rename, `latest`, retention) once every rank's
+    files are fsync'd (async_save.py says how the ranks agree without a collective). Returns the
+    started thread's BackgroundSave; the caller waits for it (`join`) before the next save."""
+    tag = tag_for(step)
+    staging_tag = tag + PARTIAL
+    staging = os.path.join(save_dir, staging_tag)
+    _clear_staging(save_dir, staging, parallel)
+    # every rank waits for rank 0's removal here, and learns this save's id (its store keys')
+    save_id = all_gather_object(f"{series}/{tag}/{uuid.uuid4().hex}" if parallel.rank == 0 else None)[0]
+    with disk_full_named(staging, f"the checkpoint of step {step}", f"this save is never loaded; `{LATEST}` is unchanged"):
+        client_state = {"step": step, "consumed_samples": consumed_samples}
+        scripts = _recovery_scripts(save_dir) if parallel.rank == 0 else set()
+        with internals.checkpoint_engine_replaced(engine, SnapshotEngine) as snapshots:
+            engine.save_checkpoint(save_dir, tag=staging_tag, client_state=client_state, save_latest=False)
+        writes = snapshots.writes + [FileWrite(rng_file(staging, parallel.rank), Snapshot(rng_state(tracker)),
+                                               _write_rng)]
+        extra = []
+        if parallel.rank == 0:
+            if cfg.data.vocab_file:
+                before = set(checkpoint_files(staging))
+                save_vocab(cfg.data.vocab_file, staging)
+                extra = [os.path.join(staging, name) for name in checkpoint_files(staging) if name not in before]
+            _drop_recovery_scripts(save_dir, scripts)  # DeepSpeed copied them on this thread, in its save
+    publish = None
+    if parallel.rank == 0:
+        meta = _meta(step, consumed_samples, series, trainer_state, cfg, parallel)  # the config as it is now
+
+        def publish(reported: dict[str, str]) -> None:
+            with disk_full_named(staging, f"the checkpoint of step {step}",
+                                 f"this save is never loaded; `{LATEST}` is unchanged"):
+                honour_umask(staging)
+                names = checkpoint_files(staging)
+                gone = sorted(set(reported) - set(names))
+                if gone:
+                    raise CheckpointError(f"{os.path.join(staging, gone[0])} is missing although its rank wrote it: "
+                                          f"this save is never loaded; `{LATEST}` is unchanged")
+                unreported = [name for name in names if name not in reported]  # none that we know of
+                for name in unreported:
+                    fsync_path(os.path.join(staging, name))
+                sums = {**{name: reported[name] for name in names if name in reported},
+                        **fingerprints(staging, unreported)}
+                _finish(save_dir, tag, staging, meta, names, sums, keep_last, series)
+
+    return BackgroundSave(staging, step, writes, extra, parallel.rank, parallel.world_size, store, save_id,
+                          timeout_seconds, publish, now).start()
+
+
+def _clear_staging(save_dir: str, staging: str, parallel) -> None:
+    if parallel.rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # what a killed save of this step left
+
+
+def _write_rng(state: dict, path: str) -> None:
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def _meta(step: int, consumed_samples: int, series: str | None, trainer_state: dict | None, cfg: Config,
+          parallel) -> dict:
+    """meta.json but the file list and fingerprints."""
+    return {
+        "step": step,
+        "consumed_samples": consumed_samples,
+        SERIES_KEY: series,
+        "trainer_state": trainer_state or {},
+        "world_size": parallel.world_size,
+        "layout": layout_of(cfg, parallel),
+        "model_shape": model_shape_of(cfg),
+        "config": cfg.to_dict(),
+    }
+
+
+def _finish(save_dir: str, tag: str, staging: str, meta: dict, names: list[str], sums: dict[str, str],
+            keep_last: int, series: str | None) -> None:
+    """Rank 0, once every rank's files are written: meta.json listing them, the rename to <tag>,
+    then `latest`, then retention (in this order: `latest` never names an unfinished save)."""
+    meta = dict(meta, files={name: os.path.getsize(os.path.join(staging, name)) for name in names},
+                crc32=dict(sorted(sums.items())))
+    replace_durably(os.path.join(staging, META), json.dumps(meta, indent=2))
+    _publish(staging, os.path.join(save_dir, tag))
+    replace_durably(os.path.join(save_dir, LATEST), tag)
+    _fsync_dir(save_dir)
+    _prune(save_dir, keep_last, keep=tag, series=series)
 
 
 # What every ZeRO save of DeepSpeed copies into save_dir (engine._copy_recovery_script, no option to
@@ -174,17 +258,28 @@ def _publish(staging: str, final: str) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _prune(save_dir: str, keep_last: int, keep: str) -> None:
-    """Remove the complete checkpoints older than the newest keep_last (by step, not by name) and
-    what killed saves left (<tag>.partial; <tag>.replaced, needed only until `latest` names a
-    complete directory, which it does when this runs). Nothing else in save_dir is touched."""
-    complete = complete_tags(save_dir)
+def _prune(save_dir: str, keep_last: int, keep: str, series: str | None) -> None:
+    """Remove the run's own complete checkpoints (its series) older than its newest keep_last (by
+    step, not by name) and what killed saves left (_leftover). `keep`, the tag `latest` names, and
+    every other series' checkpoint stay; nothing else in save_dir is touched."""
+    complete = own_tags(save_dir, series)
     old = complete[:-keep_last] if keep_last > 0 else []
-    leftovers = [name for name in os.listdir(save_dir) if name.endswith((PARTIAL, REPLACED))
-                 and TAG_PATTERN.fullmatch(name.rsplit(".", 1)[0]) and os.path.isdir(os.path.join(save_dir, name))]
+    leftovers = [name for name in os.listdir(save_dir) if _leftover(save_dir, name)]
     for name in old + leftovers:
         if name != keep:
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+
+
+def _leftover(save_dir: str, name: str) -> bool:
+    """A killed save's directory: <tag>.partial (never loaded), or <tag>.replaced once <tag> is
+    complete again (without it, <tag>.replaced is the complete checkpoint latest_tag() takes back)."""
+    path = os.path.join(save_dir, name)
+    if not os.path.isdir(path) or not name.endswith((PARTIAL, REPLACED)):
+        return False
+    tag = name.rsplit(".", 1)[0]
+    if not TAG_PATTERN.fullmatch(tag):
+        return False
+    return name.endswith(PARTIAL) or os.path.exists(os.path.join(save_dir, tag, META))
 
 
 # What a damaged file makes torch.load or DeepSpeed raise (a missing file: DeepSpeed's own asserts).

@@ -18,7 +18,6 @@ import glob
 import json
 import mmap
 import os
-import re
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -27,11 +26,10 @@ from ..config import Config, ConfigError
 from ..model.layers import TransformerLayer, WordEmbedding
 from ..model.names import HF_NAME_TABLE, TIED_EMBEDDING_KEY, spec_modules
 from .errors import CheckpointError  # noqa: F401 (re-exported)
-from .filenames import CONFIG_JSON, LATEST, META, TOKENIZER_JSON, VOCAB_FILE  # noqa: F401 (re-exported)
+from .filenames import (CONFIG_JSON, LATEST, META, PARTIAL, REPLACED, TAG_PATTERN, TOKENIZER_JSON,  # noqa: F401
+                        VOCAB_FILE)  # (re-exported)
+from .series import complete_tags  # noqa: F401 (re-exported)
 
-PARTIAL = ".partial"  # suffix of a tag directory being written
-REPLACED = ".replaced"  # suffix of a complete checkpoint while a new save of its step replaces it
-TAG_PATTERN = re.compile(r"iter_(\d+)")
 MOMENTS = ("exp_avg", "exp_avg_sq")  # the optimizer state carried per parameter (LAMB and AdamW)
 # Every tokenizer file a Hugging Face directory may hold: transformers 5 writes tokenizer.json and
 # tokenizer_config.json only, older versions vocab.txt, special_tokens_map.json, added_tokens.json too.
@@ -344,13 +342,6 @@ def check_compatible(meta: dict, cfg: Config, parallel, path: str) -> None:
 
 
 # ----------------------------------------------------------------------------- locating
-def complete_tags(save_dir: str) -> list[str]:
-    """The iter_* directories holding a meta.json, by step."""
-    found = [name for name in os.listdir(save_dir) if TAG_PATTERN.fullmatch(name)
-             and os.path.exists(os.path.join(save_dir, name, META))]
-    return sorted(found, key=lambda name: int(name[len("iter_"):]))
-
-
 def latest_tag(load_dir: str) -> str | None:
     """The tag `latest` names, after checking that checkpoint is whole (verify_checkpoint): a
     damaged one raises CheckpointError naming the file, before anything is loaded. None when

@@ -14,3 +14,4 @@ DATA_KINDS = ("synthetic", "indexed")
 SEGMENT_PAIRS = ("nsp", "sop", "none")
 MASKING_MODES = ("static", "dynamic")
 RECOMPUTE = ("none", "selective", "full")  # Megatron's --recompute-granularity, and none
+SPIKE_POLICIES = ("off", "log", "skip", "rollback")  # resilience.spike_policy

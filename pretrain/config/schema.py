@@ -10,7 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .choices import DATA_KINDS, DECAYS, MASKING_MODES, OPTIMIZERS, PARAMETER_KINDS, PRECISIONS, RECOMPUTE, SEGMENT_PAIRS
+from .choices import (DATA_KINDS, DECAYS, MASKING_MODES, OPTIMIZERS, PARAMETER_KINDS, PRECISIONS, RECOMPUTE,
+                      SEGMENT_PAIRS, SPIKE_POLICIES)
 from .precision import precision_problems
 from .typed_yaml import ConfigError, check_tree, load_sections
 
@@ -195,9 +196,18 @@ class DataConfig:
     # The same samples per step, the same losses and gradients, fewer padding tokens computed
     packing: bool = False
 
+    # [first sample, count] ranges of the training sample sequence never trained on (as PaLM skips
+    # the batches around a loss spike): the run steps over them, its step count and LR schedule
+    # unaffected. Whole global batches (multiples of train.global_batch_size). A spike rollback
+    # adds its own ranges (resilience.spike_policy), kept in the run's checkpoints
+    skip_samples: list[list[int]] = field(default_factory=list)
+
     def problems(self) -> list[str]:
         p: list[str] = []
         _one_of(p, "data.kind", self.kind, DATA_KINDS)
+        for entry in self.skip_samples:
+            if not (isinstance(entry, list) and len(entry) == 2 and entry[0] >= 0 and entry[1] > 0):
+                p.append(f"data.skip_samples entry {entry} must be [first sample >= 0, count > 0]")
         _positive(p, "data.seq_length", self.seq_length)
         _positive(p, "data.max_predictions_per_seq", self.max_predictions_per_seq)
         if self.max_predictions_per_seq > self.seq_length:
@@ -290,6 +300,16 @@ class CheckpointConfig:
     # step and LR schedule resume, the new sequence starts over from its first sample. Without it
     # such a resume is refused, naming the keys (a new phase uses init_from instead)
     accept_new_data: bool = False
+    # write into a save_dir that holds another run's checkpoints (a run starting from scratch or
+    # from init_from there, or resuming another directory's series into it): this run's saves
+    # replace the checkpoints of the same steps, the others stay (retention removes only the run's
+    # own). Without it such a run is refused before any rank starts, naming the latest checkpoint there
+    overwrite: bool = False
+    # save in the background: the save step copies the state to host memory (about the size of the
+    # rank's checkpoint files) and training goes on while a thread writes, fsyncs and fingerprints
+    # them; `latest` moves once every rank's files are durable. The next save, a stop and the end
+    # of training wait for it (docs/checkpoints.md, "Asynchronous saves")
+    async_save: bool = False
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -329,10 +349,20 @@ class LoggingConfig:
     profile_steps: list[int] = field(default_factory=list)
     profile_dir: str | None = None
     profile_ranks: list[int] = field(default_factory=lambda: [0])
+    # once per log window, every rank's own step time (not counting the time it waited for the
+    # others) gathered in the window's one metric collective: the line shows min/median/max and the
+    # slowest rank, TensorBoard each rank's figure
+    stragglers: bool = True
+    # a rank whose own step time is above the median by more than this share (0.2 = 20%) in
+    # straggler_windows log windows in a row is named in a warning line
+    straggler_share: float = 0.2
+    straggler_windows: int = 2
 
     def problems(self) -> list[str]:
         p: list[str] = []
         _positive(p, "logging.interval", self.interval)
+        _positive(p, "logging.straggler_windows", self.straggler_windows)
+        _non_negative(p, "logging.straggler_share", self.straggler_share)
         if self.profile_steps:
             first_last = self.profile_steps
             if len(first_last) != 2 or not 1 <= first_last[0] <= first_last[1]:
@@ -349,9 +379,14 @@ class ResilienceConfig:
     """What a long job does when something goes wrong: timeouts, stops, non-finite steps."""
 
     dist_timeout_minutes: float = 10.0  # collective timeout: a dead/hung rank makes the others exit
-    # no training step, evaluation step or save finished for this long: every rank writes what it was
-    # doing, which rank is stuck and every thread's stack, and ends (exit 124). 0 = no watchdog
+    # no training step or evaluation step finished for this long: every rank writes what it was
+    # doing, which rank is stuck and every thread's stack, and ends (exit 124). 0 = no limit on steps
     hang_timeout_minutes: float = 15.0
+    # the same watch over the start-up (resuming or initialising, up to the end of the first step,
+    # which builds the communicators) and over a checkpoint save, which may rightly take longer than
+    # a step (a loaded parallel file system); 0 = no limit there. All three 0: no watchdog
+    startup_timeout_minutes: float = 30.0
+    save_timeout_minutes: float = 30.0
     # every rank must have joined the job's rendezvous within this long; else the ones that did
     # end, naming the ranks that did not
     rendezvous_timeout_minutes: float = 10.0
@@ -370,15 +405,43 @@ class ResilienceConfig:
     # this many non-finite steps in a row stop the job with an error (fp16 loss-scale overflows
     # count only once the dynamic scale has reached fp16.min_loss_scale)
     max_consecutive_skips: int = 10
+    # a loss spike: a finite loss above spike_factor x the median of the last spike_window steps
+    # losses (judged once that many steps were seen), or a gradient norm above spike_grad_norm
+    # (0 = not judged). off | log (a warning and a TensorBoard event) | skip (no rank applies the
+    # step: loss spikes only, judged before the update) | rollback (every rank reloads the run's
+    # latest checkpoint and steps over the samples from it to spike_skip_batches global batches
+    # past the spike; at most spike_max_rollbacks times, then the job stops)
+    spike_policy: str = "off"
+    spike_factor: float = 3.0
+    spike_window: int = 100
+    spike_grad_norm: float = 0.0
+    spike_skip_batches: int = 0
+    spike_max_rollbacks: int = 5
 
     def problems(self) -> list[str]:
         p: list[str] = []
         for name in ("dist_timeout_minutes", "stop_check_interval", "max_consecutive_skips",
                      "rendezvous_timeout_minutes"):
             _positive(p, f"resilience.{name}", getattr(self, name))
-        for name in ("exit_after_steps", "exit_duration_minutes", "hang_timeout_minutes"):
+        _one_of(p, "resilience.spike_policy", self.spike_policy, SPIKE_POLICIES)
+        for name in ("spike_window", "spike_max_rollbacks"):
+            _positive(p, f"resilience.{name}", getattr(self, name))
+        if self.spike_factor <= 1.0:
+            p.append(f"resilience.spike_factor ({self.spike_factor}) must be > 1 (a multiple of the running median loss)")
+        for name in ("spike_grad_norm", "spike_skip_batches"):
+            _non_negative(p, f"resilience.{name}", getattr(self, name))
+        if self.spike_policy == "skip" and self.spike_grad_norm:
+            p.append("resilience.spike_policy=skip judges the loss before the update; the gradient norm is known only "
+                     "after it: use spike_policy log or rollback with resilience.spike_grad_norm")
+        for name in ("exit_after_steps", "exit_duration_minutes", "hang_timeout_minutes", "startup_timeout_minutes",
+                     "save_timeout_minutes"):
             _non_negative(p, f"resilience.{name}", getattr(self, name))
         return p
+
+    def watchdog_limits(self) -> dict[str, tuple[float, str]]:
+        """The watchdog's limit per kind of phase (pretrain/resilience/watchdog.py), with its key."""
+        return {kind: (getattr(self, name), f"resilience.{name}") for kind, name in (
+            ("start-up", "startup_timeout_minutes"), ("step", "hang_timeout_minutes"), ("save", "save_timeout_minutes"))}
 
 
 @dataclass
@@ -532,6 +595,14 @@ class Config:
         p += t.problems() + self.checkpoint.problems() + self.eval.problems() + self.logging.problems()
         p += self.resilience.problems() + self._batch_problems(world_size)
         r = self.resilience
+        if r.spike_policy == "rollback" and not (self.checkpoint.save_dir and self.checkpoint.save_interval):
+            p.append("resilience.spike_policy=rollback reloads the run's latest checkpoint: set checkpoint.save_dir and "
+                     "checkpoint.save_interval")
+        gbs = self.train.global_batch_size
+        for first, count in (e for e in self.data.skip_samples if isinstance(e, list) and len(e) == 2):
+            if gbs > 0 and (first % gbs or count % gbs):
+                p.append(f"data.skip_samples [{first}, {count}]: whole global batches, multiples of "
+                         f"train.global_batch_size ({gbs})")
         if r.exit_duration_minutes and not self.checkpoint.save_dir:
             p.append(f"resilience.exit_duration_minutes ({r.exit_duration_minutes:g}) needs checkpoint.save_dir: the "
                      "job saves a checkpoint before it exits, for the relaunch to resume")

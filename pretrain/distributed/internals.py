@@ -20,16 +20,18 @@ import torch
 PINNED: dict[str, tuple[str, ...]] = {
     "deepspeed.runtime.engine": (
         "basic_optimizer", "global_steps", "global_samples", "_global_grad_norm", "enable_backward_allreduce",
-        "clip_fp32_gradients", "skipped_steps"),
+        "clip_fp32_gradients", "skipped_steps", "checkpoint_engine"),
     "deepspeed.runtime.zero.stage_1_and_2": (  # DeepSpeedZeroOptimizer (ZeRO-1/2)
         "bit16_groups", "single_partition_of_fp32_groups", "real_dp_process_group", "zenflow",
-        "gradient_accumulation_dtype", "communication_data_type", "loss_scaler"),
+        "gradient_accumulation_dtype", "communication_data_type", "loss_scaler",
+        "reduce_ipg_grads", "overlap_comm"),  # the last two: waiting_calls
     "deepspeed.runtime.bf16_optimizer": (  # BF16_Optimizer
         "bf16_groups", "fp32_groups_flat_partition", "real_dp_process_group", "using_real_optimizer",
         "grad_acc_dtype"),
     "deepspeed.runtime.zero.stage3": (  # DeepSpeedZeroOptimizer_Stage3
         "fp16_groups", "fp32_partitioned_groups_flat", "sub_group_to_group_id", "params_in_nvme_and_cpu",
-        "swap_optimizer", "gradient_accumulation_dtype", "communication_data_type", "loss_scaler"),
+        "swap_optimizer", "gradient_accumulation_dtype", "communication_data_type", "loss_scaler",
+        "__reduce_and_partition_ipg_grads", "independent_gradient_partition_epilogue", "parameter_offload"),
     "deepspeed.runtime.fp16.unfused_optimizer": (  # FP16_UnfusedOptimizer
         "fp16_groups", "fp32_groups", "clip_grad", "_global_grad_norm"),
     "deepspeed.runtime.fp16.loss_scaler": ("raise_error_at_min_scale",),  # DynamicLossScaler, ZeRO's fp16 scaler
@@ -39,6 +41,10 @@ PINNED: dict[str, tuple[str, ...]] = {
     "deepspeed.utils.tensor_fragment": ("get_hp_fragment_address", "lp_fragment_address"),
     "megatron.core.tensor_parallel.layers": ("_forward_impl", "tensor_model_parallel", "partition_dim"),
     "deepspeed.comm.torch": ("build_shm_op",),  # TorchBackend's JIT build of the CPU shared-memory op
+    # the calls in which a rank waits for the others (waiting_calls: the straggler figures, the timers)
+    "deepspeed.runtime.zero.parameter_offload": ("get_param_coordinator",),
+    "deepspeed.runtime.zero.partitioned_param_coordinator": ("fetch_sub_module",),
+    "deepspeed.runtime.pipe.engine": ("_INSTRUCTION_MAP", "_aggregate_total_loss"),
 }
 
 
@@ -204,6 +210,21 @@ def gradient_dtypes(engine) -> tuple[torch.dtype, torch.dtype]:
     return dtype, engine.communication_data_type
 
 
+@contextlib.contextmanager
+def checkpoint_engine_replaced(engine, replacement):
+    """Inside the block, engine.save_checkpoint (and the pipeline engine's layer files) writes through
+    `replacement(DeepSpeed's checkpoint engine)`: DeepSpeed calls the engine's `save(state_dict,
+    path)` for every file it writes (deepspeed/runtime/checkpoint_engine/, engine.py's
+    _save_checkpoint and _save_zero_checkpoint, pipe/module.py's save_state_dict). Yields the
+    replacement; DeepSpeed's own is back afterwards, for loads and later saves."""
+    original = engine.checkpoint_engine
+    engine.checkpoint_engine = replacement(original)
+    try:
+        yield engine.checkpoint_engine
+    finally:
+        engine.checkpoint_engine = original
+
+
 def client_optimizer(engine) -> torch.optim.Optimizer:
     """Our torch optimizer, as DeepSpeed holds it (it keeps the optimizer state of the tensors
     DeepSpeed steps: fp32 partitions or copies under a wrapper, the parameters at ZeRO-0 fp32)."""
@@ -293,3 +314,61 @@ def no_optimizer_steps(optimizer: torch.optim.Optimizer):
         yield optimizer
     finally:
         optimizer._deepspeed_constructing = False
+
+
+# ----------------------------------------------------------------------------- waiting calls
+class WaitingCall(NamedTuple):
+    """A call in which a rank waits for the others: the method `name` of `owner`, or the function
+    under key `name` of the dict `owner`; timed as `phase`, synchronised around or not."""
+
+    owner: object
+    name: object
+    phase: str
+    synced: bool = True
+
+
+def waiting_calls(engine) -> list[WaitingCall]:
+    """The DeepSpeed calls in which a rank waits for the others, at every ZeRO stage and with
+    pipeline parallelism (DeepSpeed 0.19's names, read from the engine as it was built, so that
+    each ZeRO stage's calls are found where that stage makes them):
+
+    - grad_reduce: the engine's `allreduce_gradients` (ZeRO-0/1 and the bf16 wrapper reduce there,
+      at the last micro-batch's backward; ZeRO-2/3 end their reduction there) and
+      `buffered_allreduce_fallback` (what it calls at ZeRO-0, the pipeline engine's bf16 path);
+      ZeRO-1/2's bucket reductions `reduce_ipg_grads` (at ZeRO-2, and ZeRO-1 with overlap_comm,
+      called from the gradient hooks inside backward); ZeRO-3's `__reduce_and_partition_ipg_grads`
+      (its hooks) and `independent_gradient_partition_epilogue` (which waits for its reduction
+      stream); the pipeline engine's ReduceTiedGrads instruction (the tied embedding's all-reduce
+      between the first and the last stage). The hooks' bucket reductions are not synchronised
+      where overlap_comm (ZeRO-3's default) overlaps them with backward on their own stream;
+    - param_gather: ZeRO-3's parameter coordinator's `fetch_sub_module` (the all-gather each
+      module's parameters wait for, forward and backward), not synchronised (its prefetch overlap);
+    - pipe_comm: the pipeline engine's send and receive instructions (activations, gradients) and
+      `_aggregate_total_loss` (the loss broadcast from the last stage at the end of the batch). The
+      engine runs its instructions from the class's `_INSTRUCTION_MAP`: the engine is given its
+      own copy, whose entries can be wrapped.
+    """
+    calls = [WaitingCall(engine, method, "grad_reduce") for method in ("allreduce_gradients",
+                                                                        "buffered_allreduce_fallback")]
+    optimizer = engine.optimizer
+    overlapped = bool(getattr(optimizer, "overlap_comm", False))
+    for method, synced in (("reduce_ipg_grads", not overlapped),
+                           ("_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads", not overlapped),
+                           ("independent_gradient_partition_epilogue", True)):
+        if callable(getattr(optimizer, method, None)):
+            calls.append(WaitingCall(optimizer, method, "grad_reduce", synced))
+    offload = getattr(optimizer, "parameter_offload", None)  # ZeRO-3
+    if offload is not None:
+        calls.append(WaitingCall(offload.get_param_coordinator(), "fetch_sub_module", "param_gather", False))
+    instructions = getattr(type(engine), "_INSTRUCTION_MAP", None)  # the pipeline engine
+    if instructions is not None:
+        from deepspeed.runtime.pipe import schedule
+
+        if "_INSTRUCTION_MAP" not in vars(engine):
+            engine._INSTRUCTION_MAP = dict(instructions)
+        table = engine._INSTRUCTION_MAP
+        calls += [WaitingCall(table, instruction, "pipe_comm") for instruction in (
+            schedule.SendActivation, schedule.RecvActivation, schedule.SendGrad, schedule.RecvGrad)]
+        calls += [WaitingCall(table, schedule.ReduceTiedGrads, "grad_reduce"),
+                  WaitingCall(engine, "_aggregate_total_loss", "pipe_comm")]
+    return calls

@@ -261,6 +261,12 @@ class PretrainingLoss:
             return torch.ones((), dtype=torch.bool, device=device)
         return torch.isfinite(self._sums).all().to(device)
 
+    def current(self, device: torch.device) -> torch.Tensor:
+        """The sums since the last drain, left in place (float64 on `device`; zeros before any)."""
+        if self._sums is None:
+            return torch.zeros(len(self.METRICS), dtype=torch.float64, device=device)
+        return self._sums.to(device=device, dtype=torch.float64)
+
     def drain(self, device: torch.device) -> torch.Tensor:
         """Sums since the last drain (zeros on ranks that computed no loss), on `device`; ends
         the step's global-batch scaling."""

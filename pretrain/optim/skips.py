@@ -9,7 +9,7 @@ at fp16.min_loss_scale an overflow is a non-finite step like any other (guard.cl
 from __future__ import annotations
 
 from ..common.errors import UserError
-from .guard import AT_MIN_SCALE, StepOutcome
+from .guard import AT_MIN_SCALE, StepOutcome, suspect_ranks
 
 
 class NonFiniteTraining(UserError, RuntimeError):
@@ -17,12 +17,15 @@ class NonFiniteTraining(UserError, RuntimeError):
 
 
 class SkipPolicy:
-    def __init__(self, max_consecutive: int, global_batch_size: int, min_loss_scale: float | None = None):
+    def __init__(self, max_consecutive: int, global_batch_size: int, min_loss_scale: float | None = None,
+                 world_size: int = 1):
         self.max_consecutive = max_consecutive
+        self.world_size = world_size  # to tell one rank's fault from the job's divergence
         self.global_batch_size = global_batch_size  # to name the samples near the first bad step
         self.min_loss_scale = min_loss_scale  # fp16 only: named when the scale is stuck at its minimum
         self.skipped = 0  # steps whose update was skipped (non-finite, or an fp16 overflow)
-        self.bad_run: list[tuple[int, tuple[str, ...]]] = []  # the current run of non-finite steps, what was bad
+        # the current run of non-finite steps: (step, what was bad, the ranks that saw it first)
+        self.bad_run: list[tuple[int, tuple[str, ...], tuple]] = []
 
     def count(self, step: int, outcome: StepOutcome) -> None:
         """Count step `step` (just taken); raise NonFiniteTraining at the limit of skips in a row."""
@@ -32,16 +35,23 @@ class SkipPolicy:
         self.skipped += 1
         if not outcome.counts:
             return
-        self.bad_run.append((step, outcome.what))
+        self.bad_run.append((step, outcome.what, outcome.sources))
         limit = self.max_consecutive
         if len(self.bad_run) < limit:
             return
-        what = sorted({w for _, found in self.bad_run for w in found})
+        what = sorted({w for _, found, _ in self.bad_run for w in found})
         if AT_MIN_SCALE in what:  # says more than "gradients"
             what = [f"{AT_MIN_SCALE} ({self.min_loss_scale:g}, fp16.min_loss_scale)" if w == AT_MIN_SCALE
                     else w for w in what if w != "gradients"]
         first = self.bad_run[0][0]
+        suspects = suspect_ranks([sources for _, _, sources in self.bad_run], self.world_size)
+        if suspects:
+            named = "; ".join(f"rank {s.rank} (host {s.host}, {s.device})" for s in suspects)
+            advice = (f"{named} saw every one of them before the reduction and no other rank did: suspect that "
+                      f"device (run a GPU check on it, or exclude the node) before lowering optimizer.lr")
+        else:
+            advice = f"Lower optimizer.lr or check the data near sample {(first - 1) * self.global_batch_size}"
         raise NonFiniteTraining(
             f"step {step}: non-finite {' and '.join(what)} in {limit} steps in a row (steps {first}-{step}, "
             f"resilience.max_consecutive_skips={limit}); every one was skipped, the weights are those after step "
-            f"{first - 1}. Lower optimizer.lr or check the data near sample {(first - 1) * self.global_batch_size}")
+            f"{first - 1}. {advice}")

@@ -33,6 +33,9 @@ class MemoryPrediction:
     buffers: int  # DeepSpeed's buckets and gradient buffers, the pipeline's send/receive buffers
     workspace: int
     gradient_bytes_per_element: int  # what the data-parallel reduction moves per gradient element
+    # host memory, not the device's: what a save's snapshot holds with checkpoint.async_save (the
+    # rank's checkpoint files' tensors: states.checkpoint_bytes); 0 without it
+    checkpoint_snapshot: int = 0
 
     @property
     def total(self) -> int:
@@ -108,7 +111,19 @@ def predict_memory(cfg: Config, layout: Layout, stage_index: int, stages: list[S
     buffers = states.persistent_buffers + states.step_buffers + _pipeline_buffers(cfg, layout, stage, micro_batches)
     reduced = ITEM[t.grad_accum_dtype] if layout.precision == "bf16" else ITEM[layout.precision]
     return MemoryPrediction(states.wrapper, states.parameters, states.gradients, states.optimizer_state, activations,
-                            buffers, _workspace(cfg, layout, kernels), reduced)
+                            buffers, _workspace(cfg, layout, kernels), reduced,
+                            _checkpoint_snapshot(cfg, layout, stage, states.checkpoint, dp_rank))
+
+
+def _checkpoint_snapshot(cfg, layout: Layout, stage: StageParams, files: int, dp_rank: int) -> int:
+    """checkpoint.async_save: the host memory of a save's snapshot, the rank's checkpoint files
+    (states.checkpoint_bytes), less the last pipeline stage's copy of the tied word embedding, which
+    no layer file of that stage holds (the first stage's does)."""
+    if not cfg.checkpoint.async_save:
+        return 0
+    if layout.pp > 1 and stage.last and not stage.first and dp_rank == 0 and layout.zero < 3:
+        files -= ITEM[layout.precision] * cfg.model.padded_vocab_size(layout.tp) // layout.tp * cfg.model.hidden_size
+    return files
 
 
 def predict_rank_memory(cfg: Config, world_size: int, pp_rank: int, device_type: str, dp_rank: int = 0

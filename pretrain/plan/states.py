@@ -62,6 +62,22 @@ class ModelStates:
     optimizer_state: int
     persistent_buffers: int  # held for the whole run beyond the three (ZeRO-3's gradient partitions, bucket, ...)
     step_buffers: int  # held while the micro-batches of a step run (ZeRO-1/2 buckets, gradient accumulation)
+    # the tensors of the rank's checkpoint files (checkpoint_bytes); an asynchronous save's host snapshot
+    checkpoint: int = 0
+
+
+def checkpoint_bytes(parameters: int, optimizer_state: int, zero: int, dp_rank: int, zero3_whole: int = 0) -> int:
+    """The tensor bytes of one rank's checkpoint files, as DeepSpeed 0.19 writes them (engine.py
+    _save_checkpoint, _save_zero_checkpoint): the model states (the model's storages: ZeRO-1/2 and
+    BF16_Optimizer's flat buffers whole) by data-parallel rank 0 only, with the optimizer's state at
+    ZeRO-0 (the moments, and FP16_UnfusedOptimizer's fp32 masters); from ZeRO-1 every rank's file of
+    its masters and moments; at ZeRO-3 every rank's model file holds only the parameters kept whole
+    (`zero3_whole`: those under stage3_param_persistence_threshold). RNG states and the vocabulary
+    are a few KiB more."""
+    if zero == 3:
+        return zero3_whole + optimizer_state
+    model = parameters if dp_rank == 0 else 0
+    return model + (optimizer_state if zero > 0 or dp_rank == 0 else 0)
 
 
 def _moments(numel: int, optimizer: str) -> int:
@@ -106,10 +122,11 @@ def model_states(groups: tuple[tuple[int, ...], ...], dp: int, dp_rank: int, pre
 
     if kind == "none":
         moments = sum(_moments(n, optimizer) for n in numels)
-        return ModelStates(kind, 4 * total, 4 * total, moments, 0, 0)
+        return ModelStates(kind, 4 * total, 4 * total, moments, 0, 0, checkpoint_bytes(4 * total, moments, 0, dp_rank))
     if kind == "FP16_UnfusedOptimizer":
         moments = sum(_moments(n, optimizer) for n in numels)
-        return ModelStates(kind, b * total, (b + 4) * total, moments + 4 * total, 0, 0)
+        return ModelStates(kind, b * total, (b + 4) * total, moments + 4 * total, 0, 0,
+                           checkpoint_bytes(b * total, moments + 4 * total, zero, dp_rank))
     if kind == "BF16_Optimizer":
         params = grads = state = flat_grads = 0
         for group in groups:
@@ -119,7 +136,8 @@ def model_states(groups: tuple[tuple[int, ...], ...], dp: int, dp_rank: int, pre
             # the master's .grad is a view of the flat gradient buffer (fp32), or a copy of its partition
             grads += (accumulation * padded if accumulation == 4 else 4 * size) + 2 * sum(group)
             state += _moments(size, optimizer) + 4 * size
-        return ModelStates(kind, params, grads, state, 0 if accumulation == 4 else flat_grads, 0)
+        return ModelStates(kind, params, grads, state, 0 if accumulation == 4 else flat_grads, 0,
+                           checkpoint_bytes(params, state, zero, dp_rank))
     if kind == "DeepSpeedZeroOptimizer":
         compact = precision == "bf16" and accumulation == 4  # bf16 ZeRO-2 with fp32 accumulation
         layouts = [_flat_partition(g, dp, dp_rank) for g in groups]
@@ -137,7 +155,7 @@ def model_states(groups: tuple[tuple[int, ...], ...], dp: int, dp_rank: int, pre
             grads += in_partition if one_view else 4 * size
         step = b * bucket * (2 if pipelined and zero == 1 else 1)  # the reduce bucket(s), whatever the model's size
         step += b * total if zero == 1 else (4 * sum(s for _, s, _ in layouts) if compact else in_partition)
-        return ModelStates(kind, params, grads, state, 0, step)
+        return ModelStates(kind, params, grads, state, 0, step, checkpoint_bytes(params, state, zero, dp_rank))
     # ZeRO-3
     subs = [sub for group in groups for sub in _sub_groups(group, dp, z["sub_group_size"])]
     sizes = [sum(sub) for sub in subs]
@@ -152,4 +170,5 @@ def model_states(groups: tuple[tuple[int, ...], ...], dp: int, dp_rank: int, pre
             kept += n
             persistent += b * _ceil(n, dp) if dp > 1 else 0
     buffers = accumulation * partitions + communication * bucket + persistent
-    return ModelStates(kind, b * partitions, grads, state, buffers, 0)
+    return ModelStates(kind, b * partitions, grads, state, buffers, 0,
+                       checkpoint_bytes(b * partitions, state, zero, dp_rank, zero3_whole=b * kept))

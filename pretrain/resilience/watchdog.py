@@ -1,10 +1,15 @@
 """A hang becomes a diagnosis: every rank watches its own progress and, when nothing finished for
-`resilience.hang_timeout_minutes`, writes what it was doing, which rank is stuck and every thread's
+the time the current phase allows, writes what it was doing, which rank is stuck and every thread's
 stack to its log, then ends the process (exit status 124, as `timeout` uses) so that the launcher
 ends the job and may restart it.
 
 - Progress: the trainer calls `progress()` when a training step, an evaluation step or a save
   finishes, and `doing()` when it enters a phase (data, step, evaluation, save, ...).
+- Limits: one per kind of phase, because a save on a busy parallel file system, or a start-up that
+  loads a checkpoint and builds every communicator, may rightly take longer than any step:
+  "start-up" (until the first step finished: resilience.startup_timeout_minutes), "step" (steps and
+  evaluations: resilience.hang_timeout_minutes) and "save" (resilience.save_timeout_minutes). The
+  trainer says which applies (`limit()`, `limited()`); 0 = no limit in that kind of phase.
 - Heartbeats: a thread of every rank publishes a small record (a counter, step, phase, pid, host,
   and its collectives as torch's flight recorder counts them: enqueued and completed per process
   group) to the job's key-value store (the rendezvous TCPStore) every few seconds. A rank whose
@@ -17,6 +22,7 @@ Nothing here touches the devices or the process groups: a hang may hold either.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -126,6 +132,7 @@ def stuck_ranks(before: dict[int, dict], after: dict[int, dict], world_size: int
 class _Activity:
     step: int = 0
     phase: str = "start-up"
+    kind: str = "start-up"  # whose limit applies (KINDS)
     last_progress: float = field(default_factory=time.monotonic)
     what_finished: str = "nothing yet"
 
@@ -142,39 +149,71 @@ def process_state(pid: int) -> str:
     return "gone"
 
 
+# kind of phase -> (minutes without progress it allows, 0 = no limit; the setting that says so)
+Limits = dict[str, tuple[float, str]]
+KINDS = ("start-up", "step", "save")
+
+
 class Watchdog:
-    """One per rank; `start()` runs its thread, `stop()` ends it. A timeout of 0 turns it off:
+    """One per rank; `start()` runs its thread, `stop()` ends it. With every limit 0 it is off:
     `doing()` and `progress()` are then plain attribute writes and no thread starts.
 
+    limits: per kind of phase (KINDS); one number is the same limit for every kind, named
+    `resilience.hang_timeout_minutes` (or `key`).
     local_report: extra lines about this rank at the dump (its loader processes).
     """
 
-    def __init__(self, timeout_minutes: float, rank: int, world_size: int, heartbeats: Heartbeats | None,
+    def __init__(self, limits: Limits | float, rank: int, world_size: int, heartbeats: Heartbeats | None,
                  local_report: Callable[[], list[str]] = lambda: [], stream: TextIO | None = None,
-                 end: Callable[[int], None] = os._exit, interval: float | None = None):
-        self.timeout = timeout_minutes * 60
+                 end: Callable[[int], None] = os._exit, interval: float | None = None,
+                 key: str = "resilience.hang_timeout_minutes"):
+        if not isinstance(limits, dict):
+            limits = {kind: (float(limits), key) for kind in KINDS}
+        unknown = set(limits) - set(KINDS)
+        if unknown:
+            raise ValueError(f"watchdog limits for unknown kinds of phase {sorted(unknown)} (known: {KINDS})")
+        self.limits = {kind: (minutes * 60, name) for kind, (minutes, name) in limits.items()}
+        self.timeout = max((seconds for seconds, _ in self.limits.values()), default=0.0)  # 0: no thread
         self.rank, self.world_size = rank, world_size
         self.heartbeats = heartbeats
         self.local_report = local_report
         self.stream = stream or sys.stderr
         self.end = end
-        # heartbeats: a few per timeout, at most 5 s apart (a set on the store each: cheap)
-        self.interval = interval or min(5.0, max(0.5, self.timeout / 20))
+        # heartbeats: a few per (shortest) limit, at most 5 s apart (a set on the store each: cheap)
+        shortest = min((seconds for seconds, _ in self.limits.values() if seconds), default=0.0)
+        self.interval = interval or min(5.0, max(0.5, shortest / 20))
         self._activity = _Activity()
         self._beat = 0
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def for_job(cls, timeout_minutes: float, parallel, local_report: Callable[[], list[str]] = lambda: []) -> "Watchdog":
+    def for_job(cls, limits: Limits | float, parallel, local_report: Callable[[], list[str]] = lambda: [],
+                key: str = "resilience.hang_timeout_minutes") -> "Watchdog":
         """The watchdog of this rank of a job started by init_parallel: heartbeats on the job's
         store (when it has one) so that the ranks can name the stuck one."""
-        heartbeats = None
-        if timeout_minutes and parallel.store_address:
-            heartbeats = Heartbeats(*parallel.store_address, parallel.rank, parallel.world_size)
-        return cls(timeout_minutes, parallel.rank, parallel.world_size, heartbeats, local_report)
+        dog = cls(limits, parallel.rank, parallel.world_size, None, local_report, key=key)
+        if dog.timeout and parallel.store_address:
+            dog.heartbeats = Heartbeats(*parallel.store_address, parallel.rank, parallel.world_size)
+        return dog
 
     # called by the trainer (main thread); plain attribute writes, read by the watchdog thread
+    def limit(self, kind: str) -> None:
+        """From now on the limit of this kind of phase applies (KINDS)."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown kind of phase {kind!r} (known: {KINDS})")
+        self._activity.kind = kind
+
+    @contextlib.contextmanager
+    def limited(self, kind: str):
+        """The limit of `kind` while the block runs, then the one before it again."""
+        before = self._activity.kind
+        self.limit(kind)
+        try:
+            yield
+        finally:
+            self._activity.kind = before
+
     def doing(self, phase: str, step: int | None = None) -> None:
         self._activity.phase = phase
         if step is not None:
@@ -225,11 +264,16 @@ class Watchdog:
                 pass
         return record
 
+    def _current_limit(self) -> tuple[float, str]:
+        """(seconds, 0 = none; the setting) of the kind of phase the rank is in."""
+        return self.limits.get(self._activity.kind, (0.0, ""))
+
     def _run(self) -> None:
         self._publish()  # at once: a rank frozen before its first interval is still known to have started
         while not self._stopped.wait(self.interval):
             self._publish()
-            if time.monotonic() - self._activity.last_progress > self.timeout:
+            seconds, _ = self._current_limit()
+            if seconds and time.monotonic() - self._activity.last_progress > seconds:
                 self._fire()
                 return
 
@@ -240,8 +284,9 @@ class Watchdog:
         a = self._activity
         record = self._publish()
         idle = time.monotonic() - a.last_progress
+        seconds, key = self._current_limit()
         lines = [f"watchdog: rank {self.rank} (host {record['host']}, pid {record['pid']}) made no progress for "
-                 f"{idle / 60:.1f} min (resilience.hang_timeout_minutes={self.timeout / 60:g}): at step {a.step}, "
+                 f"{idle / 60:.1f} min ({a.kind}: {key}={seconds / 60:g}): at step {a.step}, "
                  f"{a.phase}; last finished: {a.what_finished}",
                  f"watchdog: rank {self.rank}: last collective {record['last_collective'] or 'unknown'}"]
         lines += [f"watchdog: rank {self.rank}: {line}" for line in self.local_report()]

@@ -1,15 +1,24 @@
-"""The run's checkpoints: when one is due, saving it (crash-safe, with retention: checkpoint.keep_last),
-and where a run starts: its own latest checkpoint, or `checkpoint.init_from`, or from scratch."""
+"""The run's checkpoints: when one is due, saving it (crash-safe, with retention: checkpoint.keep_last,
+of the run's own series only), and where a run starts: its own latest checkpoint, or
+`checkpoint.init_from`, or from scratch; never into a save_dir holding another run's checkpoints
+(series.py). With checkpoint.async_save a save is a snapshot written in the background
+(checkpoint/async_save.py): one at a time, its failure raised at a step boundary, and `wait()` at a
+stop and at the end of training until it is published."""
 from __future__ import annotations
 
 import logging
+import os
+from typing import Callable
 
 from ..checkpoint import exact as checkpoint_saving, load as checkpoint_loading
 from ..checkpoint.data_sequence import data_sequence_problems, resumed_data_changes
-from ..checkpoint.format import CheckpointError
+from ..checkpoint.async_save import BackgroundSave, SaveStore, SnapshotEngine
+from ..checkpoint.format import CheckpointError, latest_tag, read_meta, tag_for
+from ..checkpoint.series import new_series, resumed_tag_dir, save_dir_problems, series_of
 from ..checkpoint.starting_point import untrained_head_notes
 from ..config import Config
 from ..distributed import internals
+from ..distributed.device import all_gather_object, barrier
 from ..distributed.parallel import Parallel
 from ..model.rng import RngTracker
 from ..resilience.watchdog import Watchdog
@@ -17,24 +26,109 @@ from ..resilience.watchdog import Watchdog
 logger = logging.getLogger(__name__)
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
 class Checkpointer:
     def __init__(self, cfg: Config, parallel: Parallel, engine, model, tracker: RngTracker, watchdog: Watchdog):
         self.cfg, self.parallel, self.engine, self.model = cfg, parallel, engine, model
         self.tracker, self.watchdog = tracker, watchdog
+        self.series: str | None = None  # the run's checkpoint series (series.py), known once resume() ran
+        # what the trainer's parts keep in every checkpoint (meta.json "trainer_state"), and what the
+        # checkpoint last loaded (a resume's, a rollback's) kept
+        self.trainer_state: Callable[[], dict] = dict
+        self.loaded_state: dict = {}
+        # checkpoint.async_save: the save being written in the background (one at most), the step the
+        # loop is at, and every rank's snapshot size (bytes, measured at the first save)
+        self._in_flight: BackgroundSave | None = None
+        self._step = 0
+        self._save_store: SaveStore | None = None
+        self.snapshot_bytes: list[int] | None = None
+        if cfg.checkpoint.async_save and cfg.checkpoint.save_dir:
+            with internals.checkpoint_engine_replaced(engine, SnapshotEngine):
+                pass  # refuses a DeepSpeed checkpoint writer it cannot defer now, not at the first save
 
     def due(self, step: int) -> bool:
+        """Whether a save is due after `step`, called at every step boundary: there a background
+        save's failure (checkpoint.async_save) is raised, at the step its ranks agreed on."""
+        self._step = step
+        self._check_in_flight(step)
         interval = self.cfg.checkpoint.save_interval
         return bool(interval) and step % interval == 0
 
     def save(self, step: int, consumed_samples: int) -> None:
+        """Save the checkpoint of `step`: at once, or with checkpoint.async_save a snapshot taken now
+        and written in the background (the save before it is published first: one in flight)."""
         t = self.cfg.checkpoint
         if not t.save_dir:
             return
-        self.watchdog.doing(f"saving the checkpoint of step {step}", step)
-        tag = checkpoint_saving.save_checkpoint(self.engine, t.save_dir, step, consumed_samples, self.cfg,
-                                                self.parallel, self.tracker, t.keep_last)
+        self.wait()
+        with self.watchdog.limited("save"):  # resilience.save_timeout_minutes
+            self.watchdog.doing(f"saving the checkpoint of step {step}", step)
+            if t.async_save:
+                self._step = step
+                self._in_flight = checkpoint_saving.save_checkpoint_async(
+                    self.engine, t.save_dir, step, consumed_samples, self.cfg, self.parallel, self.tracker,
+                    t.keep_last, self.series, self.trainer_state(), self._store(),
+                    self.cfg.resilience.save_timeout_minutes * 60, lambda: self._step)
+                self.watchdog.progress(f"the snapshot of step {step}", step)
+                if self.snapshot_bytes is None:  # a collective, at a step every rank saves
+                    self.snapshot_bytes = all_gather_object(self._in_flight.snapshot_bytes)
+                    logger.info(f"checkpoint.async_save: the snapshot of a save holds {_mib(max(self.snapshot_bytes))} "
+                                f"of host memory on the fullest rank (per rank: "
+                                f"{', '.join(_mib(n) for n in self.snapshot_bytes)}) while its files are written")
+                return
+            tag = checkpoint_saving.save_checkpoint(self.engine, t.save_dir, step, consumed_samples, self.cfg,
+                                                    self.parallel, self.tracker, t.keep_last, self.series,
+                                                    self.trainer_state())
+            self.watchdog.progress(f"the save of step {step}", step)
         logger.info(f"saved checkpoint {t.save_dir}/{tag}")
-        self.watchdog.progress(f"the save of step {step}", step)
+
+    def wait(self) -> None:
+        """Until the save in flight (checkpoint.async_save) is published on every rank, or raise its
+        failure. Every rank calls it at the same step (the next save, a stop, the end of training):
+        the barrier before the wait fails at once when a rank is gone (rather than after rank 0's
+        save timeout), the one after it keeps rank 0, whose process serves the job's store, alive
+        until every rank has read the outcome there."""
+        job = self._in_flight
+        if job is None:
+            return
+        with self.watchdog.limited("save"):  # resilience.save_timeout_minutes
+            self.watchdog.doing(f"waiting for the background save of step {job.step} to be published", job.step)
+            barrier()
+            job.join()
+            self._in_flight = None
+            if job.error is not None:
+                raise job.error
+            barrier()
+            self.watchdog.progress(f"the save of step {job.step}", job.step)
+        self._saved(job)
+
+    def _check_in_flight(self, step: int) -> None:
+        job = self._in_flight
+        if job is None or not job.finished:
+            return
+        error = job.failure_due(step)
+        if error is not None:
+            self._in_flight = None
+            raise error
+        if job.error is None:
+            self._saved(job)
+
+    def _saved(self, job) -> None:
+        if not job.reported:
+            job.reported = True
+            logger.info(f"saved checkpoint {self.cfg.checkpoint.save_dir}/{tag_for(job.step)} (written in the "
+                        f"background in {job.seconds:.1f} s)")
+
+    def _store(self) -> SaveStore | None:
+        """The job's store, through which the ranks agree on a background save (None: one rank)."""
+        if self.parallel.world_size == 1:
+            return None
+        if self._save_store is None and self.parallel.store_address:
+            self._save_store = SaveStore(self.parallel.store_address)
+        return self._save_store
 
     def resume(self) -> tuple[int, int]:
         """(step, consumed samples) to go on from: a checkpoint's in checkpoint.load_dir, else (0, 0)
@@ -43,6 +137,15 @@ class Checkpointer:
         found, changes = None, resumed_data_changes(self.cfg)
         if changes and not t.accept_new_data:  # python -m pretrain refuses it before the ranks start
             raise CheckpointError("\n".join(data_sequence_problems(self.cfg)))
+        overwrites = save_dir_problems(self.cfg, honour_overwrite=False)  # every rank reads the same files
+        if overwrites and not t.overwrite:  # python -m pretrain refuses it before the ranks start
+            raise CheckpointError("\n".join(overwrites))
+        if overwrites:
+            logger.warning(f"checkpoint.overwrite: {t.save_dir} holds another run's checkpoints; this run's saves "
+                           f"replace those of the same steps, the others stay")
+        resumed = resumed_tag_dir(self.cfg)
+        # rank 0's draw for every rank: the one meta.json records it, the others keep it in step
+        self.series = series_of(resumed) if resumed else all_gather_object(new_series())[0]
         if t.load_dir:
             found = checkpoint_loading.resume(self.engine, self.model, t.load_dir, self.cfg, self.parallel,
                                               self.tracker)
@@ -60,6 +163,7 @@ class Checkpointer:
                 logger.info(f"no checkpoint in {t.load_dir} yet: starting from scratch")
             return 0, 0
         step, consumed_samples = found
+        self.loaded_state = read_meta(resumed).get("trainer_state", {})  # the tag the load just checked
         if changes:
             logger.info(f"data settings changed ({'; '.join(changes)}); checkpoint.accept_new_data: the new sample "
                         f"sequence starts over from its first sample ({consumed_samples} samples of the old one seen)")
@@ -68,3 +172,20 @@ class Checkpointer:
             internals.let_loss_scaler_reach_minimum(self.engine)
         logger.info(f"resumed from {t.load_dir} at step {step} ({consumed_samples} samples)")
         return step, consumed_samples
+
+    def roll_back(self) -> tuple[str, int, int] | None:
+        """Reload the run's own latest checkpoint in checkpoint.save_dir (weights, optimizer, LR
+        schedule, RNG: exactly as a resume); (its directory, step, consumed samples), or None when
+        the run has saved none yet (`latest` there names another series' or nothing)."""
+        save_dir = self.cfg.checkpoint.save_dir
+        self.wait()  # a background save (checkpoint.async_save) published first: it may be the latest
+        tag = latest_tag(save_dir) if save_dir and os.path.isdir(save_dir) else None
+        if tag is None or series_of(os.path.join(save_dir, tag)) != self.series:
+            return None
+        with self.watchdog.limited("save"):  # a reload reads what a save wrote: the same limit
+            self.watchdog.doing(f"rolling back to {os.path.join(save_dir, tag)}")
+            step, consumed_samples = checkpoint_loading.resume(self.engine, self.model, save_dir, self.cfg,
+                                                               self.parallel, self.tracker)
+            self.watchdog.progress(f"the rollback to step {step}", step)
+        self.loaded_state = read_meta(os.path.join(save_dir, tag)).get("trainer_state", {})
+        return os.path.join(save_dir, tag), step, consumed_samples

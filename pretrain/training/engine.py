@@ -21,6 +21,7 @@ from ..config import Config, build_deepspeed_config
 from ..distributed import internals
 from ..distributed.parallel import Parallel
 from ..model.bert import PretrainingLoss, build_model, init_weights
+from ..model.names import logical_parameters
 from ..model.rng import RngTracker
 from ..optim import Lamb, build_optimizer, layout_for_deepspeed, make_lr_scheduler
 from ..optim.groups import optimizer_param_groups
@@ -88,8 +89,8 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
     optimizer = build_optimizer(o.name, optimizer_param_groups(model, o), **hyper)
     # Our non-finite check runs in every precision and ZeRO stage (DeepSpeed's wrappers add
     # their own, except at ZeRO-0 fp32); resilience.skip_nonfinite_steps decides whether it vetoes.
-    guard = NonFiniteGuard(par.device, loss_fn.all_finite, veto=cfg.resilience.skip_nonfinite_steps)
-    guard.watch(model.parameters())
+    guard = NonFiniteGuard(par.device, loss_fn.all_finite, veto=cfg.resilience.skip_nonfinite_steps, rank=par.rank)
+    guard.watch((lp.hf_name, lp.param) for lp in logical_parameters(model))
 
     def scheduler(opt):
         steps = cfg.train.train_steps

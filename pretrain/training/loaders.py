@@ -7,6 +7,7 @@ import time
 
 from ..config import Config
 from ..data.samples.batches import FixedMicroBatches, MicroBatchIterator
+from ..data.samples.skipped import Ranges
 from ..distributed.parallel import Parallel
 from ..resilience.watchdog import process_state
 
@@ -58,13 +59,15 @@ class Loaders:
         """data.packing packs a rank's share of a step (its micro-batches) together; 0 = unpacked."""
         return self.grad_accum if self.cfg.data.packing else 0
 
-    def training(self, dataset, consumed_samples: int) -> TrainingBatches:
-        """This rank's micro-batches of `dataset` from sample `consumed_samples` on; closed with the rest."""
+    def training(self, dataset, consumed_samples: int, skipped: Ranges = ()) -> TrainingBatches:
+        """This rank's micro-batches of `dataset` from sample `consumed_samples` on, stepping over the
+        `skipped` ranges of the sequence; closed with the rest."""
         p = self.parallel
         if self._training is not None:
             self._training.close()
         self._training = TrainingBatches(dataset, consumed_samples, self.cfg.train.micro_batch_size, p.dp_rank,
-                                         p.dp_size, p.device, num_workers=self.workers, pack_group=self.pack_group)
+                                         p.dp_size, p.device, num_workers=self.workers, pack_group=self.pack_group,
+                                         skipped=skipped)
         return self._training
 
     def evaluation(self, dataset) -> FixedMicroBatches:

@@ -1,5 +1,6 @@
 """Step metrics: the token counts of a step, their reduction over the job (one collective and one
-host sync for a whole log window), and the throughput window pretraining and fine-tuning share."""
+host sync for a whole log window, which also gathers every rank's own figures of the window for
+the straggler watch), and the throughput window pretraining and fine-tuning share."""
 from __future__ import annotations
 
 import time
@@ -33,19 +34,41 @@ def reduce_metrics(parallel: Parallel, sums: list[torch.Tensor], grad_norms: lis
     Only the last stage computes the loss, and its TP ranks hold identical values: the (last
     stage, TP rank 0) ranks contribute, everyone receives the result.
     """
+    return reduce_window(parallel, sums, grad_norms)[0]
+
+
+def reduce_window(parallel: Parallel, sums: list[torch.Tensor], grad_norms: list = (),
+                  rank_figures: list[float] | None = None) -> tuple[list[dict], list[list[float]] | None]:
+    """reduce_metrics, and with `rank_figures` (this rank's host numbers, as many on every rank)
+    every rank's figures gathered in the same collective: each rank writes its own row of a
+    [world_size, k] zero table appended to the reduced sums, which the sum turns into every
+    rank's rows. Returns (the metrics, the rows or None)."""
     p = parallel
     contributes = p.is_last_stage and p.tp_rank == 0
-    reduced = device.all_reduce(torch.stack([s if contributes else torch.zeros_like(s) for s in sums]))
+    stacked = torch.stack([s if contributes else torch.zeros_like(s) for s in sums])
+    parts = [stacked.reshape(-1)]
+    if rank_figures is not None:
+        table = torch.zeros((p.world_size, len(rank_figures)), dtype=stacked.dtype, device=stacked.device)
+        mine = table[p.rank]
+        for i, value in enumerate(rank_figures):  # fill kernels given the numbers: no host-to-device
+            mine[i].fill_(float(value))          # copy, which on a GPU would wait for the device
+        parts.append(table.reshape(-1))
+    reduced = device.all_reduce(torch.cat(parts) if len(parts) > 1 else parts[0])
     on_device = [g.detach().reshape(1).to(reduced) for g in grad_norms if torch.is_tensor(g)]
     values = torch.cat([reduced.reshape(-1), *on_device]).tolist()
     width, count, losses = sums[0].numel(), len(sums), len(PretrainingLoss.METRICS)
     metrics = [PretrainingLoss.averages(values[i * width:i * width + losses]) for i in range(count)]
     for i, m in enumerate(metrics):  # a training step's token counts (an evaluation has none)
         m.update(zip(TOKEN_COUNTS, values[i * width + losses:(i + 1) * width]))
-    read = iter(values[count * width:])
+    rows, end = None, count * width
+    if rank_figures is not None:
+        k = len(rank_figures)
+        rows = [values[end + r * k:end + (r + 1) * k] for r in range(p.world_size)]
+        end += p.world_size * k
+    read = iter(values[end:])
     for m, norm in zip(metrics, grad_norms):
         m["grad_norm"] = next(read) if torch.is_tensor(norm) else float("nan") if norm is None else float(norm)
-    return metrics
+    return metrics, rows
 
 
 class ThroughputWindow:

@@ -21,13 +21,12 @@ from ..distributed.parallel import Parallel
 from ..model.flops import encoder_flops_per_row, head_flops_per_sample
 from ..observability.console import duration
 from ..observability.device_memory import MB
+from ..observability.stragglers import WindowFigures
+from ..observability.timers import PHASE_LABELS
 from ..plan import predict_rank_memory
 
 logger = logging.getLogger(__name__)
 
-# how the console line names each phase of pretrain/observability/timers.py
-PHASE_LABELS = {"data": "data", "forward": "fwd", "backward": "bwd", "forward_backward": "fwd+bwd",
-                "grad_reduce": "reduce", "optimizer": "opt"}
 
 # FirstStepMemory's figures as the log line names them
 MEMORY_ITEMS = (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer_state", "optimizer state"),
@@ -65,11 +64,13 @@ class Reporter:
             self.writer.add_scalar(f"{prefix}-vs-samples/{name}", value, consumed_samples)
 
     def training(self, step: int, consumed_samples: int, metrics: dict, perf: dict, phase_ms: dict[str, float],
-                 extra: dict) -> None:
+                 extra: dict, ranks: WindowFigures | None = None) -> None:
         """The log line of a window ending at `step`: its last step's `metrics`, the window's
         `perf` (ThroughputWindow.rates plus iteration_time and data_wait_time per step), `extra`
-        train scalars (params_norm, loss_scale). The model FLOPs are those of the rows computed
-        (the encoder) and of the samples (the heads)."""
+        train scalars (params_norm, loss_scale), and every rank's own figures (`ranks`,
+        logging.stragglers: their spread on the line, each rank's in TensorBoard, the straggler
+        warnings). The model FLOPs are those of the rows computed (the encoder) and of the
+        samples (the heads)."""
         t, seconds = self.cfg.train, perf["iteration_time"]
         rows = perf["tokens_per_second"] * seconds / self.cfg.data.seq_length  # = global batch unless packed
         flops = encoder_flops_per_row(self.cfg) * rows + head_flops_per_sample(self.cfg) * t.global_batch_size
@@ -80,6 +81,9 @@ class Reporter:
         self.scalars("train", dict(train, **extra), step, consumed_samples)
         self.scalars("perf", perf, step, consumed_samples)
         self.scalars("time", {f"{phase}_ms": ms for phase, ms in phase_ms.items()}, step, consumed_samples)
+        if ranks is not None and self.writer is not None:  # by step only: one scalar per rank and figure
+            for name, value in ranks.scalars().items():
+                self.writer.add_scalar(f"stragglers/{name}", value, step)
         phases = " ".join(f"{PHASE_LABELS[phase]} {ms:.0f}" for phase, ms in phase_ms.items())
         nsp = f"| nsp {metrics['nsp_loss']:.4f} " if self.cfg.binary_head else ""
         logger.info(
@@ -88,9 +92,15 @@ class Reporter:
             f"| grad norm {metrics['grad_norm']:.3f} | {perf['real_tokens_per_second']:.0f} real tok/s "
             f"({perf['tokens_per_second']:.0f} computed, {100 * perf['real_token_share']:.0f}% real) "
             f"| data wait {1e3 * perf['data_wait_time']:.0f} ms/step "
+            + (f"| {ranks.line()} " if ranks is not None else "") +
             f"| {perf['model_tflops_per_rank'] * 1e3:.1f} GFLOP/s/rank | ETA {duration(seconds * (t.train_steps - step))}"
             + (f" | skipped {metrics['skipped_steps']}" if metrics["skipped_steps"] else "")
             + (f" | ms/step: {phases}" if phases else ""))
+        if ranks is not None and self.reports:  # every rank has the figures: one rank says it
+            for line in ranks.warnings:
+                logger.warning(line)
+            for line in ranks.back:
+                logger.info(line)
 
     def evaluation(self, split: str, metrics: dict, step: int, consumed_samples: int) -> None:
         """One evaluation ("eval": the validation set, "test"): console, TensorBoard, eval.results."""

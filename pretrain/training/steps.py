@@ -4,6 +4,7 @@ the device: no host sync and no metric collective here (metrics.reduce_metrics t
 log window)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -12,9 +13,11 @@ from ..config import Config
 from ..distributed import device, internals
 from ..distributed.parallel import Parallel
 from ..model.bert import PretrainingLoss
-from ..optim.guard import NonFiniteGuard, StepOutcome, classify
+from ..optim.guard import NonFiniteGuard, StepOutcome, classify, describe_nonfinite
 from ..resilience.watchdog import Watchdog
 from .metrics import token_counts
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -68,6 +71,10 @@ class StepRunner:
         deepspeed_skipped = internals.overflow_skips(self.engine) > overflows
         outcome = classify(self.guard.outcome(deepspeed_skipped), deepspeed_skipped,
                            None if scale is None else self._scaler_can_lower(scale))
+        if outcome.counts:  # a non-finite step (every rank knows): where it came from, one more collective
+            outcome = outcome._replace(sources=tuple(self.guard.traced()))
+            if p.rank == p.logging_rank:
+                logger.warning(describe_nonfinite(step, outcome))
         # a skipped step's gradients had no finite norm (whatever the engine kept from before)
         grad_norm = float("inf") if outcome.skipped else self.engine.get_global_grad_norm()
         sums = self.loss_fn.drain(p.device)

@@ -8,7 +8,7 @@ DeepSpeed or megatron-core access through pretrain/distributed/internals.py.
 from __future__ import annotations
 
 import logging
-
+import math
 import time
 from typing import Callable
 
@@ -16,13 +16,15 @@ import torch
 
 from ..config import Config
 from ..data.samples.provider import pretraining_datasets
+from ..data.samples.skipped import advance, skip_ahead
 from ..distributed import device, internals
 from ..distributed.parallel import Parallel
 from ..model.bert import PretrainingLoss
 from ..model.rng import RngTracker, seed_streams
 from ..observability.device_memory import FirstStepMemory
 from ..observability.profiling import step_profiler
-from ..observability.timers import NoTimers, PhaseTimers
+from ..observability.stragglers import StragglerWatch
+from ..observability.timers import NoTimers, PhaseTimers, time_communication
 from ..optim.norms import params_norm
 from ..optim.skips import SkipPolicy
 from ..resilience.stops import StopRequests
@@ -31,8 +33,9 @@ from .checkpointer import Checkpointer
 from .engine import build_pretraining_engine
 from .evaluator import Evaluator
 from .loaders import Loaders
-from .metrics import TOKEN_COUNTS, ThroughputWindow, reduce_metrics
+from .metrics import TOKEN_COUNTS, ThroughputWindow, reduce_metrics, reduce_window
 from .reporter import Reporter
+from .spike_policy import SpikePolicy
 from .steps import StepResult, StepRunner
 
 logger = logging.getLogger(__name__)
@@ -67,31 +70,44 @@ class Trainer:
         logger.info(f"optimizer {cfg.optimizer.name} under DeepSpeed's {type(self.engine.optimizer).__name__}; "
                     f"gradients accumulated in {_dtype_name(accumulation)}, reduced in {_dtype_name(reduction)}, "
                     f"clipped {'exactly by the trainer' if built.exact_clipping else 'by DeepSpeed'}")
-        self.timers = self._phase_timers()
+        self.timers, self.stragglers = self._phase_timers()
 
         # Rank 0 builds missing sample indices while the others wait; all then map the cache.
         self.train_data, self.valid_data, self.test_data = pretraining_datasets(
             cfg, is_builder=parallel.rank == 0, barrier=device.barrier)
         self.loaders = Loaders(cfg, parallel, self.grad_accum)
-        self.watchdog = Watchdog.for_job(cfg.resilience.hang_timeout_minutes, parallel, self.loaders.report)
+        self.watchdog = Watchdog.for_job(cfg.resilience.watchdog_limits(), parallel, self.loaders.report)
         self.steps = StepRunner(cfg, parallel, self.engine, self.loss_fn, built.guard, self.timers, self.watchdog)
         self.skips = SkipPolicy(cfg.resilience.max_consecutive_skips, cfg.train.global_batch_size,
-                                cfg.fp16.min_loss_scale if cfg.train.precision == "fp16" else None)
+                                cfg.fp16.min_loss_scale if cfg.train.precision == "fp16" else None,
+                                parallel.world_size)
         self.evaluator = Evaluator(self.engine, self.loss_fn, self.loaders, parallel, cfg.eval.steps, self.watchdog)
         r = cfg.resilience
         self.stops = StopRequests(r.stop_check_interval, r.exit_duration_minutes, parallel, started)
         self.checkpointer = Checkpointer(cfg, parallel, self.engine, self.model, self.tracker, self.watchdog)
+        self.spikes = SpikePolicy(cfg, parallel, built.guard, self.loss_fn)
+        self.checkpointer.trainer_state = self.spikes.state
 
-    def _phase_timers(self) -> PhaseTimers | NoTimers:
-        """logging.timers: time each phase, also inside DeepSpeed (its gradient reduction, the
-        optimizer wrapper's step, which the pipeline engine calls from train_batch)."""
-        if not self.cfg.logging.timers:
-            return NoTimers()
-        timers = PhaseTimers(lambda: device.synchronize(self.parallel.device))
-        for method in ("allreduce_gradients", "buffered_allreduce_fallback"):
-            timers.time_method(self.engine, method, "grad_reduce")
-        timers.time_optimizer(internals.client_optimizer(self.engine))
-        return timers
+    def _phase_timers(self) -> tuple[PhaseTimers | NoTimers, StragglerWatch | None]:
+        """The phase timers and the straggler watch that reads them.
+
+        logging.timers: time each phase, also inside DeepSpeed (the calls in which a rank waits
+        for the others: gradient reduction, ZeRO-3's parameter gathers, pipeline transfers; the
+        optimizer wrapper's step, which the pipeline engine calls from train_batch), synchronising
+        a GPU at every phase boundary. logging.stragglers alone (more than one rank): the same
+        phases, a GPU synchronised only where the step's work starts and ends and around those
+        waits (timers.py), for every rank's own step time; every rank's host and device are
+        gathered here, once (a collective)."""
+        c, p = self.cfg.logging, self.parallel
+        watches = c.stragglers and p.world_size > 1
+        if not (c.timers or watches):
+            return NoTimers(), None
+        timers = PhaseTimers(lambda: device.synchronize(p.device), every_boundary=c.timers)
+        time_communication(timers, self.engine)
+        if c.timers:
+            timers.time_optimizer(internals.client_optimizer(self.engine))
+        watch = StragglerWatch(c.straggler_share, c.straggler_windows, p, timed_phases=c.timers) if watches else None
+        return timers, watch
 
     # ----------------------------------------------------------------------------- parts' views
     @property
@@ -121,7 +137,9 @@ class Trainer:
         return params_norm(self.model, self.parallel)
 
     def resume(self) -> None:
-        self.step, self.consumed_samples = self.checkpointer.resume()
+        self.step, consumed_samples = self.checkpointer.resume()
+        self.spikes.load(self.checkpointer.loaded_state)
+        self.consumed_samples = skip_ahead(consumed_samples, self.spikes.skipped)
 
     def close_loaders(self) -> None:
         self.loaders.close()
@@ -138,7 +156,7 @@ class Trainer:
                 self.resume()
                 self.watchdog.progress("start-up", self.step)
                 last_step = min(t.train_steps, self.step + (self.cfg.resilience.exit_after_steps or t.train_steps))
-                data_iter = self.loaders.training(self.train_data, self.consumed_samples)
+                data_iter = self.loaders.training(self.train_data, self.consumed_samples, self.spikes.skipped)
                 window, pending = ThroughputWindow(self.parallel.device), []  # the steps since the last log line
                 memory = FirstStepMemory(self.model, self.engine, self.parallel.device, self._allocated_before)
                 while self.step < last_step:
@@ -146,20 +164,32 @@ class Trainer:
                     profiler.before_step(self.step + 1)
                     result = self._measured_step(data_iter, memory)
                     self.step += 1
-                    self.consumed_samples += t.global_batch_size
+                    position, self.consumed_samples = self.consumed_samples, advance(
+                        self.consumed_samples, t.global_batch_size, self.spikes.skipped)
                     if memory is not None and (memory.steps == 2 or self.step == last_step):
                         self.reporter.memory(memory.report(), self.step, self.consumed_samples)  # with optimizer state
                         memory = None
                     profiler.after_step(self.step)
                     self.watchdog.progress(f"step {self.step}", self.step)
+                    self.watchdog.limit("step")  # the first step ends the start-up (communicators built)
                     if after_step is not None:
                         after_step(result)
                     self.skips.count(self.step, result.outcome)
                     self._check_position(data_iter)
+                    spike = self.spikes.judge(self.step, result)
                     # wall time between step starts: with a GPU's asynchrony one entry may hold part
                     # of another's work; their average over the window is exact (the log line syncs)
                     pending.append((result, {"iteration_time": time.perf_counter() - started,
                                              "learning_rate": learning_rate, "skipped_steps": self.skips.skipped}))
+                    if spike:
+                        self.reporter.scalars("resilience", {"loss_spike": self.steps.guard.global_loss or math.nan},
+                                              self.step, self.consumed_samples)
+                    if spike and self.spikes.rolls_back:  # every rank decided alike
+                        self._log_window(pending, window, data_iter)
+                        pending = []
+                        data_iter = self._roll_back(spike, position, data_iter)
+                        window.restart()
+                        continue
                     self.watchdog.doing("agreeing on a stop (SIGTERM, time limit) with the other ranks", self.step)
                     stop = self.stops.agreed(self.step)
                     if self.step % self.cfg.logging.interval == 0 or self.step == last_step or stop:
@@ -177,6 +207,7 @@ class Trainer:
                         self.checkpointer.save(self.step, self.consumed_samples)
                     if self.test_data is not None and self.step == t.train_steps:  # once, at the end of training
                         self.reporter.evaluation("test", self.evaluate(self.test_data), self.step, self.consumed_samples)
+                self.checkpointer.wait()  # a stop or the end: the save in flight (checkpoint.async_save) published
             finally:
                 profiler.close()
                 self.reporter.close()
@@ -194,16 +225,41 @@ class Trainer:
         memory.step_done()
         return result
 
+    def _roll_back(self, reason: str, spike_position: int, data_iter):
+        """Reload the run's latest checkpoint and step over the samples from it to past the spike's
+        batch (spike_policy.py); the training iterator to go on with."""
+        loaded = self.checkpointer.roll_back()
+        if loaded is None:
+            if self.parallel.rank == self.parallel.logging_rank:
+                logger.warning(f"step {self.step}: no checkpoint of this run to roll back to yet; training goes on")
+            return data_iter
+        tag_dir, step, consumed_samples = loaded
+        spike_step = self.step
+        self.spikes.load(self.checkpointer.loaded_state)
+        first, end = self.spikes.roll_back_range(consumed_samples, spike_position)
+        self.step, self.consumed_samples = step, skip_ahead(consumed_samples, self.spikes.skipped)
+        logger.info(f"step {spike_step}: rolled back to {tag_dir} (step {step}); the sample sequence steps over samples "
+                    f"{first}-{end - 1} ({(end - first) // self.cfg.train.global_batch_size} global batches: from the "
+                    f"checkpoint to {self.cfg.resilience.spike_skip_batches} past the spike's), rollback "
+                    f"{self.spikes.rollbacks} of at most {self.cfg.resilience.spike_max_rollbacks}")
+        self.reporter.scalars("resilience", {"rollback_from_step": spike_step, "rollback_to_step": step,
+                                             "skipped_samples": end - first}, spike_step, end)
+        return self.loaders.training(self.train_data, self.consumed_samples, self.spikes.skipped)
+
     def _check_position(self, data_iter) -> None:
         if data_iter.consumed_samples != self.consumed_samples:
             raise RuntimeError(f"rank {self.parallel.rank}: data position {data_iter.consumed_samples} "
                                f"samples, trainer {self.consumed_samples} after step {self.step}")
 
     def _log_window(self, pending: list[tuple[StepResult, dict]], window: ThroughputWindow, data_iter) -> None:
-        """Reduce the window's steps (one collective, one host sync), keep them in the history, log."""
-        reduced = reduce_metrics(self.parallel, [r.sums for r, _ in pending], [r.grad_norm for r, _ in pending])
-        self.history.extend(dict(metrics, **host) for metrics, (_, host) in zip(reduced, pending))
+        """Reduce the window's steps (one collective, one host sync), keep them in the history, log.
+        The same collective gathers every rank's own figures of the window (the straggler watch)."""
         steps = len(pending)
+        phase_ms = self.timers.read(steps)
+        figures = None if self.stragglers is None else self.stragglers.row(phase_ms, 1e3 * data_iter.wait_seconds / steps)
+        reduced, table = reduce_window(self.parallel, [r.sums for r, _ in pending], [r.grad_norm for r, _ in pending],
+                                       figures)
+        self.history.extend(dict(metrics, **host) for metrics, (_, host) in zip(reduced, pending))
         perf = {"iteration_time": window.seconds() / steps, "data_wait_time": data_iter.wait_seconds / steps}
         data_iter.wait_seconds = 0.0
         perf.update(window.rates(*(sum(m[k] for m in reduced) for k in TOKEN_COUNTS),
@@ -212,7 +268,8 @@ class Trainer:
         if self.cfg.train.precision == "fp16":  # the other wrappers report a constant 1.0
             extra["loss_scale"] = internals.loss_scale(self.engine)
         self.reporter.training(self.step, self.consumed_samples, self.history[-1], perf,
-                               self.timers.read(steps), extra)
+                               phase_ms if self.cfg.logging.timers else {}, extra,
+                               None if table is None else self.stragglers.judge(table, self.step))
 
     def _evaluate_and_save(self, stop: str | None) -> bool:
         """The evaluation and the save due after this step, and the save a stop needs; whether any ran."""

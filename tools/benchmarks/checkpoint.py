@@ -67,7 +67,7 @@ def main(argv=None) -> None:
             save_dir = os.path.join(root, "run")
             shutil.rmtree(save_dir, ignore_errors=True)
             seconds, tag = timed(lambda: exact.save_checkpoint(trainer.engine, save_dir, 1, 1, cfg, parallel,
-                                                               trainer.tracker, keep_last=0))
+                                                               trainer.tracker, keep_last=0, series=None))
             saves.append(seconds)
             tag_dir = os.path.join(save_dir, tag)
             names = checkpoint_files(tag_dir)

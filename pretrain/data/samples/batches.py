@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .packing import PACKED_INPUTS, pack
+from .skipped import Ranges, advance, skip_ahead
 
 SAMPLE_FIELDS = {
     "input_ids": np.int64,        # [seq] token ids, [CLS] A [SEP] B [SEP] [PAD]...
@@ -81,8 +82,9 @@ class _RankMicroBatches:
     and cut into `group` micro-batches again by the collate function); `count` is in those."""
 
     def __init__(self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, dataset_size: int,
-                 count: int | None = None, group: int = 1):
+                 count: int | None = None, group: int = 1, skipped: Ranges = ()):
         self.consumed_samples = consumed_samples
+        self.skipped = list(skipped)  # ranges of the sequence stepped over (skipped.py)
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
@@ -99,7 +101,7 @@ class _RankMicroBatches:
         """Sample indices of the item-th index list from the start position."""
         indices = []
         for micro_step in range(item * self.group, (item + 1) * self.group):
-            consumed = self.consumed_samples + micro_step * self.micro_batch_size * self.dp_size
+            consumed = advance(self.consumed_samples, micro_step * self.micro_batch_size * self.dp_size, self.skipped)
             indices += micro_batch_indices(consumed, self.micro_batch_size, self.dp_rank, self.dp_size)
         return [i % self.dataset_size for i in indices]
 
@@ -251,8 +253,9 @@ class MicroBatchIterator:
 
     def __init__(self, dataset: PretrainingDataset, consumed_samples: int, micro_batch_size: int,
                  dp_rank: int, dp_size: int, device: torch.device, num_workers: int = 0, prefetch_factor: int = 4,
-                 pack_group: int = 0):
-        self.consumed_samples = consumed_samples
+                 pack_group: int = 0, skipped: Ranges = ()):
+        self.skipped = list(skipped)  # ranges of the sequence stepped over (data.skip_samples, rollbacks)
+        self.consumed_samples = skip_ahead(consumed_samples, self.skipped)
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
@@ -266,7 +269,8 @@ class MicroBatchIterator:
     def skip(self, micro_batches: int) -> None:
         """Advance the position without building batches (for ranks that never draw: the middle
         stages of a pipeline); a later draw starts from the new position."""
-        self.consumed_samples += micro_batches * self.micro_batch_size * self.dp_size
+        self.consumed_samples = advance(self.consumed_samples, micro_batches * self.micro_batch_size * self.dp_size,
+                                        self.skipped)
         self.close()
 
     def __iter__(self) -> Iterator:
@@ -276,11 +280,11 @@ class MicroBatchIterator:
         started = time.perf_counter()
         if self._batches is None:
             sampler = _RankMicroBatches(self.consumed_samples, self.micro_batch_size, self.dp_rank, self.dp_size,
-                                        len(self._dataset), group=max(self.pack_group, 1))
+                                        len(self._dataset), group=max(self.pack_group, 1), skipped=self.skipped)
             self._batches = _Batches(self._dataset, sampler, self.device, persistent=False, **self._loader_options)
         batch = self._batches.next()
         self.wait_seconds += time.perf_counter() - started
-        self.consumed_samples += self.micro_batch_size * self.dp_size
+        self.consumed_samples = advance(self.consumed_samples, self.micro_batch_size * self.dp_size, self.skipped)
         return batch
 
     def worker_pids(self) -> list[int]:
