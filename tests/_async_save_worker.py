@@ -23,7 +23,6 @@ train: one run of the tiny model with the overrides (checkpoint.* and resilience
 trainer's log lines on stdout; the logging rank writes {"history", "params_norm", "writes"}.
 ASYNC_SAVE_HOLD=STEP:RANK:FILE (read here only): on rank RANK the background writes of STEP's save
 wait until FILE exists; they say so on stdout first ("holding the background write of PATH").
-ASYNC_SAVE_STEP_SECONDS=S (read here only): every step takes S seconds longer.
 """
 import gc
 import json
@@ -171,8 +170,7 @@ def single_run(out_path: str, overrides: list[str]) -> None:
             HOLDS[tag_for(int(step))] = lambda: os.path.exists(release)
     configure_logging(parallel.rank, parallel.world_size, parallel.logging_rank)  # as the program shows it
     trainer = Trainer(cfg, parallel)
-    pause = float(os.environ.get("ASYNC_SAVE_STEP_SECONDS", "0"))  # slower steps: room for a signal
-    history = trainer.train(after_step=(lambda _: time.sleep(pause)) if pause else None)
+    history = trainer.train()
     result = {"history": history, "params_norm": trainer.params_norm(),
               "writes": device.all_gather_object([(main, os.path.basename(path)) for main, path in WRITES])}
     finish(parallel, out_path, result)

@@ -22,8 +22,6 @@ Multi-process (tests/_async_save_worker.py, marker slow):
 """
 import json
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
