@@ -28,7 +28,7 @@ from ..model.names import HF_NAME_TABLE, TIED_EMBEDDING_KEY, spec_modules
 from .errors import CheckpointError  # noqa: F401 (re-exported)
 from .filenames import (CONFIG_JSON, LATEST, META, PARTIAL, REPLACED, TAG_PATTERN, TOKENIZER_JSON,  # noqa: F401
                         VOCAB_FILE)  # (re-exported)
-from .series import complete_tags  # noqa: F401 (re-exported)
+from .series import complete_tags, named_by_latest  # noqa: F401 (complete_tags re-exported)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # the optimizer state carried per parameter (LAMB and AdamW)
 # Every tokenizer file a Hugging Face directory may hold: transformers 5 writes tokenizer.json and
@@ -404,11 +404,7 @@ def complete_ones(save_dir: str, shown: int = 5) -> str:
     tags = complete_tags(save_dir)[::-1]
     if not tags:
         return f"{save_dir} holds no complete checkpoint yet"
-    try:
-        with open(os.path.join(save_dir, LATEST), encoding="utf-8") as f:
-            named = f.read().strip()
-    except (OSError, UnicodeDecodeError):
-        named = None
+    named = named_by_latest(save_dir)
     if named in tags:
         tags.remove(named)
         tags.insert(0, named)

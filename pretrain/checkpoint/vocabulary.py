@@ -15,19 +15,15 @@ from ..config import Config
 from ..data.preprocess.tokenizer import vocabulary_difference
 from ..data.samples.token_ids import VocabError, WordPieceVocab
 from .filenames import LATEST, TOKENIZER_JSON, VOCAB_FILE
+from .series import named_by_latest
 
 
 
 def _tag_dir(path: str) -> str | None:
     """The checkpoint directory a save_dir's `latest` names, or `path` itself when it is one (a tag
     directory or a Hugging Face directory); None when there is nothing to load (yet)."""
-    latest = os.path.join(path, LATEST)
-    if os.path.isfile(latest):
-        try:
-            with open(latest, encoding="utf-8") as f:
-                tag = f.read().strip()
-        except (OSError, UnicodeDecodeError):
-            return None  # the resume names that problem itself
+    if os.path.isfile(os.path.join(path, LATEST)):
+        tag = named_by_latest(path)  # None when unreadable or empty: the resume names that problem itself
         return os.path.join(path, tag) if tag else None
     return path if os.path.isdir(path) else None
 
