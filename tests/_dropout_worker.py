@@ -46,7 +46,7 @@ def main():
     tracker = RngTracker(par.device)
     seed_streams(tracker, 11, par.tp_rank, 0, 0)
     model = build_model(cfg, padded, torch.float32, tracker, par.tp_group)
-    init_weights(model, 0.02, 11, cfg.vocab_size, par.tp_rank, par.tp_size)
+    init_weights(model, cfg, 11, par.tp_rank, par.tp_size)
     model.train()
     loss_fn = PretrainingLoss(par.tp_group, par.tp_rank)
     data = SyntheticDataset(cfg.vocab_size, 32, 5, 100, seed=3)

@@ -325,6 +325,7 @@ def test_bf16_checkpoints_convert_from_their_fp32_masters(tmp_path, zero, world)
     flat partitions, fp32 accumulation; ZeRO-3: partitioned); the conversion takes those, not the
     bf16 copies the model computes with."""
     from pretrain.checkpoint.format import checkpoint_param_names
+    from pretrain.config import ModelConfig
 
     save_dir = tmp_path / "bf16"
     accumulation = ["train.grad_accum_dtype=bf16"] if zero == 0 else []  # fp32 accumulation needs ZeRO >= 1
@@ -336,7 +337,7 @@ def test_bf16_checkpoints_convert_from_their_fp32_masters(tmp_path, zero, world)
     assert not torch.equal(query, query.bfloat16().float())  # fp32 precision, not bf16 values
     if zero == 0:  # the module states hold the bf16 copies of exactly these masters
         module = torch.load(save_dir / "iter_0000003" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-        for _, name, hf_name in checkpoint_param_names(LAYERS, pipelined=False):
+        for _, name, hf_name in checkpoint_param_names(ModelConfig(num_layers=LAYERS), pipelined=False):
             master = ckpt.weights[hf_name]
             stored = module[name][: master.shape[0]] if master.shape[0] == VOCAB else module[name]
             assert torch.equal(master.bfloat16(), stored), name

@@ -157,11 +157,14 @@ def test_untrained_heads_only_on_request(tmp_path, capsys):
     assert convert_checkpoint.PRETRAINING_ARCHITECTURES == PRETRAINING_ARCHITECTURES
     with pytest.raises(SystemExit):
         convert_checkpoint.parse_args(["native-to-hf", "--help"])
-    assert "--architecture {BertForPreTraining,BertForMaskedLM,BertModel}" in capsys.readouterr().out
+    assert "--architecture {BertForPreTraining,BertForMaskedLM,BertModel,ModernBertForMaskedLM,ModernBertModel}" \
+        in capsys.readouterr().out
 
 
-def bpe_tokenizer(path):
-    vocab = {token: i for i, token in enumerate(SPECIALS + ["a", "b", "ab"])}
+def bpe_tokenizer_without_mask(path):
+    # a BPE tokenizer.json is carried as it is (no vocab.txt), but this one lacks the mask token
+    # the directory's tokenizer_config.json names
+    vocab = {token: i for i, token in enumerate([t for t in SPECIALS if t != "[MASK]"] + ["a", "b", "ab"])}
     Tokenizer(BPE(vocab, [("a", "b")], unk_token="[UNK]")).save(str(path / "tokenizer.json"))
 
 
@@ -176,13 +179,14 @@ def disagreeing_vocab_txt(path):
 
 
 @pytest.mark.parametrize("tokenizer, message", [
-    (bpe_tokenizer, "tokenizer.json: a BPE tokenizer, not WordPiece: no vocab.txt can express it"),
+    (bpe_tokenizer_without_mask, "tokenizer.json: its mask token '[MASK]' (from tokenizer_config.json's mask_token) "
+                                 "is not in its vocabulary"),
     (gapped_wordpiece_tokenizer, "tokenizer.json: 6 tokens with ids up to 6 (no token has id 5)"),
     (disagreeing_vocab_txt, "disagree on 2 token(s), e.g. 'The': id 5 in vocab.txt, 6 in tokenizer.json"),
 ], ids=["bpe", "id-gap", "vocab-txt-disagrees"])
 def test_tokenizer_that_cannot_be_carried_is_named(tmp_path, capsys, tokenizer, message):
-    """A tokenizer.json that no vocab.txt can express, or a vocab.txt that contradicts it: exit
-    1 naming the file, and no output. Reading the directory to train or fine-tune from it still
+    """A tokenizer.json without a token its special tokens need, a WordPiece one that no vocab.txt
+    can express, or a vocab.txt that contradicts it: exit 1 naming the file, and no output. Reading the directory to train or fine-tune from it still
     works (the tokenizer.json is used as it is there)."""
     source = save_directory(tmp_path / "hf", tiny_model(BertForMaskedLM), lowercase=True)
     tokenizer(source)

@@ -1,7 +1,7 @@
 """Training parity with Hugging Face: the backward pass and the optimizer step, not only the forward.
 
-A transformers BertForPreTraining (random weights, random biases and LayerNorms) is saved in the
-test; the trainer starts from it (checkpoint.init_from), dropout off, and trains 20 steps of LAMB and
+A transformers BertForPreTraining, and a ModernBertForMaskedLM (random weights, random biases and
+LayerNorms) are saved in the test; the trainer starts from it (checkpoint.init_from), dropout off, and trains 20 steps of LAMB and
 of AdamW with gradient accumulation (micro-batch 2 x 4) and clipping, at TP1 and TP2. The test
 trains the transformers model on the same global batches with an optimizer written here from
 the formulas (no code of ours): per-step losses must agree within 1e-5 relative, and the weights
@@ -26,12 +26,29 @@ pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast ti
 STEPS, LR, MAX_NORM, WEIGHT_DECAY, BETAS, EPS = 20, 1e-3, 1.0, 0.01, (0.9, 0.999), 1e-6
 PARITY = [f"train.train_steps={STEPS}", "scheduler.warmup_steps=0", "scheduler.decay=constant", f"optimizer.lr={LR}",
           f"optimizer.grad_clip={MAX_NORM}"]
+# ModernBERT: 4 layers, global attention on 0 and 2, windows of +-4 tokens on rows of 32, the
+# MLP and LayerNorm biases on; no next-sentence head (the trainer's data then has single segments)
+MODERN = ["model.architecture=modernbert", "data.segment_pairs=none", "model.num_layers=4", "model.ffn_hidden_size=96",
+          "model.global_attn_every_n_layers=2", "model.local_attention=8", "model.layernorm_epsilon=1e-5",
+          "model.norm_bias=true", "model.mlp_bias=true"]
+FAMILIES = {"bert": PARITY, "modernbert": PARITY + MODERN}
 
 
-def hugging_face_model():
-    from transformers import BertConfig, BertForPreTraining
+def hugging_face_model(family: str = "bert"):
+    from transformers import BertConfig, BertForPreTraining, ModernBertConfig, ModernBertForMaskedLM
 
     torch.manual_seed(1234)
+    if family == "modernbert":
+        model = ModernBertForMaskedLM(ModernBertConfig(
+            vocab_size=200, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=96,
+            max_position_embeddings=64, global_attn_every_n_layers=2, local_attention=8, norm_bias=True,
+            mlp_bias=True, pad_token_id=0, bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3,
+            attn_implementation="sdpa"))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias") or "norm" in name:
+                    p.add_(torch.randn_like(p) * 0.1)
+        return model
     model = BertForPreTraining(BertConfig(
         vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
         max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
@@ -76,16 +93,19 @@ def adamw_step(w, g, st, lr, wd):
     return w - lr * m_hat / (v_hat.sqrt() + EPS)
 
 
-def train_hugging_face(optimizer: str, overrides) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = hugging_face_model().train()
+def train_hugging_face(optimizer: str, family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = hugging_face_model(family).train()
     params = dict(model.named_parameters())  # the tied decoder weight appears once, as the embedding
     states = {name: new_state(p.detach()) for name, p in params.items()}
     losses = []
-    for inputs, (masked_labels, weights, nsp_labels) in global_batches(overrides):
+    for inputs, (masked_labels, weights, nsp_labels) in global_batches(FAMILIES[family]):
         input_ids, token_types, padding_mask, positions = inputs
-        out = model(input_ids=input_ids, token_type_ids=token_types, attention_mask=padding_mask,
-                    labels=hugging_face_labels(input_ids, positions, masked_labels, weights),
-                    next_sentence_label=nsp_labels)
+        labels = hugging_face_labels(input_ids, positions, masked_labels, weights)
+        if family == "modernbert":
+            out = model(input_ids=input_ids, attention_mask=padding_mask, labels=labels)
+        else:
+            out = model(input_ids=input_ids, token_type_ids=token_types, attention_mask=padding_mask, labels=labels,
+                        next_sentence_label=nsp_labels)
         model.zero_grad()
         out.loss.backward()
         losses.append(out.loss.item())
@@ -104,44 +124,53 @@ def train_hugging_face(optimizer: str, overrides) -> tuple[list[float], dict[str
 
 
 @pytest.fixture(scope="module")
-def hugging_face_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf") / "bert"
-    hugging_face_model().save_pretrained(path)
-    return path
+def hugging_face_dirs(tmp_path_factory):
+    paths = {}
+    for family in FAMILIES:
+        paths[family] = tmp_path_factory.mktemp("hf") / family
+        hugging_face_model(family).save_pretrained(paths[family])
+    return paths
 
 
 @pytest.fixture(scope="module")
 def references():
-    return {optimizer: train_hugging_face(optimizer, PARITY) for optimizer in ("lamb", "adamw")}
+    return {family: {optimizer: train_hugging_face(optimizer, family) for optimizer in ("lamb", "adamw")}
+            for family in FAMILIES}
 
 
-def test_reference_trains(references):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_reference_trains(references, family):
     """Guards the comparison: the reference moves, and LAMB and AdamW part ways."""
-    lamb, adamw = references["lamb"][0], references["adamw"][0]
+    lamb, adamw = references[family]["lamb"][0], references[family]["adamw"][0]
     assert lamb[0] == adamw[0] and lamb[-1] < lamb[0] and abs(lamb[-1] - adamw[-1]) > 1e-3
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("tp", [1, 2])
-def test_training_matches_hugging_face(tmp_path, hugging_face_dir, references, tp):
+def test_training_matches_hugging_face(tmp_path, hugging_face_dirs, references, tp, family):
     from pretrain.checkpoint.logical import read_native
+    from pretrain.checkpoint.modernbert_hf import to_hf
 
-    runs = [json.dumps({"name": optimizer, "overrides": PARITY + [
-        f"optimizer.name={optimizer}", f"checkpoint.init_from={hugging_face_dir}", f"checkpoint.save_dir={tmp_path / optimizer}"]})
+    runs = [json.dumps({"name": optimizer, "overrides": FAMILIES[family] + [
+        f"optimizer.name={optimizer}", f"checkpoint.init_from={hugging_face_dirs[family]}",
+        f"checkpoint.save_dir={tmp_path / optimizer}"]})
         for optimizer in ("lamb", "adamw")]
     out = tmp_path / "result.json"
     run_ranks(["tests/_train_worker.py", str(out), str(tp), "1", *runs], tp, timeout=600)
     result = json.loads(out.read_text())
-    for optimizer, (losses, weights) in references.items():
+    for optimizer, (losses, weights) in references[family].items():
         history = result[optimizer]["history"]
         assert {r["megatron_tp_size"] for r in result[optimizer]["ranks"]} == {tp}
         assert [h["learning_rate"] for h in history] == [LR] * STEPS
         assert any(h["grad_norm"] > MAX_NORM for h in history), "clipping must be exercised"
         for step, (ours, theirs) in enumerate(zip([h["loss"] for h in history], losses, strict=True), start=1):
             assert ours == pytest.approx(theirs, rel=1e-5), f"{optimizer} step {step}: {ours} vs {theirs}"
-        trained = read_native(str(tmp_path / optimizer), with_optimizer=False).weights
+        ckpt = read_native(str(tmp_path / optimizer), with_optimizer=False)
+        assert ckpt.config.model.architecture == family
+        trained = {name: to_hf(name, t, ckpt.config) if family == "modernbert" else t for name, t in ckpt.weights.items()}
         for name, theirs in weights.items():
-            if name not in trained:
-                assert name.startswith("cls.predictions.decoder."), name  # tied to the embedding and the bias
+            if name not in trained:  # tied to the embedding (and BERT's to the MLM bias)
+                assert name.startswith(("cls.predictions.decoder.", "decoder.weight")), name
                 continue
             error = (trained[name] - theirs).abs().max().item()
             assert error <= 1e-5 * theirs.abs().max().item(), f"{optimizer} {name}: max error {error:.3e}"

@@ -60,9 +60,22 @@ PADDED_RUN = {"name": "padded", "overrides": SPREAD_LENGTHS, "evaluate": True}
 PACKED_RUN = {"name": "packed", "overrides": SPREAD_LENGTHS + ["data.packing=true"], "evaluate": True}
 PACKED_LAYOUTS = ["tp2", "pp2", "dp2-zero1", "tp2-pp2-dp2-zero1"]
 
+# ModernBERT (model.architecture modernbert, issue 40) in the same jobs: the tiny model's 4 layers
+# with global attention on 0 and 2 and windows of +-4 tokens on 1 and 3 (rows of 32), the MLP and
+# LayerNorm biases on, no next-sentence head; LAMB, padded and packed.
+MODERN = ["optimizer.name=lamb", "model.architecture=modernbert", "data.segment_pairs=none", "model.ffn_hidden_size=96",
+          "model.global_attn_every_n_layers=2", "model.local_attention=8", "model.layernorm_epsilon=1e-5",
+          "model.norm_bias=true", "model.mlp_bias=true"]
+MODERN_RUN = {"name": "modern", "overrides": MODERN, "evaluate": True}
+MODERN_PADDED_RUN = {"name": "modern-padded", "overrides": MODERN + SPREAD_LENGTHS[1:], "evaluate": True}
+MODERN_PACKED_RUN = {"name": "modern-packed", "overrides": MODERN + SPREAD_LENGTHS[1:] + ["data.packing=true"],
+                     "evaluate": True}
+MODERN_LAYOUTS = ["tp2", "pp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2-pp2-dp2-zero1"]
+
 # Beside the layouts, in the same jobs: the negative control, bf16 and the micro-batch split.
 PER_SHARD_LAYOUT = ("tp2-per-shard", 2, 1, 2, [], [PER_SHARD])
-BF16_LAYOUT = ("bf16-pp2-dp2-zero1", 1, 2, 4, ["parallel.zero_stage=1", "train.precision=bf16"], RUNS + [PACKED_RUN])
+BF16_LAYOUT = ("bf16-pp2-dp2-zero1", 1, 2, 4, ["parallel.zero_stage=1", "train.precision=bf16"],
+               RUNS + [PACKED_RUN, MODERN_RUN, MODERN_PACKED_RUN])
 MICRO_8_LAYOUT = ("micro-8", 1, 1, 1, ["train.micro_batch_size=8"], RUNS)
 
 
@@ -71,8 +84,15 @@ def jobs() -> dict[int, list]:
     trains: a job runs its layouts one after the other, its processes (and their loader
     forkservers) started once."""
     by_world = {}
-    everything = [("reference", 1, 1, 1, [], RUNS + [PADDED_RUN, PACKED_RUN]),
-                  *[layout[:5] + (RUNS + ([PACKED_RUN] if layout[0] in PACKED_LAYOUTS else []),) for layout in LAYOUTS],
+    def runs_of(label):
+        packed = [PACKED_RUN] if label in PACKED_LAYOUTS else []
+        modern = ([MODERN_RUN] if label in MODERN_LAYOUTS else []) + \
+            ([MODERN_PACKED_RUN] if label in MODERN_LAYOUTS and label in PACKED_LAYOUTS else [])
+        return RUNS + packed + modern
+
+    everything = [("reference", 1, 1, 1, [], RUNS + [PADDED_RUN, PACKED_RUN, MODERN_RUN, MODERN_PADDED_RUN,
+                                                     MODERN_PACKED_RUN]),
+                  *[layout[:5] + (runs_of(layout[0]),) for layout in LAYOUTS],
                   PER_SHARD_LAYOUT, BF16_LAYOUT, MICRO_8_LAYOUT]
     for label, tp, pp, world, extra, runs in everything:
         by_world.setdefault(world, []).append((label, tp, pp, extra, runs))
@@ -138,7 +158,7 @@ def assert_close(actual, expected, what, rel=TOLERANCE):
 def expected_groups(name: str, embeddings_decay: bool, weight_decay: float = 0.01) -> list:
     """[weight decay, layer adaptation] by the Hugging Face name alone: biases and LayerNorm get
     neither (BERT's and transformers' run_mlm convention), embeddings decay as configured."""
-    if name.endswith("bias") or ".LayerNorm." in name:
+    if name.endswith("bias") or ".LayerNorm." in name or name.endswith("norm.weight"):  # BERT's, ModernBERT's
         return [0.0, False]
     if "embeddings." in name:
         return [weight_decay if embeddings_decay else 0.0, True]
@@ -224,6 +244,39 @@ def test_bert_base_parameter_groups_by_name(tmp_path, tp, stage, world):
                           weight_decay=result["weight_decay"])
 
 
+@pytest.mark.parametrize("label", MODERN_LAYOUTS)
+def test_modernbert_layout_matches_single_process(reference, layout_runs, label):
+    """ModernBERT (rotary positions, GeGLU, pre-LN, windowed layers) is as layout-free as BERT: the
+    same steps, weights and evaluation in every layout, which took effect."""
+    _, tp, pp, world, _, wrapper = next(layout for layout in LAYOUTS if layout[0] == label)
+    result, ref = layout_runs(label)["modern"], reference["modern"]
+    assert len(result["history"]) == len(ref["history"]) == 5
+    for step, (a, b) in enumerate(zip(result["history"], ref["history"]), start=1):
+        for key in ("loss", "lm_loss", "grad_norm"):
+            assert_close(a[key], b[key], f"{label} modernbert step {step} {key}")
+        assert a["nsp_loss"] == b["nsp_loss"] == 0.0
+    assert_close(result["params_norm"], ref["params_norm"], f"{label} modernbert params norm")
+    errors = weight_errors(result["weights"], ref["weights"])
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOLERANCE, f"{label} modernbert: {worst} differs by {errors[worst]:.2e} of its norm"
+    for key, value in ref["evaluation"].items():
+        assert_close(result["evaluation"][key], value, f"{label} modernbert evaluation {key}")
+    assert_layout_took_effect(result, ref, label, tp, pp, world, wrapper, "Lamb")
+    assert_groups_by_name(result, ref, label, embeddings_decay=True)
+
+
+def test_modernbert_reference_is_modernbert_and_learns(reference):
+    """The runs above trained ModernBERT's parameters (transformers' names, the optional biases
+    asked for, layer 0 without attn_norm), and training moved them."""
+    modern = reference["modern"]
+    names = modern["ranks"][0]["logical_names"]
+    assert len(names) == 3 + 8 + 3 * 10 + 5 + 1, names  # embeddings, layer 0, layers 1-3, head, decoder bias
+    assert "model.layers.1.attn_norm.bias" in names and "model.layers.0.attn_norm.weight" not in names
+    assert "model.layers.0.mlp.Wi.bias" in names and not any(".attn.Wqkv.bias" in n for n in names)
+    assert modern["history"][-1]["loss"] < modern["history"][0]["loss"]
+    assert modern["history"][0]["loss"] != reference["lamb"]["history"][0]["loss"]
+
+
 def test_reference_learns_and_optimizers_differ(reference):
     """Guards against a vacuous comparison: training moves the loss, LAMB is not AdamW, the
     evaluation sees other data than training, and the groups are checked on every parameter."""
@@ -260,7 +313,7 @@ def test_bf16_pipeline_zero1_tracks_fp32(reference, layout_runs):
     reductions of bf16 activations, ~0.1% off; gradient norms sum squares of bf16 gradients,
     each ~0.4% off at most, and the errors partly cancel."""
     result = layout_runs(BF16_LAYOUT[0])
-    for optimizer in ("lamb", "adamw"):
+    for optimizer in ("lamb", "adamw", "modern"):
         for step, (a, b) in enumerate(zip(result[optimizer]["history"], reference[optimizer]["history"]), start=1):
             assert a["loss"] == pytest.approx(b["loss"], rel=2e-3), f"{optimizer} step {step} loss"
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-2), f"{optimizer} step {step} grad norm"
@@ -286,14 +339,18 @@ def test_micro_batch_split_does_not_change_the_step(reference, layout_runs):
         assert_close(result[optimizer]["params_norm"], reference[optimizer]["params_norm"], f"1x8 {optimizer} params norm")
 
 
-@pytest.mark.parametrize("label", ["reference", *PACKED_LAYOUTS, BF16_LAYOUT[0]])
-def test_packed_run_is_the_padded_run(reference, layout_runs, label):
+PACKED_CASES = [(label, "") for label in ["reference", *PACKED_LAYOUTS, BF16_LAYOUT[0]]] + \
+    [(label, "modern-") for label in ["reference", *[l for l in PACKED_LAYOUTS if l in MODERN_LAYOUTS], BF16_LAYOUT[0]]]
+
+
+@pytest.mark.parametrize("label,family", PACKED_CASES, ids=[f"{family}{label}" for label, family in PACKED_CASES])
+def test_packed_run_is_the_padded_run(reference, layout_runs, label, family):
     """data.packing is a speed switch, nothing else: packed at TP1, TP2, PP2 (the pipeline
     exchanging shapes per micro-batch), DP2 ZeRO-1 and TP2 x PP2 x DP2 ZeRO-1, the 5 steps'
     losses, gradient norms, final weights and evaluation equal the padded single-process run of
     the same samples within 1e-5 (bf16: within its rounding, as test_bf16_pipeline_zero1_tracks_fp32).
     The packing took effect: the same real tokens in fewer computed ones."""
-    packed, padded = layout_runs(label)["packed"], reference["padded"]
+    packed, padded = layout_runs(label)[f"{family}packed"], reference[f"{family}padded"]
     bf16 = label == BF16_LAYOUT[0]
     loss_tolerance, norm_tolerance = (2e-3, 1e-2) if bf16 else (TOLERANCE, TOLERANCE)
     assert len(packed["history"]) == len(padded["history"]) == 5
@@ -312,4 +369,5 @@ def test_packed_run_is_the_padded_run(reference, layout_runs, label):
     for key, value in padded["evaluation"].items():
         assert_close(packed["evaluation"][key], value, f"{label} packed evaluation {key}",
                      rel=loss_tolerance if bf16 else TOLERANCE)
-    assert padded["history"][-1]["loss"] != reference["lamb"]["history"][-1]["loss"]  # other data than the lamb run
+    other = reference["modern" if family else "lamb"]
+    assert padded["history"][-1]["loss"] != other["history"][-1]["loss"]  # other data than that run

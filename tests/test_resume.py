@@ -63,6 +63,20 @@ def test_distributed_packed_resume_pp2_dp2_zero1(tmp_path):
     assert second["params_norm"] == pytest.approx(straight["params_norm"], rel=1e-6)
 
 
+def test_modernbert_packed_resume_tp2_zero1_is_exact(tmp_path):
+    """ModernBERT (rotary, windows, GeGLU; dropout on in its embedding, attention and MLP) resumes
+    exactly too: packed rows at TP2, ZeRO-1, the tensor-parallel dropout streams restored."""
+    from test_hf_training_parity import MODERN
+
+    packed = MODERN + ["parallel.zero_stage=1", "data.packing=true", "data.synthetic_min_fraction=0.1"]
+    straight, resumed, second = resume_matches_straight(tmp_path, 2, 1, 2, packed)
+    assert sum(h["computed_tokens"] for h in resumed) < 0.9 * 6 * 8 * 32, "hardly packed (6 steps of 8 x 32)"
+    for key in ("loss", "lm_loss", "grad_norm", "real_tokens", "computed_tokens", "learning_rate"):
+        assert [h[key] for h in resumed] == [h[key] for h in straight["history"]], key
+    assert second["params_norm"] == straight["params_norm"]
+    assert straight["history"][0]["nsp_loss"] == 0.0  # no next-sentence head: it is ModernBERT
+
+
 def test_checkpoint_of_other_model_shape_is_refused(tmp_path):
     """Another layout loads (tests/test_checkpoint_interop.py); another model shape must not."""
     ckpt = str(tmp_path / "ckpt")

@@ -1,9 +1,10 @@
-"""Convert BERT checkpoints between Hugging Face format and our native (DeepSpeed) layouts.
+"""Convert BERT and ModernBERT checkpoints between Hugging Face format and our native (DeepSpeed) layouts.
 
 usage:
   python tools/convert_checkpoint.py hf-to-native --input HF_DIR --output DIR [--tp T] [--pp P]  (default TP1 x PP1)
   python tools/convert_checkpoint.py native-to-hf --input DIR --output HF_DIR [--vocab-file vocab.txt]
-                                                [--architecture BertForPreTraining|BertForMaskedLM|BertModel]
+                                                [--architecture BertForPreTraining|BertForMaskedLM|BertModel|
+                                                                ModernBertForMaskedLM|ModernBertModel]
   python tools/convert_checkpoint.py reshard --input DIR --output DIR --tp T --pp P [--no-optimizer]
 
 hf-to-native reads BertForPreTraining, BertForMaskedLM or BertModel directories
@@ -12,6 +13,10 @@ LayerNorm.gamma/beta names). Heads the architecture lacks are initialised and li
 tokenizer file is carried (vocab.txt, tokenizer.json, tokenizer_config.json, ...); a directory
 without vocab.txt (transformers 5 writes none) gets the one its WordPiece tokenizer.json implies.
 A tokenizer.json of another model (BPE, Unigram) without a vocab.txt is refused.
+It also reads ModernBertForMaskedLM and ModernBertModel directories (config.json of
+transformers 4.48+ or 5; their Wqkv and Wi rows reordered for tensor parallelism) with their
+tokenizer.json (BPE), and writes them back as transformers saves them, config.json with both
+generations' keys (global_attn_every_n_layers, *_rope_theta; layer_types, rope_parameters).
 
 native-to-hf reads a checkpoint of any TP x PP x DP layout and ZeRO stage (DIR is a save_dir,
 following its `latest`, or one iter_* directory), joins TP shards and ZeRO partitions (fp32
@@ -38,7 +43,8 @@ import time
 from pretrain.cli import accept_launcher_args, positive_int, run_command
 
 # pretrain.checkpoint.hf's tuple (a test checks): importing it here would make --help wait for torch
-PRETRAINING_ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel")
+PRETRAINING_ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel", "ModernBertForMaskedLM",
+                            "ModernBertModel")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

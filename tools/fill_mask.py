@@ -5,9 +5,11 @@ usage: python tools/fill_mask.py --checkpoint CKPT [--top-k 5] [--vocab-file voc
        python tools/fill_mask.py --checkpoint CKPT --input-file lines.txt [...]
 
 CKPT is a native checkpoint (a save_dir, following `latest`, or one iter_* directory; any layout)
-or a Hugging Face BERT directory with its MLM head (BertForPreTraining, BertForMaskedLM): a
-checkpoint without one (BertModel, a fine-tuned classifier, or their native conversion) is
-refused rather than answered with random predictions. Text is tokenized with the checkpoint's
+or a Hugging Face directory with its MLM head (BertForPreTraining, BertForMaskedLM,
+ModernBertForMaskedLM): a checkpoint without one (BertModel, ModernBertModel, a fine-tuned
+classifier, or their native conversion) is refused rather than answered with random predictions.
+The mask is written as the tokenizer spells it ([MASK] for BERT and ModernBERT, <mask> for a
+RoBERTa-style tokenizer). Text is tokenized with the checkpoint's
 own tokenizer (tokenizer.json, else vocab.txt, lowercasing as the vocabulary implies) unless
 --vocab-file names another. Sentences come from the command line or, one per line, from
 --input-file; each needs at least one [MASK], and every [MASK] gets its own list of the top-k
@@ -33,6 +35,7 @@ from pretrain.common.errors import UsageError, UserError
 from pretrain.common.textfile import read_lines
 
 MASK = "[MASK]"
+MASK_SPELLINGS = (MASK, "<mask>")  # BERT's and ModernBERT's, RoBERTa's: checked before the tokenizer is read
 
 
 class FillMaskError(UserError, ValueError):
@@ -101,22 +104,22 @@ def check_mlm_head(ckpt, checkpoint: str) -> None:
 
         architecture = read_hf_config(checkpoint)[1]
         kind = f"a {architecture} directory" if architecture else "its config.json names no architecture"
-        raise FillMaskError(f"{checkpoint} has no MLM head (cls.predictions.*): {kind}; fill-mask needs a "
-                            "BertForPreTraining or BertForMaskedLM directory, or a pretraining checkpoint")
+        raise FillMaskError(f"{checkpoint} has no MLM head: {kind}; fill-mask needs a BertForPreTraining, "
+                            "BertForMaskedLM or ModernBertForMaskedLM directory, or a pretraining checkpoint")
     raise FillMaskError(f"{ckpt.source} has no trained MLM head: it was converted from a source without one (a "
                         "BertModel or a fine-tuned classifier); fill-mask needs a pretraining checkpoint")
 
 
 def encode(sentences, info, max_length: int) -> list:
-    mask_id = info.special_ids[MASK]
+    mask_id, mask = info.specials.mask_id, info.specials.token("mask")
     encodings = info.tokenizer.encode_batch([text for _, text in sentences])
     for (name, text), e in zip(sentences, encodings):
-        wanted = text.count(MASK)
+        wanted = text.count(mask)
         if wanted == 0:
-            raise FillMaskError(f"{name}: no {MASK} to fill")
+            raise FillMaskError(f"{name}: no {mask} to fill (this tokenizer's mask token)")
         if e.ids.count(mask_id) != wanted:
-            raise FillMaskError(f"{name}: the tokenizer ({info.source}) turned its {wanted} {MASK} into "
-                                f"{e.ids.count(mask_id)} [MASK] token(s)")
+            raise FillMaskError(f"{name}: the tokenizer ({info.source}) turned its {wanted} {mask} into "
+                                f"{e.ids.count(mask_id)} mask token(s)")
         if len(e.ids) > max_length:
             raise FillMaskError(f"{name}: {len(e.ids)} tokens, the model takes at most {max_length}")
     return encodings
@@ -144,7 +147,7 @@ def predict(model, encodings, info, vocab_size: int, top_k: int, parallel, batch
 
     from pretrain.distributed.device import all_gather
 
-    mask_id, pad_id = info.special_ids[MASK], info.special_ids["[PAD]"]
+    mask_id, pad_id = info.specials.mask_id, info.specials.pad_id
     results = []
     for start in range(0, len(encodings), batch_size):
         chunk = encodings[start:start + batch_size]
@@ -188,7 +191,8 @@ def report(sentences, encodings, results, info, as_json: bool) -> list[str]:
             continue
         lines.append(text)
         for n, (_, best) in enumerate(masks, start=1):
-            lines.append(f"  {MASK} #{n}: " + " | ".join(f"{token_name(info, i)} {p:.3f}" for i, p in best))
+            lines.append(f"  {info.specials.token('mask')} #{n}: "
+                         + " | ".join(f"{token_name(info, i)} {p:.3f}" for i, p in best))
     return lines
 
 
@@ -197,7 +201,7 @@ def run(args, parallel) -> list[str]:
     from pretrain.checkpoint.logical import check_layout
 
     sentences = read_sentences(args)
-    missing = [name for name, text in sentences if MASK not in text]
+    missing = [name for name, text in sentences if not any(mask in text for mask in MASK_SPELLINGS)]
     if missing:  # before the checkpoint is read: the cheapest mistake to report
         raise FillMaskError(f"{missing[0]}: no {MASK} to fill" + (f" (and {len(missing) - 1} more sentence(s))"
                                                                    if len(missing) > 1 else ""))

@@ -50,16 +50,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     group = parser.add_argument_group("tokenizer")
     source = group.add_mutually_exclusive_group(required=True)
     source.add_argument("--vocab-file", help="Google BERT vocab.txt (e.g. from tools/build_vocab.py)")
-    source.add_argument("--tokenizer-json", help="Hugging Face tokenizer.json (e.g. from tools/build_vocab.py); its "
-                                                 "own padding and truncation are switched off")
+    source.add_argument("--tokenizer-json", help="any Hugging Face tokenizer.json: WordPiece, byte-level BPE (e.g. from "
+                                                 "tools/build_vocab.py --model bpe), ...; its special tokens are read "
+                                                 "by role, its own padding and truncation are switched off")
     group.add_argument("--tokenizer-type", choices=("BertWordPieceLowerCase", "BertWordPieceCase"),
-                       help="lowercase or keep case; default: what the vocabulary shows (vocab.txt) or the "
-                            "tokenizer.json's own normalizer. A choice contradicting the vocabulary is an error")
+                       help="WordPiece only: lowercase or keep case; default: what the vocabulary shows (vocab.txt) "
+                            "or the tokenizer.json's own normalizer. A choice contradicting the vocabulary is an error")
     group.add_argument("--allow-case-mismatch", action="store_true",
                        help="only warn when --tokenizer-type contradicts the vocabulary's case")
     group.add_argument("--append-eod", action="store_true",
-                       help="append [SEP] to the last sentence of every document (BERT vocabularies have no "
-                            "end-of-document token)")
+                       help="append the tokenizer's sep token ([SEP], </s>) to the last sentence of every "
+                            "document (BERT vocabularies have no end-of-document token)")
     group = parser.add_argument_group("output")
     group.add_argument("--output-prefix", required=True, help="path prefix of the outputs")
     group.add_argument("--dtype", default="auto", choices=("auto", "uint16", "int32", "int64"),

@@ -23,8 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from ..config import Config, ConfigError
-from ..model.layers import TransformerLayer, WordEmbedding
-from ..model.names import HF_NAME_TABLE, TIED_EMBEDDING_KEY, spec_modules
+from ..model.names import HF_NAME_TABLE, TIED_EMBEDDING_KEY, module_parameters, spec_modules
 from .errors import CheckpointError  # noqa: F401 (re-exported)
 from .filenames import (CONFIG_JSON, LATEST, META, PARTIAL, REPLACED, TAG_PATTERN, TOKENIZER_JSON,  # noqa: F401
                         VOCAB_FILE)  # (re-exported)
@@ -37,11 +36,14 @@ TOKENIZER_FILES = (VOCAB_FILE, TOKENIZER_JSON, "tokenizer_config.json", "special
 # Model fields that change parameter shapes: a checkpoint only loads into the same values.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_size",
                 "max_position_embeddings", "type_vocab_size", "make_vocab_size_divisible_by")
+# ModernBERT's fields that change which parameters exist (in model_shape as well, for it only)
+MODERN_SHAPE_FIELDS = ("norm_bias", "attention_bias", "mlp_bias", "classifier_bias")
 
 
 # Parameters by head (Hugging Face name prefix): a checkpoint of an architecture without a head,
 # or trained without the binary head, gets them initialised and listed as untrained.
-HEADS = {"pooler": "bert.pooler.", "next-sentence head": "cls.seq_relationship.", "MLM head": "cls.predictions."}
+HEADS = {"pooler": ("bert.pooler.",), "next-sentence head": ("cls.seq_relationship.",),
+         "MLM head": ("cls.predictions.", "head.", "decoder.")}  # BERT's, then ModernBERT's
 
 
 def head_of(hf_name: str) -> str | None:
@@ -68,10 +70,10 @@ def model_ranks(tp: int, pp: int) -> list[tuple[int, int, int]]:
     return [(p, t, p * tp + t if pp > 1 else t) for p in range(pp) for t in range(tp)]
 
 
-def stage_spec_range(num_layers: int, pp: int, stage: int) -> range:
+def stage_spec_range(model_cfg, pp: int, stage: int) -> range:
     if pp == 1:
-        return range(len(spec_modules(num_layers)))
-    bounds = pipeline_stage_bounds(num_layers, pp)
+        return range(len(spec_modules(model_cfg)))
+    bounds = pipeline_stage_bounds(model_cfg, pp)
     return range(bounds[stage], bounds[stage + 1])
 
 
@@ -87,7 +89,7 @@ def zero_file(tag_dir: str, prefix: str, dp_rank: int, mp_rank: int, what: str) 
     return os.path.join(tag_dir, f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_{what}_states.pt")
 
 
-def expected_files(tag_dir: str, layout: dict, num_layers: int) -> list[str]:
+def expected_files(tag_dir: str, layout: dict, model_cfg) -> list[str]:
     """Every file DeepSpeed writes for this layout (plus our meta.json)."""
     tp, pp, dp, zero = (layout["tensor_parallel"], layout["pipeline_parallel"], layout["data_parallel"],
                         layout["zero_stage"])
@@ -100,15 +102,15 @@ def expected_files(tag_dir: str, layout: dict, num_layers: int) -> list[str]:
             continue
         files.append(mp_file(tag_dir, m))
         if pp > 1:
-            specs = [s for s in stage_spec_range(num_layers, pp, p) if s != len(spec_modules(num_layers)) - 2]
+            specs = [s for s in stage_spec_range(model_cfg, pp, p) if s != len(spec_modules(model_cfg)) - 2]
             files += [layer_file(tag_dir, s, t) for s in specs]
         if zero in (1, 2) or (pp > 1 and optim_prefix):
             files += [zero_file(tag_dir, optim_prefix, d, m, "optim") for d in range(dp)]
     return files
 
 
-def check_complete(tag_dir: str, layout: dict, num_layers: int) -> None:
-    missing = [os.path.basename(f) for f in expected_files(tag_dir, layout, num_layers) if not os.path.exists(f)]
+def check_complete(tag_dir: str, layout: dict, model_cfg) -> None:
+    missing = [os.path.basename(f) for f in expected_files(tag_dir, layout, model_cfg) if not os.path.exists(f)]
     if missing:
         raise CheckpointError(f"{tag_dir} is incomplete (half-written, or files were removed): missing "
                               f"{len(missing)} file(s): {', '.join(missing)}")
@@ -121,16 +123,16 @@ class HfParameter(NamedTuple):
     partition_dim: int | None  # the dimension TP cuts it along; None: replicated
 
 
-def pipeline_stage_bounds(num_layers: int, pipeline_parallel: int) -> list[int]:
+def pipeline_stage_bounds(model_cfg, pipeline_parallel: int) -> list[int]:
     """Spec index where each pipeline stage starts (plus the end), as PipelineModule's
-    "type:TransformerLayer" partitioning computes it."""
+    "type:<transformer layer class>" partitioning computes it."""
     from deepspeed.runtime.utils import partition_balanced
 
-    weights = [1 if kind is TransformerLayer else 0 for kind, _ in spec_modules(num_layers)]
+    weights = [0 if layer is None else 1 for _, layer in spec_modules(model_cfg)]
     return partition_balanced(weights=weights, num_parts=pipeline_parallel)
 
 
-def checkpoint_param_names(num_layers: int, pipelined: bool, binary_head: bool = True) -> list[tuple[int, str, str]]:
+def checkpoint_param_names(model_cfg, pipelined: bool, binary_head: bool = True) -> list[tuple[int, str, str]]:
     """(spec index, parameter name in the engine's module, Hugging Face name) of every parameter,
     in each spec's order; the tied word embedding once, at its first use (spec 0).
 
@@ -138,8 +140,9 @@ def checkpoint_param_names(num_layers: int, pipelined: bool, binary_head: bool =
     specs); DeepSpeed's PipelineModule tied_modules.word_embeddings.* and <spec index>.*.
     """
     names, untied = [], 0
-    for index, (kind, layer) in enumerate(spec_modules(num_layers, binary_head)):
-        tied = kind is WordEmbedding
+    specs = spec_modules(model_cfg, binary_head)
+    for index, (kind, layer) in enumerate(specs):
+        tied = kind is specs[0][0]  # the word embedding, also the tied decoder
         if tied and index > 0:
             continue
         if tied:
@@ -147,8 +150,9 @@ def checkpoint_param_names(num_layers: int, pipelined: bool, binary_head: bool =
         else:
             prefix = str(index) if pipelined else f"layers.{untied}"
             untied += 1
-        for local, entry in HF_NAME_TABLE[kind].items():
-            names.append((index, f"{prefix}.{local}", entry.hf_name.format(i=layer if layer is not None else "")))
+        for local in module_parameters(kind, model_cfg, layer):
+            hf_name = HF_NAME_TABLE[kind][local].hf_name.format(i=layer if layer is not None else "")
+            names.append((index, f"{prefix}.{local}", hf_name))
     return names
 
 
@@ -160,23 +164,27 @@ def hf_parameter_info(model_cfg, binary_head: bool = True) -> dict[str, HfParame
         "embedding.weight": (v, h), "position_embeddings.weight": (model_cfg.max_position_embeddings, h),
         "token_type_embeddings.weight": (model_cfg.type_vocab_size, h), "intermediate.weight": (f, h),
         "intermediate.bias": (f,), "output.weight": (h, f), "nsp.weight": (2, h), "nsp.bias": (2,), "bias": (v,),
+        # ModernBERT
+        "attn_qkv.weight": (3 * h, h), "attn_qkv.bias": (3 * h,), "mlp_in.weight": (2 * f, h),
+        "mlp_in.bias": (2 * f,), "mlp_out.weight": (h, f),
     }
     info = {}
-    for kind, layer in spec_modules(model_cfg.num_layers, binary_head):
-        for local, entry in HF_NAME_TABLE[kind].items():
-            default = (h,) if local.endswith("bias") or "layernorm" in local else (h, h)
+    for kind, layer in spec_modules(model_cfg, binary_head):
+        for local in module_parameters(kind, model_cfg, layer):
+            entry = HF_NAME_TABLE[kind][local]
+            default = (h,) if local.endswith("bias") or "norm" in local else (h, h)
             info[entry.hf_name.format(i=layer if layer is not None else "")] = HfParameter(
                 shapes.get(local, default), entry.kind, entry.partition_dim)
     return info
 
 
-def stage_param_names(num_layers: int, pp: int, stage: int, binary_head: bool = True) -> list[tuple[str, str]]:
+def stage_param_names(model_cfg, pp: int, stage: int, binary_head: bool = True) -> list[tuple[str, str]]:
     """(engine parameter name, HF name) of one pipeline stage, in the module's parameter order:
     the tied word embedding first on the stages that use it (first and last), then by spec."""
-    specs = stage_spec_range(num_layers, pp, stage)
-    decoder_spec = len(spec_modules(num_layers)) - 2  # the tied embedding's second use
+    specs = stage_spec_range(model_cfg, pp, stage)
+    decoder_spec = len(spec_modules(model_cfg)) - 2  # the tied embedding's second use
     names = []
-    for index, name, hf_name in checkpoint_param_names(num_layers, pipelined=pp > 1, binary_head=binary_head):
+    for index, name, hf_name in checkpoint_param_names(model_cfg, pipelined=pp > 1, binary_head=binary_head):
         tied = index == 0
         if (tied and (0 in specs or decoder_spec in specs)) or (not tied and index in specs):
             names.append((name, hf_name))
@@ -200,7 +208,10 @@ def layout_of(cfg: Config, parallel) -> dict:
 
 
 def model_shape_of(cfg: Config) -> dict:
-    return {**{name: getattr(cfg.model, name) for name in SHAPE_FIELDS}, "binary_head": cfg.binary_head}
+    shape = {**{name: getattr(cfg.model, name) for name in SHAPE_FIELDS}, "binary_head": cfg.binary_head}
+    if cfg.model.modern:
+        shape.update(architecture=cfg.model.architecture, **{name: getattr(cfg.model, name) for name in MODERN_SHAPE_FIELDS})
+    return shape
 
 
 def read_meta(tag_dir: str) -> dict:
@@ -322,9 +333,11 @@ def shape_differences(saved_shape: dict, cfg: Config, ignore: tuple[str, ...] = 
     """The model fields in which a checkpoint's shape (meta.json's model_shape) differs from the
     run's, except those in `ignore` (e.g. the vocabulary padding, a layout matter that layout-free
     loading re-pads)."""
-    saved_shape = {"binary_head": True, **saved_shape}  # older checkpoints all had the binary head
+    saved_shape = {"binary_head": True, "architecture": "bert", **saved_shape}  # older checkpoints: BERT with it
+    ours = model_shape_of(cfg)
+    ours.setdefault("architecture", "bert")
     return [f"{SHAPE_NAMES.get(key, 'model.' + key)}: checkpoint {saved_shape.get(key)} vs run {value}"
-            for key, value in model_shape_of(cfg).items()
+            for key, value in ours.items()
             if saved_shape.get(key) != value and key not in ignore]
 
 

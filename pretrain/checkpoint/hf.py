@@ -19,9 +19,11 @@ import torch
 
 from ..config import Config
 from ..common.atomic import directory_output
-from ..data.preprocess.tokenizer import SPECIAL_TOKENS, TokenizerError, load_tokenizer, read_vocab
-from ..model.names import MLM_BIAS, WORD_EMBEDDINGS
-from .hf_config import (ARCHITECTURE_HEADS, ARCHITECTURES, PRETRAINING_ARCHITECTURES,  # noqa: F401 (re-exported)
+from ..data.preprocess.tokenizer import (SPECIAL_TOKENS, TokenizerError, load_tokenizer, read_vocab, tokenizer_model_type,
+                                        tokenizer_vocab)
+from ..model.names import MLM_BIAS, MODERN_EMBEDDINGS, WORD_EMBEDDINGS
+from . import modernbert_hf
+from .hf_config import (ARCHITECTURE_HEADS, ARCHITECTURES, MODEL_TYPES, PRETRAINING_ARCHITECTURES,  # noqa: F401 (re-exported)
                         config_from_hf, read_hf_config)
 from .format import (CONFIG_JSON, HEADS, TOKENIZER_FILES, TOKENIZER_JSON, VOCAB_FILE, CheckpointError,
                      head_of, hf_parameter_info)
@@ -72,13 +74,17 @@ def _canonical(name: str) -> str:
     return name
 
 
-def _untie_decoder(state: dict[str, torch.Tensor], file: str) -> None:
-    """Drop the decoder copies that BERT ties to the word embeddings and the MLM bias."""
-    decoder = state.pop(DECODER_WEIGHT, None)
-    if decoder is not None and WORD_EMBEDDINGS in state:
-        if decoder.shape != state[WORD_EMBEDDINGS].shape or not torch.equal(decoder, state[WORD_EMBEDDINGS]):
-            raise CheckpointError(f"{file}: {DECODER_WEIGHT} differs from {WORD_EMBEDDINGS}: this model has an "
-                                  "untied MLM decoder, which BERT (and our model) ties to the word embeddings")
+def _untie_decoder(state: dict[str, torch.Tensor], file: str, modern: bool = False) -> None:
+    """Drop the decoder copies that BERT ties to the word embeddings and the MLM bias (ModernBERT:
+    its decoder.weight, tied to the token embedding; its decoder.bias is the MLM bias itself)."""
+    decoder_weight, embeddings = ("decoder.weight", MODERN_EMBEDDINGS) if modern else (DECODER_WEIGHT, WORD_EMBEDDINGS)
+    decoder = state.pop(decoder_weight, None)
+    if decoder is not None and embeddings in state:
+        if decoder.shape != state[embeddings].shape or not torch.equal(decoder, state[embeddings]):
+            raise CheckpointError(f"{file}: {decoder_weight} differs from {embeddings}: this model has an "
+                                  "untied MLM decoder, which our model ties to the token embeddings")
+    if modern:
+        return
     bias = state.pop(DECODER_BIAS, None)
     if bias is not None:
         if MLM_BIAS not in state:
@@ -88,27 +94,30 @@ def _untie_decoder(state: dict[str, torch.Tensor], file: str) -> None:
 
 
 def read_hf(path: str, seed: int = 1234) -> LogicalCheckpoint:
-    """A Hugging Face BERT directory as a LogicalCheckpoint; heads its architecture lacks are
-    initialised (normal(0, initializer_range) from `seed`, as the trainer initialises)."""
+    """A Hugging Face BERT or ModernBERT directory as a LogicalCheckpoint; heads its architecture
+    lacks are initialised (as the trainer initialises, from `seed`)."""
     hf, architecture = read_hf_config(path)
     cfg = config_from_hf(hf, os.path.join(path, CONFIG_JSON))
+    modern = cfg.model.modern
     raw, file = read_hf_weights(path)
     state = {}
     for name, tensor in raw.items():
-        canonical = _canonical(name)
+        canonical = modernbert_hf.canonical(name) if modern else _canonical(name)
         if canonical in state:
             raise CheckpointError(f"{file}: {name} and another key both mean {canonical}")
         state[canonical] = tensor
     for buffer in BUFFERS:
         state.pop(buffer, None)
-    _untie_decoder(state, file)
+    _untie_decoder(state, file, modern)
     inferred = architecture is None
     if inferred:  # old configs name no architecture: go by the heads present
         architecture = next(a for a, heads in ARCHITECTURE_HEADS.items()
                             if all(any(n.startswith(HEADS[h]) for n in state) for h in heads))
 
     info = hf_parameter_info(cfg.model)
-    extra = {n: state.pop(n).to(torch.float32) for n in list(state) if n.startswith(TASK_HEAD_PREFIXES)}
+    # a fine-tuned ModernBERT's `head.` is its task head's transform, not the MLM head's
+    task_prefixes = TASK_HEAD_PREFIXES + (("head.",) if architecture in modernbert_hf.TASK_ARCHITECTURES else ())
+    extra = {n: state.pop(n).to(torch.float32) for n in list(state) if n.startswith(task_prefixes)}
     unexpected = sorted(set(state) - set(info))
     mismatched = [f"{n}: file {tuple(state[n].shape)}, config.json implies {tuple(info[n].shape)}"
                   for n in info if n in state and tuple(state[n].shape) != tuple(info[n].shape)]
@@ -131,6 +140,8 @@ def read_hf(path: str, seed: int = 1234) -> LogicalCheckpoint:
     if dtypes != ["float32"]:
         notes.append(f"weights stored as {', '.join(dtypes)}: converted to float32")
     weights = {n: state[n].to(torch.float32).contiguous() for n in info if n in state}
+    if modern:
+        weights = {n: modernbert_hf.to_native(n, t, cfg) for n, t in weights.items()}
     initialised = initialise_missing(weights, cfg, seed)
     for head, names in initialised.items():
         notes.append(f"{architecture} has no {head}: initialised {len(names)} tensor(s) "
@@ -151,6 +162,9 @@ def _tokenizer_notes(path: str, vocab_size: int) -> list[str]:
     if os.path.exists(os.path.join(path, VOCAB_FILE)):
         check_vocab_file(os.path.join(path, VOCAB_FILE), vocab_size)
         return [f"tokenizer files: {', '.join(present)}"]
+    if tokenizer_model_type(os.path.join(path, TOKENIZER_JSON)) != "WordPiece":
+        return [f"tokenizer files: {', '.join(present)} (a {tokenizer_model_type(os.path.join(path, TOKENIZER_JSON))} "
+                f"tokenizer: no {VOCAB_FILE})"]
     return [f"tokenizer files: {', '.join(present)}; no {VOCAB_FILE}: a conversion writes the one {TOKENIZER_JSON} implies"]
 
 
@@ -217,12 +231,44 @@ def _write_tokenizer_files(vocab_dir: str, out_dir: str, max_length: int, vocab_
     return info.special_ids[SPECIAL_TOKENS[0]]
 
 
+def write_modern_tokenizer_files(source: str, out_dir: str, max_length: int, vocab_size: int) -> dict[str, int]:
+    """A ModernBERT directory's tokenizer: the tokenizer files of `source` (a directory, or one
+    tokenizer.json) as they are, plus the tokenizer_config.json transformers' AutoTokenizer needs
+    when there is none. Returns the special token ids by role (pad, unk, cls, sep, mask), read
+    from the tokenizer (read_special_tokens), never assumed."""
+    if os.path.isdir(source):
+        for name in TOKENIZER_FILES:
+            if name != VOCAB_FILE and os.path.exists(os.path.join(source, name)):
+                shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
+    elif source.endswith(".json"):
+        shutil.copyfile(source, os.path.join(out_dir, TOKENIZER_JSON))
+    tokenizer_json = os.path.join(out_dir, TOKENIZER_JSON)
+    if not os.path.exists(tokenizer_json):
+        raise CheckpointError(f"{source}: a ModernBERT model needs its {TOKENIZER_JSON} (a vocab.txt alone is "
+                              "a WordPiece vocabulary)")
+    try:
+        info = load_tokenizer(tokenizer_json=tokenizer_json, allow_case_mismatch=True)
+    except TokenizerError as e:
+        raise CheckpointError(str(e)) from None
+    check_vocab_fits(tokenizer_vocab(info.tokenizer), vocab_size, tokenizer_json)
+    specials = info.specials
+    config_path = os.path.join(out_dir, "tokenizer_config.json")
+    if not os.path.exists(config_path):
+        with open(config_path, "w") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+                       "clean_up_tokenization_spaces": False, "model_input_names": ["input_ids", "attention_mask"],
+                       **{f"{role}_token": token for role, token in specials.tokens.items()}}, f, indent=2)
+    return dict(specials.ids)
+
+
 # ----------------------------------------------------------------------------- which heads
 def trained_architecture(ckpt: LogicalCheckpoint) -> str:
     """The architecture of the heads that were trained. Heads read_hf initialised (those a
     BertForMaskedLM or BertModel directory lacks, recorded in the native meta.json through every
     conversion) never were: writing them would hand out random weights as a model's."""
     untrained = set(ckpt.initialised_heads)
+    if ckpt.config.model.modern:
+        return "ModernBertModel" if "MLM head" in untrained else "ModernBertForMaskedLM"
     if "MLM head" in untrained:
         return "BertModel"
     return "BertForMaskedLM" if untrained else "BertForPreTraining"
@@ -256,7 +302,11 @@ def _written_tensors(ckpt: LogicalCheckpoint, architecture: str) -> dict[str, to
     heads = written_heads(ckpt, architecture)
     info = hf_parameter_info(ckpt.config.model)
     names = [n for n in info if head_of(n) is None or head_of(n) in heads]
-    tensors = {n.removeprefix("bert.") if architecture == "BertModel" else n: ckpt.weights[n] for n in names}
+    if ckpt.config.model.modern:  # transformers' row orders; a bare ModernBertModel has no `model.` prefix
+        tensors = {n.removeprefix("model.") if architecture == "ModernBertModel" else n:
+                   modernbert_hf.to_hf(n, ckpt.weights[n], ckpt.config) for n in names}
+    else:
+        tensors = {n.removeprefix("bert.") if architecture == "BertModel" else n: ckpt.weights[n] for n in names}
     if architecture not in PRETRAINING_ARCHITECTURES:
         tensors.update(ckpt.extra or {})
     return {name: t.to(torch.float32).contiguous() for name, t in tensors.items()}
@@ -272,8 +322,10 @@ def write_hf(ckpt: LogicalCheckpoint, out_dir: str, vocab_file: str | None = Non
     from safetensors.torch import save_file
 
     architecture = architecture or trained_architecture(ckpt)
-    if architecture not in ARCHITECTURES:
-        raise CheckpointError(f"unknown architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}")
+    family = MODEL_TYPES[modernbert_hf.MODEL_TYPE if ckpt.config.model.modern else "bert"]
+    if architecture not in family:
+        raise CheckpointError(f"architecture {architecture!r} is not one of this {ckpt.config.model.architecture} "
+                              f"model's: {', '.join(family)}")
     vocab_dir = ckpt.vocab_dir
     if vocab_file is not None:
         if not os.path.exists(vocab_file):
@@ -287,6 +339,15 @@ def write_hf(ckpt: LogicalCheckpoint, out_dir: str, vocab_file: str | None = Non
         raise CheckpointError(f"{out_dir} already exists and is not empty; choose a new output directory")
     with directory_output(out_dir, "the Hugging Face model") as tmp:
         m = ckpt.config.model
+        if m.modern:
+            special_ids = write_modern_tokenizer_files(vocab_file or vocab_dir, tmp, m.max_position_embeddings,
+                                                       m.vocab_size)
+            save_file(_written_tensors(ckpt, architecture), os.path.join(tmp, "model.safetensors"),
+                      metadata={"format": "pt"})
+            with open(os.path.join(tmp, CONFIG_JSON), "w") as f:
+                json.dump({**modernbert_hf.modern_hf_config(ckpt.config, architecture, special_ids),
+                           **(config_extra or {})}, f, indent=2)
+            return sorted(os.listdir(tmp))
         if vocab_file is not None:
             shutil.copyfile(vocab_file, os.path.join(tmp, VOCAB_FILE))
             pad_id = _write_tokenizer_files(tmp, tmp, m.max_position_embeddings, m.vocab_size)

@@ -10,10 +10,15 @@ import os
 from ..config import Config, ConfigError
 from .errors import CheckpointError
 from .filenames import CONFIG_JSON, LATEST, META
+from . import modernbert_hf
 
-PRETRAINING_ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel")
-ARCHITECTURES = PRETRAINING_ARCHITECTURES + ("BertForSequenceClassification", "BertForMultipleChoice",
-                                             "BertForQuestionAnswering", "BertForTokenClassification")
+BERT_PRETRAINING_ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel")
+PRETRAINING_ARCHITECTURES = BERT_PRETRAINING_ARCHITECTURES + modernbert_hf.PRETRAINING_ARCHITECTURES
+BERT_ARCHITECTURES = BERT_PRETRAINING_ARCHITECTURES + ("BertForSequenceClassification", "BertForMultipleChoice",
+                                                       "BertForQuestionAnswering", "BertForTokenClassification")
+ARCHITECTURES = BERT_ARCHITECTURES + modernbert_hf.PRETRAINING_ARCHITECTURES + modernbert_hf.TASK_ARCHITECTURES
+MODEL_TYPES = {"bert": BERT_ARCHITECTURES,
+               modernbert_hf.MODEL_TYPE: modernbert_hf.PRETRAINING_ARCHITECTURES + modernbert_hf.TASK_ARCHITECTURES}
 
 # The heads each architecture's weights hold (format.HEADS names); the others are initialised.
 ARCHITECTURE_HEADS = {
@@ -24,6 +29,7 @@ ARCHITECTURE_HEADS = {
     "BertForMultipleChoice": ("pooler",),
     "BertForQuestionAnswering": (),
     "BertForTokenClassification": (),  # no pooler (transformers builds it with add_pooling_layer=False)
+    **modernbert_hf.ARCHITECTURE_HEADS,
 }
 
 # Our model.* key -> config.json's key; the optional ones default as transformers' BertConfig does.
@@ -37,8 +43,8 @@ OPTIONAL_HF_KEYS = ("layer_norm_eps", "hidden_dropout_prob", "attention_probs_dr
 
 
 def read_hf_config(path: str) -> tuple[dict, str | None]:
-    """(config.json, its architecture or None when it names none) of a Hugging Face BERT directory,
-    checked for what we can build."""
+    """(config.json, its architecture or None when it names none) of a Hugging Face BERT or
+    ModernBERT directory, checked for what we can build."""
     config_path = os.path.join(path, CONFIG_JSON)
     if not os.path.exists(config_path):
         native = any(os.path.exists(os.path.join(path, f)) for f in (LATEST, META))
@@ -50,13 +56,19 @@ def read_hf_config(path: str) -> tuple[dict, str | None]:
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{config_path}: cannot read ({e})") from None
     problems = []
-    if hf.get("model_type") != "bert":
-        problems.append(f"model_type is {hf.get('model_type')!r}, not 'bert'")
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        problems.append(f"model_type is {model_type!r}, not one of {', '.join(repr(t) for t in MODEL_TYPES)}")
     architectures = hf.get("architectures") or []
     architecture = architectures[0] if architectures else None  # None: inferred from the tensors
-    if architecture is not None and architecture not in ARCHITECTURES:
+    supported = MODEL_TYPES.get(model_type, ARCHITECTURES)
+    if architecture is not None and architecture not in supported:
         problems.append(f"unknown architecture {architecture!r} (architectures: {architectures}); "
-                        f"supported: {', '.join(ARCHITECTURES)}")
+                        f"supported: {', '.join(supported)}")
+    if model_type == modernbert_hf.MODEL_TYPE:
+        if problems:
+            raise CheckpointError(f"{config_path}:\n  " + "\n  ".join(problems))
+        return hf, architecture or "ModernBertForMaskedLM"
     if hf.get("hidden_act", "gelu") != "gelu":
         problems.append(f"hidden_act {hf.get('hidden_act')!r}: only 'gelu' (erf) is supported")
     if hf.get("position_embedding_type", "absolute") != "absolute":
@@ -68,6 +80,8 @@ def read_hf_config(path: str) -> tuple[dict, str | None]:
 
 def config_from_hf(hf: dict, source: str) -> Config:
     """The model config.json describes (its keys under our model.* names, checked and typed)."""
+    if hf.get("model_type") == modernbert_hf.MODEL_TYPE:
+        return modernbert_hf.config_from_modern_hf(hf, source)
     missing = [theirs for theirs in HF_MODEL_KEYS.values() if theirs not in hf and theirs not in OPTIONAL_HF_KEYS]
     if missing:
         raise CheckpointError(f"{source}: config.json lacks {', '.join(missing)}")

@@ -76,7 +76,7 @@ class _ShardReader:
         self.tag_dir, self.layout, self.cfg = tag_dir, layout, cfg
         self.p, self.t, self.m = p, t, m
         self.pp, self.dp, self.zero = layout["pipeline_parallel"], layout["data_parallel"], layout["zero_stage"]
-        self.names = stage_param_names(cfg.model.num_layers, self.pp, p, cfg.binary_head)
+        self.names = stage_param_names(cfg.model, self.pp, p, cfg.binary_head)
         self.weights: dict[str, torch.Tensor] = {}
         self.moments: dict[str, dict[str, torch.Tensor]] = {}
         self.optimizer_step: int | None = None
@@ -239,7 +239,7 @@ def read_native(path: str, with_optimizer: bool = True) -> LogicalCheckpoint:
     cfg = config_of(meta, tag_dir)
     layout = meta["layout"]
     tp, pp = layout["tensor_parallel"], layout["pipeline_parallel"]
-    check_complete(tag_dir, layout, cfg.model.num_layers)
+    check_complete(tag_dir, layout, cfg.model)
     info = hf_parameter_info(cfg.model, cfg.binary_head)
 
     by_hf: dict[str, dict[int, torch.Tensor]] = {}
@@ -303,7 +303,7 @@ def initialise_missing(weights: dict[str, torch.Tensor], cfg: Config, seed: int)
     added: dict[str, list[str]] = {}
     for name, (shape, kind, _) in hf_parameter_info(cfg.model).items():
         if name not in weights:
-            weights[name] = full_initial_value(name, kind, shape, cfg.model.init_std, seed, cfg.model.vocab_size)
+            weights[name] = full_initial_value(name, kind, shape, cfg.model, seed)
             added.setdefault(head_of(name), []).append(name)
     return added
 
@@ -364,7 +364,7 @@ def write_native(ckpt: LogicalCheckpoint, out_dir: str, tp: int, pp: int, with_o
         if ckpt.vocab_dir:  # first: a tokenizer that cannot be carried fails before the weights are written
             check_vocab_fits(copy_vocab_files(ckpt.vocab_dir, tag_dir), m.vocab_size, ckpt.vocab_dir)
         for p, t, mp in model_ranks(tp, pp):
-            names = stage_param_names(m.num_layers, pp, p, cfg.binary_head)
+            names = stage_param_names(m, pp, p, cfg.binary_head)
 
             def local(hf_name, tensor):
                 return local_value(hf_name, tensor, padded, info[hf_name].partition_dim, t, tp)
@@ -390,9 +390,9 @@ def write_native(ckpt: LogicalCheckpoint, out_dir: str, tp: int, pp: int, with_o
                 for name, _ in names:
                     spec, local_name = _split_pipeline_name(name)
                     by_spec.setdefault(spec, OrderedDict())[local_name] = module[name]
-                decoder_spec = len(spec_modules(m.num_layers)) - 2
+                decoder_spec = len(spec_modules(m)) - 2
                 for spec, layer in by_spec.items():
-                    if spec == 0 and 0 not in stage_spec_range(m.num_layers, pp, p):
+                    if spec == 0 and 0 not in stage_spec_range(m, pp, p):
                         continue  # the last stage's copy of the tied embedding: DeepSpeed keeps the first
                     assert spec != decoder_spec
                     torch.save(layer, layer_file(tag_dir, spec, t))

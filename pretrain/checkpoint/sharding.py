@@ -7,9 +7,7 @@ import torch
 from torch import nn
 
 from ..model.bert import assign_local, local_shard
-from ..model.names import MLM_BIAS, WORD_EMBEDDINGS, logical_parameters
-
-_VOCAB_ROWS = {WORD_EMBEDDINGS, MLM_BIAS}
+from ..model.names import VOCAB_ROWS as _VOCAB_ROWS, logical_parameters
 
 
 def pad_vocab(hf_name: str, tensor: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:

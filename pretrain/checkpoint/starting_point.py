@@ -18,10 +18,14 @@ from .filenames import CONFIG_JSON, LATEST, META
 from .hf_config import ARCHITECTURE_HEADS, HF_MODEL_KEYS, config_from_hf, read_hf_config
 from .vocabulary import loaded_checkpoint
 
-# The model.* keys a run takes from its init_from checkpoint: the shape, and the LayerNorm epsilon the
-# weights were trained with. Dropout and the initialisation range are the new run's choice.
-INHERITED_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
-                  "max_position_embeddings", "type_vocab_size", "layernorm_epsilon")
+# The model.* keys a run takes from its init_from checkpoint: the architecture and shape, what the
+# weights were trained to compute with (LayerNorm epsilon; ModernBERT's attention pattern, rotary
+# bases and biases). Dropout and the initialisation range are the new run's choice.
+INHERITED_KEYS = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
+                  "max_position_embeddings", "type_vocab_size", "layernorm_epsilon", "global_attn_every_n_layers",
+                  "local_attention", "global_rope_theta", "local_rope_theta", "norm_bias", "attention_bias", "mlp_bias",
+                  "classifier_bias")
+REPORTED_KEYS = tuple(dict.fromkeys(INHERITED_KEYS + tuple(HF_MODEL_KEYS)))
 # What a head that starts from random weights means for the first steps of a continued pretraining.
 UNTRAINED_HEAD_MEANING = {
     "MLM head": "the masked-LM loss starts near ln(vocabulary size) (10.3 for 30k tokens), not near the 1.5-2.5 "
@@ -58,7 +62,7 @@ def read_model_keys(path: str) -> tuple[dict, str, list[str]]:
         lacks = [head for head in UNTRAINED_HEAD_MEANING if head not in ARCHITECTURE_HEADS[architecture]] \
             if architecture else []
         model = config_from_hf(hf, source).model  # checked and typed; transformers' defaults where absent
-        return {key: getattr(model, key) for key in HF_MODEL_KEYS}, source, lacks
+        return {key: getattr(model, key) for key in REPORTED_KEYS}, source, lacks
     try:
         source = os.path.join(_native_tag_dir(path), META)
         with open(source, encoding="utf-8") as f:
@@ -70,7 +74,7 @@ def read_model_keys(path: str) -> tuple[dict, str, list[str]]:
     lacks = [head for head in meta.get("initialised_heads", []) if head in UNTRAINED_HEAD_MEANING]
     if not meta.get("model_shape", {}).get("binary_head", True) and "next-sentence head" not in lacks:
         lacks.append("next-sentence head")
-    return {key: getattr(model, key) for key in HF_MODEL_KEYS}, source, lacks
+    return {key: getattr(model, key) for key in REPORTED_KEYS}, source, lacks
 
 
 def inherit_model_keys(tree: dict) -> dict:

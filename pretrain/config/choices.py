@@ -15,3 +15,7 @@ SEGMENT_PAIRS = ("nsp", "sop", "none")
 MASKING_MODES = ("static", "dynamic")
 RECOMPUTE = ("none", "selective", "full")  # Megatron's --recompute-granularity, and none
 SPIKE_POLICIES = ("off", "log", "skip", "rollback")  # resilience.spike_policy
+# model.architecture: the 2018 BERT (post-LN, learned positions, token types, NSP head) or
+# ModernBERT (pre-LN, rotary positions, GeGLU, alternating local/global attention, MLM only)
+ARCHITECTURES = ("bert", "modernbert")
+CLASSIFIER_POOLING = ("cls", "mean")  # model.classifier_pooling (ModernBERT sequence heads)

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .choices import (DATA_KINDS, DECAYS, MASKING_MODES, OPTIMIZERS, PARAMETER_KINDS, PRECISIONS, RECOMPUTE,
+from .choices import (ARCHITECTURES, CLASSIFIER_POOLING, DATA_KINDS, DECAYS, MASKING_MODES, OPTIMIZERS, PARAMETER_KINDS, PRECISIONS, RECOMPUTE,
                       SEGMENT_PAIRS, SPIKE_POLICIES)
 from .precision import precision_problems
 from .typed_yaml import ConfigError, check_tree, load_sections
@@ -18,6 +18,7 @@ from .typed_yaml import ConfigError, check_tree, load_sections
 
 @dataclass
 class ModelConfig:
+    architecture: str = "bert"  # "bert" (Devlin et al. 2018) | "modernbert" (Warner et al. 2024)
     vocab_size: int = 30522  # tokenizer vocabulary (before padding)
     hidden_size: int = 768
     num_layers: int = 12
@@ -34,6 +35,28 @@ class ModelConfig:
     # (its input kept), "selective" the attention core only (scores, softmax, dropout: the
     # activations that grow with seq_length^2; Megatron's selective granularity), "none"
     recompute: str = "none"
+    # ModernBERT only (transformers' ModernBertConfig keys): layer i attends globally when
+    # i % global_attn_every_n_layers == 0, the others to keys within local_attention / 2 positions;
+    # rotary bases per layer kind; biases of the LayerNorms, attention and MLP projections, and the
+    # MLM head's dense layer (classifier_bias); how sequence heads pool (cls | mean). ffn_hidden_size is
+    # the GeGLU width (intermediate_size), hidden_dropout the embedding and MLP dropout.
+    global_attn_every_n_layers: int = 3
+    local_attention: int = 128
+    global_rope_theta: float = 160000.0
+    local_rope_theta: float = 10000.0
+    norm_bias: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    classifier_bias: bool = False
+    classifier_pooling: str = "cls"
+
+    @property
+    def modern(self) -> bool:
+        return self.architecture == "modernbert"
+
+    def is_global_layer(self, index: int) -> bool:
+        """ModernBERT: whether layer `index` attends to the whole sequence (else to its window)."""
+        return index % self.global_attn_every_n_layers == 0
 
     @property
     def ffn_size(self) -> int:
@@ -59,6 +82,17 @@ class ModelConfig:
             if not 0.0 <= value < 1.0:
                 p.append(f"model.{name} ({value}) must be in [0, 1)")
         _one_of(p, "model.recompute", self.recompute, RECOMPUTE)
+        _one_of(p, "model.architecture", self.architecture, ARCHITECTURES)
+        _one_of(p, "model.classifier_pooling", self.classifier_pooling, CLASSIFIER_POOLING)
+        if self.modern:
+            for name in ("global_attn_every_n_layers", "global_rope_theta", "local_rope_theta"):
+                _positive(p, f"model.{name}", getattr(self, name))
+            if self.local_attention < 2 or self.local_attention % 2:
+                p.append(f"model.local_attention ({self.local_attention}) must be an even number >= 2 "
+                         "(keys within local_attention / 2 positions on either side)")
+            if self.hidden_size > 0 and self.num_attention_heads > 0 and (self.hidden_size // self.num_attention_heads) % 2:
+                p.append(f"model.hidden_size / model.num_attention_heads ({self.hidden_size // self.num_attention_heads}) "
+                         "must be even: rotary embeddings turn pairs of head dimensions")
         if self.hidden_size > 0 and self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads:
             p.append(f"model.hidden_size ({self.hidden_size}) must be divisible by "
                      f"model.num_attention_heads ({self.num_attention_heads})")
@@ -589,6 +623,9 @@ class Config:
         if s.min_lr > o.lr:
             p.append(f"scheduler.min_lr ({s.min_lr}) must be <= optimizer.lr ({o.lr})")
         p += d.problems()
+        if m.modern and d.segment_pairs != "none":
+            p.append(f"model.architecture modernbert has no next-sentence head: set data.segment_pairs none "
+                     f"(not {d.segment_pairs})")
         if d.seq_length > m.max_position_embeddings:
             p.append(f"data.seq_length ({d.seq_length}) must be <= "
                      f"model.max_position_embeddings ({m.max_position_embeddings})")

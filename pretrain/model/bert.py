@@ -29,15 +29,22 @@ from .layers import (
     megatron_config,
     vocab_parallel_cross_entropy,
 )
-from .names import TIED_EMBEDDING_KEY, WORD_EMBEDDINGS, logical_parameters, spec_modules
+from .modernbert import EmbeddingNorm, ModernLayer, ModernMlmHead, modern_stage_specs
+from .names import EMBEDDING_NAMES, TIED_EMBEDDING_KEY, logical_parameters, spec_modules
 from .rng import RngTracker
 
 def stage_specs(model_cfg, padded_vocab_size: int, params_dtype: torch.dtype, rng: RngTracker, tp_group,
                 binary_head: bool = True) -> list:
     """The model as an ordered list of layer specs (see layers.py for what flows between them);
     `tp_group` is the tensor-parallel group its sharded layers split over and reduce in. Without
-    `binary_head` the heads are MLM only (no pooler, no next-sentence classifier)."""
+    `binary_head` the heads are MLM only (no pooler, no next-sentence classifier). A ModernBERT
+    model_cfg gives modernbert.py's stages instead (same positions, MLM only)."""
     mp_config = megatron_config(params_dtype, tp_group)
+    if model_cfg.modern:
+        specs = modern_stage_specs(model_cfg, padded_vocab_size, mp_config, rng, tp_group)
+        assert [(spec.typename, spec.module_args[0] if spec.typename.__name__ == "ModernLayer" else None)
+                for spec in specs] == spec_modules(model_cfg), "spec_modules is out of date"
+        return specs
     hidden = model_cfg.hidden_size
     word = partial(TiedLayerSpec, TIED_EMBEDDING_KEY, WordEmbedding, padded_vocab_size, hidden, mp_config, tp_group,
                    tied_weight_attr=["weight"])
@@ -54,7 +61,7 @@ def stage_specs(model_cfg, padded_vocab_size: int, params_dtype: torch.dtype, rn
     ]
     described = [(spec.typename, spec.module_args[0] if spec.typename is TransformerLayer else None)
                  for spec in specs]
-    assert described == spec_modules(model_cfg.num_layers, binary_head), "spec_modules is out of date"
+    assert described == spec_modules(model_cfg, binary_head), "spec_modules is out of date"
     return specs
 
 
@@ -86,7 +93,11 @@ class SequentialBert(nn.Module):
     def encode(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """What Hugging Face's BertModel returns: the last layer's hidden states and the pooled
         [CLS] vector (tanh of the pooler); for packed inputs, of each sample's [CLS] at its flat
-        cls_positions ([samples, hidden])."""
+        cls_positions ([samples, hidden]). ModernBERT: ModernBertModel's last_hidden_state (after
+        final_norm) and `pooled`'s vector."""
+        if self._modern_head() is not None:
+            hidden = self.hidden_states(inputs)[-1]
+            return hidden, self._modern_pool(hidden, inputs[2])
         hidden = self.hidden_states(inputs)[-1]
         cls_hidden = hidden.reshape(-1, hidden.shape[-1])[inputs[5]] if len(inputs) == 6 else hidden[:, 0]
         return hidden, torch.tanh(self._heads().pooler(cls_hidden))
@@ -94,7 +105,11 @@ class SequentialBert(nn.Module):
     def pooled(self, inputs) -> torch.Tensor:
         """`encode`'s pooled [CLS] vector alone, the last layer computed for [CLS] only
         (TransformerLayer.first_token): what a sequence-level head needs, for less (a sixth fewer
-        matrix-product FLOPs in a 6-layer encoder)."""
+        matrix-product FLOPs in a 6-layer encoder). ModernBERT: the final-normed [CLS] vector
+        (model.classifier_pooling cls) or the mean over the real tokens (mean), before the task
+        head's transform, as transformers' ModernBertFor{SequenceClassification,MultipleChoice}."""
+        if self._modern_head() is not None:
+            return self.encode(inputs)[1]
         last = max(i for i, step in enumerate(self._steps) if isinstance(step, TransformerLayer))
         for step in self._steps[:last]:
             inputs = step(inputs)
@@ -103,18 +118,31 @@ class SequentialBert(nn.Module):
 
     def hidden_states(self, inputs) -> list[torch.Tensor]:
         """The embeddings' output and every transformer layer's ([batch, seq, hidden] each), as
-        Hugging Face's output_hidden_states gives them."""
+        Hugging Face's output_hidden_states gives them (ModernBERT: the last after final_norm,
+        as its last_hidden_state)."""
         states = []
         for step in self._steps:
+            if isinstance(step, ModernMlmHead):
+                states[-1] = step.final_norm(states[-1])
+                return states
             if isinstance(step, PretrainingHeads):
                 return states
             inputs = step(inputs)
-            if isinstance(step, (EmbeddingTail, TransformerLayer)):
+            if isinstance(step, (EmbeddingTail, TransformerLayer, EmbeddingNorm, ModernLayer)):
                 states.append(inputs[0])
-        raise RuntimeError("the model has no PretrainingHeads stage")
+        raise RuntimeError("the model has no heads stage")
 
     def _heads(self) -> PretrainingHeads:
         return next(step for step in self._steps if isinstance(step, PretrainingHeads))
+
+    def _modern_head(self) -> ModernMlmHead | None:
+        return next((step for step in self._steps if isinstance(step, ModernMlmHead)), None)
+
+    def _modern_pool(self, hidden: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
+        if self._modern_head().classifier_pooling == "mean":
+            weights = padding_mask.to(hidden.dtype).unsqueeze(-1)
+            return (hidden * weights).sum(1) / weights.sum(1)
+        return hidden[:, 0]
 
 
 def build_model(model_cfg, padded_vocab_size, params_dtype, rng, tp_group, pipeline_topology=None,
@@ -129,7 +157,7 @@ def build_model(model_cfg, padded_vocab_size, params_dtype, rng, tp_group, pipel
         layers=specs,
         topology=pipeline_topology,
         loss_fn=loss_fn,
-        partition_method="type:TransformerLayer",
+        partition_method="type:ModernLayer" if model_cfg.modern else "type:TransformerLayer",
         activation_checkpoint_interval=0,  # TransformerLayer checkpoints itself, with our RNG streams
         dynamic_shape=packed,
     )
@@ -141,8 +169,11 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
-def full_initial_value(hf_name: str, kind: str, shape, init_std: float, seed: int, vocab_size: int) -> torch.Tensor:
-    """The whole logical tensor, as Hugging Face's BERT initialises it, from a per-name seed.
+def full_initial_value(hf_name: str, kind: str, shape, model_cfg, seed: int) -> torch.Tensor:
+    """The whole logical tensor, as Hugging Face initialises it, from a per-name seed: BERT's
+    normal(0, init_std) weights; ModernBERT's normal truncated at 2 standard deviations, with the
+    output projections' standard deviation init_std / sqrt(2 x num_layers)
+    (ModernBertPreTrainedModel._init_weights).
 
     Drawn on the CPU, always (device="cpu" is explicit: inside deepspeed.zero.Init a tensor made
     without a device lands on the accelerator, where the CPU generator cannot draw), so that every
@@ -153,9 +184,16 @@ def full_initial_value(hf_name: str, kind: str, shape, init_std: float, seed: in
     if kind == "bias":
         return torch.zeros(shape, device=cpu)
     generator = torch.Generator(device=cpu).manual_seed(name_seed(seed, hf_name))
-    value = torch.empty(shape, device=cpu).normal_(0.0, init_std, generator=generator)
-    if hf_name == WORD_EMBEDDINGS:
-        value[vocab_size:] = 0.0  # vocabulary padding rows are never looked up or predicted
+    std = model_cfg.init_std
+    if model_cfg.modern:
+        if hf_name.endswith(("attn.Wo.weight", "mlp.Wo.weight", "head.dense.weight")):
+            std = std / (2.0 * model_cfg.num_layers) ** 0.5
+        value = torch.empty(shape, device=cpu)
+        torch.nn.init.trunc_normal_(value, 0.0, std, -2.0 * std, 2.0 * std, generator=generator)
+    else:
+        value = torch.empty(shape, device=cpu).normal_(0.0, std, generator=generator)
+    if hf_name in EMBEDDING_NAMES:
+        value[model_cfg.vocab_size:] = 0.0  # vocabulary padding rows are never looked up or predicted
     return value
 
 
@@ -166,13 +204,13 @@ def local_shard(full: torch.Tensor, partition_dim: int | None, tp_rank: int, tp_
     return full.narrow(partition_dim, tp_rank * size, size)
 
 
-def init_weights(model: nn.Module, init_std: float, seed: int, vocab_size: int, tp_rank: int, tp_size: int) -> None:
+def init_weights(model: nn.Module, model_cfg, seed: int, tp_rank: int, tp_size: int) -> None:
     """Identical initial weights in every layout: full tensor from the name's seed, then our shard."""
     for lp in logical_parameters(model):
         shape = list(full_shape(lp.param))
         if lp.tp_partition_dim is not None:
             shape[lp.tp_partition_dim] *= tp_size
-        shard = local_shard(full_initial_value(lp.hf_name, lp.kind, shape, init_std, seed, vocab_size),
+        shard = local_shard(full_initial_value(lp.hf_name, lp.kind, shape, model_cfg, seed),
                             lp.tp_partition_dim, tp_rank, tp_size)
         assign_local(lp.param, shard)
 

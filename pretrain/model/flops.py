@@ -1,24 +1,38 @@
 """Matrix-product FLOPs of the model, the one place they are spelled: the trainer's model
 FLOP/s and the planner's step times (pretrain/plan/step_time.py) both read them.
 
-Training = forward + backward = 3 x forward. Per transformer layer and token, forward: Q, K, V
-and output projections 4 x 2h^2, MLP 2 x 2h*ffn, attention scores and context 2 x 2*s*h. Heads:
-pooler + NSP per sequence; MLM transform and the vocabulary projection at the masked positions
-only (sparse prediction).
+Training = forward + backward = 3 x forward. Per transformer layer and token, forward:
+- BERT: Q, K, V and output projections 4 x 2h^2, MLP 2 x 2h*ffn, attention scores and context
+  2 x 2*k*h over the k = s keys a query attends;
+- ModernBERT: the same projections (Wqkv 3 x 2h^2, Wo 2h^2), GeGLU's Wi 2h*2ffn and Wo 2ffn*h;
+  a windowed layer's query attends k = min(s, local_attention + 1) keys (the model's work: a
+  kernel that computes more and masks it counts no more).
+Heads: pooler + NSP per sequence (with the binary head); MLM transform and the vocabulary
+projection at the masked positions only (sparse prediction).
 """
 from __future__ import annotations
 
 
-def layer_forward_flops(model_cfg, seq_length: int) -> float:
-    """One transformer layer's forward over one row of `seq_length` tokens."""
+def layer_forward_flops(model_cfg, seq_length: int, layer_index: int = 0) -> float:
+    """Transformer layer `layer_index`'s forward over one row of `seq_length` tokens."""
     h, f, s = model_cfg.hidden_size, model_cfg.ffn_size, seq_length
-    return s * (8 * h * h + 4 * h * f) + attention_core_forward_flops(model_cfg, seq_length)
+    mlp = 6 * h * f if model_cfg.modern else 4 * h * f
+    return s * (8 * h * h + mlp) + attention_core_forward_flops(model_cfg, seq_length, layer_index)
 
 
-def attention_core_forward_flops(model_cfg, seq_length: int) -> float:
+def attention_core_forward_flops(model_cfg, seq_length: int, layer_index: int = 0) -> float:
     """The part of layer_forward_flops in the attention core (scores and context: what selective
     recomputation runs again)."""
-    return 4.0 * seq_length * seq_length * model_cfg.hidden_size
+    keys = seq_length
+    if model_cfg.modern and not model_cfg.is_global_layer(layer_index):
+        keys = min(seq_length, model_cfg.local_attention + 1)
+    return 4.0 * seq_length * keys * model_cfg.hidden_size
+
+
+def encoder_forward_flops(model_cfg, seq_length: int, layers: range | None = None) -> float:
+    """The forward of `layers` (default: all) over one row."""
+    layers = range(model_cfg.num_layers) if layers is None else layers
+    return sum(layer_forward_flops(model_cfg, seq_length, i) for i in layers)
 
 
 def pooler_forward_flops(model_cfg) -> float:
@@ -36,13 +50,14 @@ def mlm_forward_flops(model_cfg, vocab_size: int) -> float:
 def encoder_flops_per_row(cfg) -> float:
     """Training FLOPs of the encoder for one row of seq_length tokens (a padded sample, or a
     packed row of several)."""
-    return 3.0 * cfg.model.num_layers * layer_forward_flops(cfg.model, cfg.data.seq_length)
+    return 3.0 * encoder_forward_flops(cfg.model, cfg.data.seq_length)
 
 
 def head_flops_per_sample(cfg) -> float:
     """Training FLOPs of the heads, per sample however it is packed."""
     m = cfg.model
-    return 3.0 * (pooler_forward_flops(m) + cfg.data.max_predictions_per_seq * mlm_forward_flops(m, m.vocab_size))
+    pooler = pooler_forward_flops(m) if cfg.binary_head else 0.0
+    return 3.0 * (pooler + cfg.data.max_predictions_per_seq * mlm_forward_flops(m, m.vocab_size))
 
 
 def model_flops_per_sample(cfg) -> float:

@@ -45,6 +45,10 @@ from .cpu_bf16 import upcast_bf16
 from .rng import RngTracker, checkpoint_with_rng
 
 
+# The DeepSpeed TiedLayerSpec key of the word embedding, shared by the input lookup and the MLM decoder
+TIED_EMBEDDING_KEY = "word_embeddings"
+
+
 def megatron_config(params_dtype: torch.dtype, tp_group) -> ModelParallelConfig:
     """Megatron layer config: allocate on CPU, leave initialisation to `init_weights`."""
     return ModelParallelConfig(
@@ -70,11 +74,14 @@ def _sharded(layer, partition_dim: int):
     return layer
 
 
-def layer_norm(hidden_size: int, eps: float, dtype: torch.dtype) -> nn.Module:
+def layer_norm(hidden_size: int, eps: float, dtype: torch.dtype, bias: bool = True) -> nn.Module:
     """apex's FusedLayerNorm on GPU when apex is importable, torch's LayerNorm otherwise.
 
-    Both compute the same function with parameters named weight and bias (HF_NAME_TABLE).
+    Both compute the same function with parameters named weight and bias (HF_NAME_TABLE). Without
+    `bias` (ModernBERT's norm_bias false) torch's, which has that option.
     """
+    if not bias:
+        return nn.LayerNorm(hidden_size, eps=eps, bias=False, dtype=dtype)
     if torch.cuda.is_available():
         try:
             from apex.normalization import FusedLayerNorm

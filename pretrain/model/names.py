@@ -12,9 +12,9 @@ from typing import NamedTuple
 from torch import nn
 
 from ..distributed.internals import tp_partition_dim
-from .layers import EmbeddingTail, MlmHead, MlmOutputBias, PretrainingHeads, TransformerLayer, WordEmbedding
+from .layers import TIED_EMBEDDING_KEY, EmbeddingTail, MlmHead, MlmOutputBias, PretrainingHeads, TransformerLayer, WordEmbedding
+from .modernbert import DecoderBias, EmbeddingNorm, ModernLayer, ModernMlmHead, TokenEmbedding
 
-TIED_EMBEDDING_KEY = "word_embeddings"
 
 
 class ParamName(NamedTuple):
@@ -69,10 +69,53 @@ HF_NAME_TABLE: dict[type[nn.Module], dict[str, ParamName]] = {
         "bias": ParamName("cls.predictions.bias", "bias", 0),
     },
 }
+# ModernBERT: transformers' ModernBertForMaskedLM names. Optional biases (norm_bias, attention_bias,
+# mlp_bias, classifier_bias) are listed; a model built without them has no such parameters. Wqkv and
+# Wi are stored in the TP-friendly row orders modernbert.py describes, not transformers'.
+_MODERN_LAYER = "model.layers.{i}."
+HF_NAME_TABLE.update({
+    TokenEmbedding: {
+        "embedding.weight": ParamName("model.embeddings.tok_embeddings.weight", "embedding", 0),
+    },
+    EmbeddingNorm: {
+        "norm.weight": ParamName("model.embeddings.norm.weight", "layernorm", None),
+        "norm.bias": ParamName("model.embeddings.norm.bias", "layernorm", None),
+    },
+    ModernLayer: {
+        "attn_norm.weight": ParamName(_MODERN_LAYER + "attn_norm.weight", "layernorm", None),
+        "attn_norm.bias": ParamName(_MODERN_LAYER + "attn_norm.bias", "layernorm", None),
+        "attn_qkv.weight": ParamName(_MODERN_LAYER + "attn.Wqkv.weight", "weight", 0),
+        "attn_qkv.bias": ParamName(_MODERN_LAYER + "attn.Wqkv.bias", "bias", 0),
+        "attn_out.weight": ParamName(_MODERN_LAYER + "attn.Wo.weight", "weight", 1),
+        "attn_out.bias": ParamName(_MODERN_LAYER + "attn.Wo.bias", "bias", None),
+        "mlp_norm.weight": ParamName(_MODERN_LAYER + "mlp_norm.weight", "layernorm", None),
+        "mlp_norm.bias": ParamName(_MODERN_LAYER + "mlp_norm.bias", "layernorm", None),
+        "mlp_in.weight": ParamName(_MODERN_LAYER + "mlp.Wi.weight", "weight", 0),
+        "mlp_in.bias": ParamName(_MODERN_LAYER + "mlp.Wi.bias", "bias", 0),
+        "mlp_out.weight": ParamName(_MODERN_LAYER + "mlp.Wo.weight", "weight", 1),
+        "mlp_out.bias": ParamName(_MODERN_LAYER + "mlp.Wo.bias", "bias", None),
+    },
+    ModernMlmHead: {
+        "final_norm.weight": ParamName("model.final_norm.weight", "layernorm", None),
+        "final_norm.bias": ParamName("model.final_norm.bias", "layernorm", None),
+        "dense.weight": ParamName("head.dense.weight", "weight", None),
+        "dense.bias": ParamName("head.dense.bias", "bias", None),
+        "norm.weight": ParamName("head.norm.weight", "layernorm", None),
+        "norm.bias": ParamName("head.norm.bias", "layernorm", None),
+    },
+    DecoderBias: {
+        "bias": ParamName("decoder.bias", "bias", 0),
+    },
+})
 HF_NAME_TABLE[MlmHead] = {local: entry for local, entry in HF_NAME_TABLE[PretrainingHeads].items()
                           if local.startswith("mlm_")}
 WORD_EMBEDDINGS = HF_NAME_TABLE[WordEmbedding]["embedding.weight"].hf_name
 MLM_BIAS = HF_NAME_TABLE[MlmOutputBias]["bias"].hf_name
+MODERN_EMBEDDINGS = HF_NAME_TABLE[TokenEmbedding]["embedding.weight"].hf_name
+MODERN_DECODER_BIAS = HF_NAME_TABLE[DecoderBias]["bias"].hf_name
+# Tensors indexed by vocabulary id along their first dimension (padded to the padded vocabulary)
+VOCAB_ROWS = frozenset({WORD_EMBEDDINGS, MLM_BIAS, MODERN_EMBEDDINGS, MODERN_DECODER_BIAS})
+EMBEDDING_NAMES = frozenset({WORD_EMBEDDINGS, MODERN_EMBEDDINGS})
 
 
 @dataclass
@@ -110,13 +153,36 @@ def logical_parameters(model: nn.Module) -> list[LogicalParam]:
     return found
 
 
-def spec_modules(num_layers: int, binary_head: bool = True) -> list[tuple[type[nn.Module], int | None]]:
+def spec_modules(model_cfg, binary_head: bool = True) -> list[tuple[type[nn.Module], int | None]]:
     """(layer class, transformer layer index) of each entry of `stage_specs`, in order: what the
     checkpoint files of each module structure are named after (checkpoint.format.checkpoint_param_names).
     The word embedding appears twice: the input lookup and the tied MLM decoder. Without the binary
-    head the heads' entry is MlmHead (same position, no pooler or next-sentence classifier)."""
+    head the heads' entry is MlmHead (same position, no pooler or next-sentence classifier).
+    ModernBERT's list has the same positions (it never has the binary head)."""
+    n = model_cfg.num_layers
+    if model_cfg.modern:
+        return [(TokenEmbedding, None), (EmbeddingNorm, None), *[(ModernLayer, i) for i in range(n)],
+                (ModernMlmHead, None), (TokenEmbedding, None), (DecoderBias, None)]
     heads = PretrainingHeads if binary_head else MlmHead
-    return [(WordEmbedding, None), (EmbeddingTail, None), *[(TransformerLayer, i) for i in range(num_layers)],
+    return [(WordEmbedding, None), (EmbeddingTail, None), *[(TransformerLayer, i) for i in range(n)],
             (heads, None), (WordEmbedding, None), (MlmOutputBias, None)]
 
 
+def module_parameters(module_class: type[nn.Module], model_cfg, layer: int | None) -> list[str]:
+    """The local parameter names a module of this class has under `model_cfg`, in the module's
+    order (HF_NAME_TABLE lists ModernBERT's optional biases, which a model may lack)."""
+    if not model_cfg.modern:
+        return list(HF_NAME_TABLE[module_class])
+    present = {"norm": model_cfg.norm_bias, "attn": model_cfg.attention_bias, "mlp": model_cfg.mlp_bias,
+               "dense": model_cfg.classifier_bias}
+    names = []
+    for local in HF_NAME_TABLE[module_class]:
+        if module_class is ModernLayer and layer == 0 and local.startswith("attn_norm."):
+            continue  # transformers' layer 0 has no attn_norm
+        if local.endswith(".bias") and module_class is not DecoderBias:
+            prefix = local.split(".")[0]
+            kind = "norm" if prefix.endswith("norm") else prefix.split("_")[0]
+            if not present[kind]:
+                continue
+        names.append(local)
+    return names

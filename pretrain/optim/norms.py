@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 
 from ..distributed import device, internals
-from ..model.names import WORD_EMBEDDINGS, LogicalParam, logical_parameters
+from ..model.names import EMBEDDING_NAMES, LogicalParam, logical_parameters
 
 
 def counted_once(model, parallel) -> Iterator[LogicalParam]:
@@ -32,7 +32,7 @@ def counted_once(model, parallel) -> Iterator[LogicalParam]:
     for lp in logical_parameters(model):
         if lp.tp_partition_dim is None and parallel.tp_rank != 0:
             continue
-        if parallel.pp_size > 1 and lp.hf_name == WORD_EMBEDDINGS and not parallel.is_first_stage:
+        if parallel.pp_size > 1 and lp.hf_name in EMBEDDING_NAMES and not parallel.is_first_stage:
             continue
         yield lp
 

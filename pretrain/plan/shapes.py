@@ -21,8 +21,12 @@ from torch import nn
 
 from ..model.bert import stage_specs
 from ..model.layers import EmbeddingTail, PretrainingHeads, TransformerLayer
+from ..model.modernbert import EmbeddingNorm, ModernLayer, ModernMlmHead
 from ..model.rng import RngTracker
 from ..optim.groups import optimizer_param_groups
+
+
+ENCODER_LAYERS = (TransformerLayer, ModernLayer)  # what PipelineModule's "type:" partitioning counts
 
 
 class _ShapeGroup:
@@ -88,7 +92,7 @@ def stage_parameters(cfg, tensor_parallel: int, pipeline_parallel: int) -> list[
     with _process_group_for_shapes(), torch.device("meta"):
         specs = stage_specs(cfg.model, cfg.model.padded_vocab_size(tensor_parallel), torch.float32,
                             RngTracker(torch.device("cpu")), _ShapeGroup(tensor_parallel), cfg.binary_head)
-        transformer = [i for i, spec in enumerate(specs) if spec.typename is TransformerLayer]
+        transformer = [i for i, spec in enumerate(specs) if spec.typename in ENCODER_LAYERS]
         bounds = stage_boundaries(len(specs), transformer, pipeline_parallel)
         stages = []
         for stage in range(pipeline_parallel):
@@ -103,6 +107,7 @@ def stage_parameters(cfg, tensor_parallel: int, pipeline_parallel: int) -> list[
             groups = tuple(tuple(p.numel() for p in group["params"])
                            for group in optimizer_param_groups(holder, cfg.optimizer))
             kinds = {type(m) for m in holder}
-            stages.append(StageParams(stage, groups, sum(isinstance(m, TransformerLayer) for m in holder),
-                                      EmbeddingTail in kinds, any(issubclass(k, PretrainingHeads) for k in kinds)))
+            stages.append(StageParams(stage, groups, sum(isinstance(m, ENCODER_LAYERS) for m in holder),
+                                      bool(kinds & {EmbeddingTail, EmbeddingNorm}),
+                                      any(issubclass(k, (PretrainingHeads, ModernMlmHead)) for k in kinds)))
     return stages

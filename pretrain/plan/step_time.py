@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-from ..model.flops import attention_core_forward_flops, layer_forward_flops, mlm_forward_flops, pooler_forward_flops
+from ..model.flops import attention_core_forward_flops, encoder_forward_flops, mlm_forward_flops, pooler_forward_flops
 from .layouts import Layout
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -116,11 +116,12 @@ def predict_step_time(cfg, layout: Layout, hw: Hardware, stage_numels: list[int]
     topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=t, num_dp=dp)
 
     layers = m.num_layers // pp
-    per_layer = 3 * layer_forward_flops(m, seq)
+    # the slowest stage's layers (ModernBERT's global layers cost more than its windowed ones)
+    per_layer = max(3 * encoder_forward_flops(m, seq, range(p * layers, (p + 1) * layers)) for p in range(pp)) / layers
     if layout.recompute == "full":
-        per_layer += layer_forward_flops(m, seq)
+        per_layer += encoder_forward_flops(m, seq) / m.num_layers
     elif layout.recompute == "selective":
-        per_layer += attention_core_forward_flops(m, seq)
+        per_layer += sum(attention_core_forward_flops(m, seq, i) for i in range(m.num_layers)) / m.num_layers
     encoder = layers * micro * per_layer / t
     elementwise = layers * micro * layer_elementwise_bytes(m, seq, t, layout.precision, layout.recompute)
     vocab = m.padded_vocab_size(t)

@@ -70,7 +70,7 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
         model = build_model(cfg.model, padded_vocab, torch.float32, tracker, par.tp_group,
                             pipeline_topology=par.topology if pipelined else None, loss_fn=loss_fn,
                             binary_head=cfg.binary_head, packed=cfg.data.packing)
-        init_weights(model, cfg.model.init_std, cfg.train.seed, cfg.model.vocab_size, par.tp_rank, par.tp_size)
+        init_weights(model, cfg.model, cfg.train.seed, par.tp_rank, par.tp_size)
         return model
 
     if cfg.parallel.zero_stage == 3:

@@ -8,8 +8,9 @@ beside the sizes and checksums:
   whether the normaliser lowercases. Ids only mean something with their vocabulary: a run whose
   ``data.vocab_file`` has other tokens trains the embedding of one token on another's ids, and a
   merge of datasets made with two vocabularies mixes both meanings.
-- ``token_counts``: all tokens, the special ones among them ([PAD] [UNK] [CLS] [SEP] [MASK] and
-  any other bracketed token) and the [PAD]s. A dataset made mostly of them teaches nothing: a
+- ``token_counts``: all tokens, the special ones among them (the tokenizer's control tokens:
+  [PAD] [UNK] [CLS] [SEP] [MASK] and any other bracketed token of a BERT vocabulary, the special
+  tokens of a tokenizer.json: special_tokens.py) and the padding tokens. A dataset made mostly of them teaches nothing: a
   tokenizer.json that pads every sentence to 128, a vocabulary that turns the text into [UNK].
 
 Datasets without a record (Megatron-LM's own tools, older runs) keep the structural checks; their
@@ -181,14 +182,22 @@ def sampled_token_counts(prefix: str, special: np.ndarray, pad_id: int, budget: 
 
 
 def dataset_problems(prefix: str, where: str, tokens: Sequence[str] | None, vocab_file: str | None,
-                     accept_vocab: bool) -> list[str]:
+                     accept_vocab: bool, special_ids: Sequence[int] | None = None,
+                     pad_id: int | None = None) -> list[str]:
     """One line per problem of the dataset `prefix` (listed under config key `where`) against the
-    run's vocabulary (`tokens` of `vocab_file`; None when it cannot be read, which the caller
-    reports): mostly special tokens; made with another vocabulary (unless `accept_vocab`)."""
+    run's vocabulary (`tokens` of `vocab_file`, its control ids `special_ids` and padding id
+    `pad_id`, by default a BERT vocabulary's bracketed tokens and [PAD]; None when it cannot be
+    read, which the caller reports): mostly special tokens; made with another vocabulary (unless
+    `accept_vocab`)."""
     vocabulary, counts = read_record(prefix)
     sampled = ""
     if counts is None and tokens is not None:
-        counts = sampled_token_counts(prefix, special_table(tokens), tokens.index("[PAD]"))
+        if special_ids is None:
+            special = special_table(tokens)
+        else:
+            special = np.zeros(len(tokens), dtype=bool)
+            special[np.asarray(special_ids, dtype=np.int64)] = True
+        counts = sampled_token_counts(prefix, special, tokens.index("[PAD]") if pad_id is None else pad_id)
         sampled = f" (a sample of {counts.total:,} tokens read over the file)" if counts else ""
     problems = []
     refusal = counts.refusal(f"{where}: {prefix}.bin{sampled}") if counts else None

@@ -108,7 +108,8 @@ class ChunkEncoder:
         # special token (as Google's and Megatron's BERT preprocessing do).
         self.tokenizer.encode_special_tokens = True
         self.dtype = np.dtype(options.dtype)
-        self.special = np.zeros(self.tokenizer.get_vocab_size(with_added_tokens=True), dtype=bool)
+        size = max([self.tokenizer.get_vocab_size(with_added_tokens=True), *(i + 1 for i in options.special_ids)])
+        self.special = np.zeros(size, dtype=bool)
         self.special[list(options.special_ids)] = True
         self.split_sentences = SentenceSplitter(options.keep_newlines) if options.split_sentences else None
 

@@ -50,7 +50,7 @@ from .corpus import (
 from .dataset_record import TokenCounts, VocabularyRecord, record_members
 from .encode import ChunkEncoder, EncodedChunk, EncodeOptions, encode_in_worker, init_worker
 from .fingerprint import fingerprint_path, write_fingerprint
-from .tokenizer import load_tokenizer, special_token_ids, tokenizer_vocab, tokens_by_id
+from .tokenizer import load_tokenizer, tokenizer_vocab, tokens_by_id
 
 logger = logging.getLogger(__name__)
 
@@ -222,9 +222,9 @@ def preprocess(options: PreprocessOptions, encoder_factory: type[ChunkEncoder] =
             split_sentences=options.split_sentences,
             keep_newlines=options.keep_newlines,
             append_eod=options.append_eod,
-            eod_id=info.special_ids["[SEP]"],
-            special_ids=tuple(special_token_ids(tokens)),
-            pad_id=info.special_ids["[PAD]"],
+            eod_id=info.specials.sep_id,
+            special_ids=info.specials.control_ids,
+            pad_id=info.specials.pad_id,
         )
         with _Interrupts().installed() as interrupts, atomic_outputs(finals) as temps:
             _run(options, paths, encode_options, encoder_factory, dtype, prefixes, temps, report, started, interrupts)

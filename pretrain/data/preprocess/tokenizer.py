@@ -11,6 +11,12 @@ Case consistency: a vocabulary built from lowercased text has no uppercase wordp
 has many. Tokenizing cased text with an uncased vocabulary turns every capitalised word into
 ``[UNK]``; lowercasing text for a cased vocabulary leaves its uppercase entries unused. Both are
 clear errors (``check_case``); a small share of uppercase entries only warns.
+
+Any other Hugging Face tokenizer.json loads too (a byte-level BPE as RoBERTa's or ModernBERT's, a
+SentencePiece-style Unigram): its special tokens are read by role, never assumed, and where its
+words start is read from its model and pre-tokenizer (special_tokens.py). The case check and
+``--tokenizer-type`` concern WordPiece vocabularies only (a byte-level vocabulary spells a space
+'Ġ', an uppercase letter to Python); another tokenizer's normalizer decides its case.
 """
 from __future__ import annotations
 
@@ -25,13 +31,18 @@ from tokenizers.normalizers import BertNormalizer
 from tokenizers.pre_tokenizers import BertPreTokenizer
 from tokenizers.processors import TemplateProcessing
 
-from ...common.errors import UserError
+from .special_tokens import (WORDPIECE_WORDS, SpecialTokens, TokenizerError, WordBoundaries,
+                             tokenizer_json_special_tokens, word_boundaries, wordpiece_special_tokens)
 
 __all__ = [
     "SPECIAL_TOKENS",
     "TOKENIZER_TYPES",
     "TokenizerError",
     "BertTokenizerInfo",
+    "TokenizerInfo",
+    "SpecialTokens",
+    "WordBoundaries",
+    "read_special_tokens",
     "read_vocab",
     "check_special_tokens",
     "check_case",
@@ -44,6 +55,8 @@ __all__ = [
     "without_padding",
     "load_tokenizer",
     "tokenizer_model_type",
+    "tokenizer_source",
+    "vocabulary_description",
     "wordpiece_vocab",
     "write_vocab_file",
 ]
@@ -55,10 +68,6 @@ TOKENIZER_TYPES = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False}
 # Share of cased entries (among entries with letters that have case) above which a vocabulary
 # counts as built from cased text.
 _CASED_SHARE = 0.01
-
-
-class TokenizerError(UserError, ValueError):
-    """A vocabulary or tokenizer that cannot be used, naming the file and the problem."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,6 +191,12 @@ def vocabulary_tokens(path: str) -> tuple[str, ...]:
     return tokens_by_id(read_vocab(path))  # checks the special tokens
 
 
+def vocabulary_description(path: str) -> tuple[tuple[str, ...], SpecialTokens, WordBoundaries]:
+    """(tokens in id order, special tokens by role, word boundaries) of a vocab.txt or tokenizer.json."""
+    info = load_tokenizer(**tokenizer_source(path), allow_case_mismatch=True)
+    return tokens_by_id(tokenizer_vocab(info.tokenizer)), info.specials, info.words
+
+
 def special_token_ids(tokens: Sequence[str]) -> list[int]:
     """Ids of the control tokens: the five BERT needs and any other bracketed one ([unused0], ...)."""
     return [i for i, t in enumerate(tokens) if t.startswith("[") and t.endswith("]")]
@@ -229,8 +244,11 @@ class BertTokenizerInfo:
     tokenizer: Tokenizer
     lowercase: bool
     vocab_size: int  # ids are < vocab_size (added tokens included)
-    special_ids: dict[str, int]
+    special_ids: dict[str, int]  # token text -> id of the roles ("[PAD]": 0, ...; "<mask>": 50264, ...)
     source: str  # the file it came from
+    specials: SpecialTokens  # the special tokens by role: specials.mask_id, specials.token("mask"), ...
+    words: WordBoundaries = WORDPIECE_WORDS  # where words start (whole-word masking)
+    model_type: str = "WordPiece"  # the tokenizer's model: WordPiece, BPE, Unigram, ...
     warnings: list[str] = field(default_factory=list)
     switched_off: list[str] = field(default_factory=list)  # the tokenizer.json's own padding / truncation
 
@@ -238,15 +256,21 @@ class BertTokenizerInfo:
         return self.tokenizer.to_str()
 
 
+TokenizerInfo = BertTokenizerInfo  # it is not only BERT's any more
+
+
 def load_tokenizer(vocab_file: str | None = None, tokenizer_json: str | None = None,
                    tokenizer_type: str | None = None, allow_case_mismatch: bool = False) -> BertTokenizerInfo:
-    """A BERT tokenizer from exactly one of ``vocab_file`` (vocab.txt) or ``tokenizer_json``.
+    """A tokenizer from exactly one of ``vocab_file`` (a BERT vocab.txt) or ``tokenizer_json``
+    (any Hugging Face tokenizer.json: WordPiece, BPE, ...), with its special tokens by role.
 
-    ``tokenizer_type`` (a TOKENIZER_TYPES name) sets lowercasing; without it, a vocab.txt gets
-    the case its entries show and a tokenizer.json keeps its own normalizer. A tokenizer.json
-    whose normalizer contradicts ``tokenizer_type`` is an error; its own padding and truncation
-    are switched off (``without_padding``): every user of a loaded tokenizer wants the text's
-    tokens as they are, or sets its own fixed length.
+    ``tokenizer_type`` (a TOKENIZER_TYPES name) sets lowercasing of a WordPiece vocabulary;
+    without it, a vocab.txt gets the case its entries show and a tokenizer.json keeps its own
+    normalizer. A tokenizer.json whose normalizer contradicts ``tokenizer_type``, or that is not
+    WordPiece, is an error with it; its own padding and truncation are switched off
+    (``without_padding``): every user of a loaded tokenizer wants the text's tokens as they are,
+    or sets its own fixed length. A tokenizer without a pad, cls, sep or mask token is refused
+    (special_tokens.py).
     """
     if (vocab_file is None) == (tokenizer_json is None):
         raise TokenizerError("give exactly one of a vocab file (vocab.txt) or a tokenizer.json")
@@ -265,6 +289,8 @@ def load_tokenizer(vocab_file: str | None = None, tokenizer_json: str | None = N
                          f"{'uncased, lowercasing' if wanted else 'cased, keeping case'} (BertWordPiece"
                          f"{'LowerCase' if wanted else 'Case'})")
         tokenizer = bert_wordpiece_tokenizer(vocab, wanted)
+        model_type, words = "WordPiece", WORDPIECE_WORDS
+        specials = wordpiece_special_tokens(vocab, vocab_file)
     else:
         source = tokenizer_json
         try:
@@ -275,6 +301,10 @@ def load_tokenizer(vocab_file: str | None = None, tokenizer_json: str | None = N
             raise TokenizerError(f"tokenizer file {tokenizer_json!r} does not exist") from None
         except (OSError, ValueError, Exception) as e:  # tokenizers raises a bare Exception on bad content
             raise TokenizerError(f"{tokenizer_json}: not a Hugging Face tokenizer.json ({e})") from None
+        model_type = (config.get("model") or {}).get("type") or "untyped"
+        if tokenizer_type is not None and model_type != "WordPiece":
+            raise TokenizerError(f"{tokenizer_json}: a {model_type} tokenizer; --tokenizer-type {tokenizer_type} names a "
+                                 "BERT WordPiece one: leave it out (the tokenizer.json's normalizer decides the case)")
         has_lowercase = bool(_json_lowercase(config))
         if wanted is not None and wanted != has_lowercase:
             raise TokenizerError(f"{tokenizer_json}: its normalizer {'lowercases' if has_lowercase else 'keeps case'}, "
@@ -282,18 +312,40 @@ def load_tokenizer(vocab_file: str | None = None, tokenizer_json: str | None = N
         wanted = has_lowercase
         switched_off = without_padding(tokenizer)
         vocab = tokenizer_vocab(tokenizer)
-        check_special_tokens(vocab, tokenizer_json)
-    notes += check_case(vocab, wanted, source, allow_case_mismatch)
+        try:
+            specials = tokenizer_json_special_tokens(config, vocab, tokenizer_json)
+        except TokenizerError:
+            if model_type == "WordPiece":
+                check_special_tokens(vocab, tokenizer_json)  # the message BERT users know, naming the missing [X]
+            raise
+        words = word_boundaries(config)
+    if model_type == "WordPiece":
+        notes += check_case(vocab, wanted, source, allow_case_mismatch)
     vocab = tokenizer_vocab(tokenizer)
     return BertTokenizerInfo(
         tokenizer=tokenizer,
         lowercase=wanted,
-        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
-        special_ids={t: vocab[t] for t in SPECIAL_TOKENS},
+        vocab_size=max(tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1),
+        special_ids=specials.by_token(),
         source=os.fspath(source),
+        specials=specials,
+        words=words,
+        model_type=model_type,
         warnings=notes,
         switched_off=switched_off,
     )
+
+
+def tokenizer_source(path: str) -> dict[str, str]:
+    """load_tokenizer's keyword for a file: a tokenizer.json by its .json suffix, else a vocab.txt."""
+    return {"tokenizer_json": path} if os.fspath(path).endswith(".json") else {"vocab_file": path}
+
+
+def read_special_tokens(path: str) -> SpecialTokens:
+    """The special tokens by role of a vocab.txt or tokenizer.json (by its .json suffix): what the
+    model, fill-mask and fine-tuning sides call for pad/cls/sep/mask ids (``.pad_id``, ``.mask_id``,
+    ``.token("mask")``, ...). Raises TokenizerError naming the file and a missing role."""
+    return load_tokenizer(**tokenizer_source(path), allow_case_mismatch=True).specials
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from .masking import MaskingConfig, mask_tokens
 from .batches import SAMPLE_FIELDS
 from .segments import SegmentSettings, build_segments
 from .shuffle import FeistelPermutation
-from .token_ids import WordPieceVocab
+from .token_ids import Vocabulary
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -158,7 +158,7 @@ class BertPretrainingDataset:
     """`num_samples` samples blended from the corpora's splits by weight (SAMPLE_FIELDS dicts)."""
 
     def __init__(self, splits: list[CorpusSplit], blend: np.ndarray | None, num_samples: int,
-                 settings: SampleSettings, vocab: WordPieceVocab):
+                 settings: SampleSettings, vocab: Vocabulary):
         self.splits = splits
         self.blend = blend  # structured [num_samples] (corpus, k) or None for one corpus
         self.num_samples = num_samples
@@ -167,6 +167,9 @@ class BertPretrainingDataset:
         self.special = np.zeros(vocab.size, dtype=bool)
         self.special[vocab.special_ids] = True
         self.continuation = vocab.continuation_flags()
+        # A word-start marker ('Ġ', '▁') is missing on a sentence's first word when the tokenizer
+        # adds no prefix space: every sentence start then starts a word (special_tokens.py).
+        self.sentences_start_words = vocab.words.kind == "marker"
         self.masking = MaskingConfig(settings.masked_lm_prob, settings.max_predictions, settings.whole_word_masking,
                                      settings.max_ngram, vocab.mask_id, vocab.replacement_ids())
         self.max_tokens = SegmentSettings(settings.segment_pairs, settings.seq_length, 0.0, 0).max_num_tokens
@@ -201,7 +204,11 @@ class BertPretrainingDataset:
         a_begin, a_end, b_begin, b_end, label = (int(v) for v in split.table[row])
         a, b = split.store.span(a_begin, a_end), split.store.span(b_begin, b_end)
         sample_rng = np.random.default_rng([split.seed, split.corpus_id, row])
-        a, b = _truncate_pair(a, b, self.max_tokens, sample_rng)
+        a_lo, a_hi, b_lo, b_hi = _truncation(a.size, b.size, self.max_tokens, sample_rng)
+        if self.sentences_start_words:
+            a_starts = _sentence_starts(split.store.lengths, a_begin, a_end, a_lo, a_hi)
+            b_starts = _sentence_starts(split.store.lengths, b_begin, b_end, b_lo, b_hi)
+        a, b = a[a_lo:a_hi], b[b_lo:b_hi]
         mask_rng = np.random.default_rng([split.seed, split.corpus_id, row, epoch]) if s.dynamic_masking else sample_rng
 
         vocab = self.vocab
@@ -216,8 +223,12 @@ class BertPretrainingDataset:
             tokens[2 + a.size:n - 1] = b
             tokens[n - 1] = vocab.sep_id
             token_types[2 + a.size:n] = 1
-        corrupted, positions, labels = mask_tokens(tokens, ~self.special[tokens], self.continuation[tokens], mask_rng,
-                                                   self.masking)
+        continuation = self.continuation[tokens]
+        if self.sentences_start_words:
+            continuation[1 + a_starts] = False
+            if pair:
+                continuation[2 + a.size + b_starts] = False
+        corrupted, positions, labels = mask_tokens(tokens, ~self.special[tokens], continuation, mask_rng, self.masking)
         input_ids = np.full(s.seq_length, vocab.pad_id, dtype=np.int64)
         input_ids[:n] = corrupted
         padding_mask = np.zeros(s.seq_length, dtype=np.int64)
@@ -236,10 +247,16 @@ class BertPretrainingDataset:
 def _truncate_pair(a: np.ndarray, b: np.ndarray, max_tokens: int, rng: np.random.Generator):
     """google-research/bert's truncate_seq_pair: trim the longer side (B on ties), one token at a
     time from its front or its back (a fair coin each), until the pair fits."""
-    excess = a.size + b.size - max_tokens
+    a_lo, a_hi, b_lo, b_hi = _truncation(a.size, b.size, max_tokens, rng)
+    return a[a_lo:a_hi], b[b_lo:b_hi]
+
+
+def _truncation(a_size: int, b_size: int, max_tokens: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
+    """_truncate_pair's cut as (a_lo, a_hi, b_lo, b_hi): the kept slices of A and B."""
+    excess = a_size + b_size - max_tokens
     if excess <= 0:
-        return a, b
-    la, lb = a.size, b.size
+        return 0, a_size, 0, b_size
+    la, lb = a_size, b_size
     a_front = a_back = b_front = b_back = 0
     for from_front in rng.random(excess) < 0.5:
         if la > lb:
@@ -248,7 +265,17 @@ def _truncate_pair(a: np.ndarray, b: np.ndarray, max_tokens: int, rng: np.random
         else:
             lb -= 1
             b_front, b_back = (b_front + 1, b_back) if from_front else (b_front, b_back + 1)
-    return a[a_front:a.size - a_back], b[b_front:b.size - b_back]
+    return a_front, a_size - a_back, b_front, b_size - b_back
+
+
+def _sentence_starts(lengths: np.ndarray, begin: int, end: int, lo: int, hi: int) -> np.ndarray:
+    """Positions, within the kept slice [lo, hi) of sentences [begin, end) laid end to end, of the
+    sentences' first tokens (a sentence whose start was cut off has none)."""
+    if end <= begin:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.zeros(end - begin, dtype=np.int64)
+    np.cumsum(lengths[begin:end - 1], out=starts[1:])
+    return starts[(starts >= lo) & (starts < hi)] - lo
 
 
 # ----------------------------------------------------------------------------------------------- building
@@ -261,7 +288,7 @@ class CorpusSpec:
 
 
 def build_split_dataset(corpora: list[CorpusSpec], split_index: int, split: str, num_samples: int,
-                        settings: SampleSettings, vocab: WordPieceVocab, cache_dir: str | None, is_builder: bool,
+                        settings: SampleSettings, vocab: Vocabulary, cache_dir: str | None, is_builder: bool,
                         barrier: Callable[[], None] | None,
                         stores: dict[str, TokenStore] | None = None) -> BertPretrainingDataset | None:
     """The dataset of one split (0 train, 1 valid, 2 test) blending `corpora`; None when the split

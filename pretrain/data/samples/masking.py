@@ -15,7 +15,7 @@ import numpy as np
 class MaskingConfig:
     masked_lm_prob: float  # share of candidate tokens predicted
     max_predictions: int  # cap per sequence (20 at seq 128, 80 at seq 512)
-    whole_word: bool  # a word's '##' continuations are masked with it, never alone
+    whole_word: bool  # a word's continuations ('##' pieces, BPE pieces without 'Ġ') are masked with it, never alone
     max_ngram: int  # 1 = BERT; >1 = spans of up to n units, length n drawn with p ~ 1/n (Megatron, SpanBERT-like)
     mask_id: int
     replacement_ids: np.ndarray  # ids the 10% random replacement draws from (no special tokens)
@@ -26,14 +26,17 @@ def mask_tokens(tokens: np.ndarray, candidate: np.ndarray, continuation: np.ndar
     """Choose and corrupt the predicted positions of one sequence.
 
     tokens: int64 [n], the unpadded sequence. candidate: bool [n], positions that may be
-    predicted (not [CLS]/[SEP]/other specials). continuation: bool [n], the token is a '##'
-    WordPiece. Returns (corrupted tokens, sorted predicted positions, original ids there).
+    predicted (not [CLS]/[SEP]/other specials). continuation: bool [n], the token continues the
+    word before it (a '##' WordPiece; a byte-level BPE piece without a leading 'Ġ': the
+    tokenizer's rule, special_tokens.WordBoundaries). A continuation right after a position that
+    is no candidate starts a unit of its own. Returns (corrupted tokens, sorted predicted
+    positions, original ids there).
     """
     positions = np.flatnonzero(candidate)
     if positions.size == 0:
         return tokens.copy(), positions, positions
     # Units are what gets chosen together: whole words (a candidate followed by its candidate
-    # '##' continuations) or single tokens.
+    # continuations) or single tokens.
     if cfg.whole_word:
         follows_candidate = np.zeros(positions.size, dtype=bool)
         follows_candidate[1:] = positions[1:] == positions[:-1] + 1

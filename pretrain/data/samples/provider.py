@@ -6,7 +6,7 @@ from typing import Callable
 
 from ...config import Config
 from ..preprocess.dataset_record import dataset_problems
-from .token_ids import VocabError, WordPieceVocab
+from .token_ids import VocabError, Vocabulary
 
 
 def data_file_problems(cfg: Config) -> list[str]:
@@ -16,10 +16,10 @@ def data_file_problems(cfg: Config) -> list[str]:
     if d.kind != "indexed":
         return []
     problems = []
-    tokens = None
+    vocab = None
     if d.vocab_file:
         try:
-            tokens = WordPieceVocab.from_file(d.vocab_file).tokens
+            vocab = Vocabulary.from_file(d.vocab_file)
         except VocabError as err:
             problems.append(f"data.vocab_file: {err}")
     for key in ("paths", "valid_paths", "test_paths"):
@@ -28,7 +28,9 @@ def data_file_problems(cfg: Config) -> list[str]:
             problems += [f"data.{key}: {path} does not exist (give prefixes without .bin/.idx, as "
                          "tools/preprocess_data.py prints them)" for path in missing]
             if not missing:
-                problems += dataset_problems(prefix, f"data.{key}", tokens, d.vocab_file, d.accept_dataset_vocab)
+                problems += dataset_problems(prefix, f"data.{key}", vocab.tokens if vocab else None, d.vocab_file,
+                                             d.accept_dataset_vocab, special_ids=vocab.special_ids if vocab else None,
+                                             pad_id=vocab.pad_id if vocab else None)
     return problems
 
 
@@ -59,7 +61,7 @@ def pretraining_datasets(cfg: Config, is_builder: bool, barrier: Callable[[], No
     from .bert_dataset import CorpusSpec, SampleSettings, build_split_dataset
 
     try:
-        vocab = WordPieceVocab.from_file(d.vocab_file)
+        vocab = Vocabulary.from_file(d.vocab_file)
     except VocabError as err:
         raise DataError(f"data.vocab_file: {err}") from None
     if vocab.size > cfg.model.vocab_size:

@@ -1,0 +1,233 @@
+"""ModernBERT (Warner et al. 2024) on megatron-core tensor-parallel layers.
+
+The math is transformers' ModernBertForMaskedLM (models/modernbert/modeling_modernbert.py):
+token embedding -> LayerNorm -> dropout (no position or token-type embeddings); pre-LN layers
+`h + Wo(attn(attn_norm(h)))`, `h + mlp.Wo(GeGLU(mlp_norm(h)))` with no attn_norm on layer 0;
+rotary positions over the whole head dimension (non-interleaved halves), base global_rope_theta
+on global layers and local_rope_theta on local ones; layer i global when
+i % global_attn_every_n_layers == 0, the others attending to keys within local_attention / 2
+positions; a final LayerNorm; the MLM head dense -> GELU -> LayerNorm -> decoder tied to the
+token embedding, with a bias.
+
+The stage sequence mirrors BERT's MLM-only one (bert.py), so pipeline cutting, tied weights and
+checkpoint files work alike:
+
+  input batch       (input_ids, token_type_ids, padding_mask, masked_positions)
+  TokenEmbedding    (word_vectors, token_type_ids, padding_mask, masked_positions)
+  EmbeddingNorm     (hidden, padding_mask, masked_positions)
+  ModernLayer       (hidden, padding_mask, masked_positions)                         x num_layers
+  ModernMlmHead     (mlm_hidden, None)            final_norm at the masked positions only
+  TokenEmbedding    (mlm_logits_without_bias, None)                                  tied decoder
+  DecoderBias       (mlm_logits, None)
+
+Packed rows (data.packing) carry (input_ids, token_type_ids, sample_ids, masked_positions,
+position_ids, cls_positions) in, and (hidden, sample_ids, masked_positions, cls_positions,
+position_ids) between layers: rotary positions restart at every sample, and attention (global or
+windowed) never crosses a sample. Token types are read past, never embedded.
+
+Parameter layout that differs from transformers (checkpoint/modernbert_hf.py converts): Wqkv
+rows are per head [q; k; v] (megatron's fused QKV) and Wi rows interleave the GeGLU halves
+[input_0, gate_0, input_1, gate_1, ...], so that cutting either into TP shards along rows hands
+every rank whole heads and matching halves whatever the TP size: the stored tensors stay
+layout-free.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from megatron.core import ModelParallelConfig
+from torch import nn
+
+from .layers import (
+    TIED_EMBEDDING_KEY,
+    ColumnParallelLinear,
+    Dropout,
+    MlmOutputBias,
+    RowParallelLinear,
+    WordEmbedding,
+    _sharded,
+    _unused_init,
+    decode_tokens,
+    dropout,
+    layer_norm,
+)
+from .rng import RngTracker, checkpoint_with_rng
+
+
+class TokenEmbedding(WordEmbedding):
+    """ModernBERT's token embedding (model.embeddings.tok_embeddings), also the tied decoder."""
+
+
+class DecoderBias(MlmOutputBias):
+    """ModernBERT's MLM decoder bias (decoder.bias)."""
+
+
+class EmbeddingNorm(nn.Module):
+    """LayerNorm and dropout of the token vectors (a replicated region)."""
+
+    def __init__(self, model_cfg, params_dtype: torch.dtype):
+        super().__init__()
+        self.norm = layer_norm(model_cfg.hidden_size, model_cfg.layernorm_epsilon, params_dtype, model_cfg.norm_bias)
+        self.dropout = Dropout(model_cfg.hidden_dropout)
+
+    def forward(self, inputs):
+        if len(inputs) == 6:  # packed
+            word_vectors, _token_types, sample_ids, masked_positions, position_ids, cls_positions = inputs
+            return self.dropout(self.norm(word_vectors)), sample_ids, masked_positions, cls_positions, position_ids
+        word_vectors, _token_types, padding_mask, masked_positions = inputs
+        return self.dropout(self.norm(word_vectors)), padding_mask, masked_positions
+
+
+def rotary_tables(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos and sin [rows, 1, seq, head_dim] of the rotary angles at `position_ids` ([rows, seq]),
+    computed in fp32 and rounded to `dtype`, as transformers' ModernBertRotaryEmbedding."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=position_ids.device) / head_dim))
+    freqs = position_ids[..., None].float() * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [rows, heads, seq, head_dim] turned by the angles, in fp32 (transformers' apply_rotary_pos_emb)."""
+    x32 = x.float()
+    return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
+
+
+def encoder_attention(query, key, value, *, padding_mask=None, sample_ids=None, half_window=None, dropout_p=0.0):
+    """TEMPORARY dense reference (to be replaced by attention.py's kernels)."""
+    seq = query.shape[2]
+    if sample_ids is not None:
+        allowed = sample_ids[:, None, :, None] == sample_ids[:, None, None, :]
+    else:
+        allowed = (padding_mask != 0)[:, None, None, :]
+    if half_window is not None:
+        index = torch.arange(seq, device=query.device)
+        allowed = allowed & ((index[:, None] - index[None, :]).abs() <= half_window)
+    bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, torch.finfo(query.dtype).min)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout_p)
+
+
+class ModernLayer(nn.Module):
+    """Pre-LN encoder layer: rotary attention (global or windowed) on this rank's heads, then the
+    GeGLU MLP split column/row over TP."""
+
+    def __init__(self, layer_index: int, model_cfg, mp_config: ModelParallelConfig, rng: RngTracker, tp_group):
+        super().__init__()
+        self.layer_index = layer_index
+        self.rng = rng
+        self.recompute = model_cfg.recompute
+        hidden, tp = model_cfg.hidden_size, mp_config.tensor_model_parallel_size
+        self.local_heads = model_cfg.num_attention_heads // tp
+        self.head_dim = hidden // model_cfg.num_attention_heads
+        self.is_global = model_cfg.is_global_layer(layer_index)
+        self.half_window = None if self.is_global else model_cfg.local_attention // 2
+        self.rope_theta = model_cfg.global_rope_theta if self.is_global else model_cfg.local_rope_theta
+        self.attention_dropout = model_cfg.attention_dropout
+        dtype, eps = mp_config.params_dtype, model_cfg.layernorm_epsilon
+
+        def column(out_size, bias):
+            return _sharded(ColumnParallelLinear(hidden, out_size, config=mp_config, init_method=_unused_init, bias=bias,
+                                                 gather_output=False, tp_group=tp_group), 0)
+
+        def row(in_size, bias):
+            return _sharded(RowParallelLinear(in_size, hidden, config=mp_config, init_method=_unused_init, bias=bias,
+                                              input_is_parallel=True, skip_bias_add=False, tp_group=tp_group), 1)
+
+        # transformers' layer 0 has nn.Identity() as attn_norm: the embedding norm just ran
+        self.attn_norm = layer_norm(hidden, eps, dtype, model_cfg.norm_bias) if layer_index > 0 else None
+        self.attn_qkv = column(3 * hidden, model_cfg.attention_bias)
+        self.attn_out = row(hidden, model_cfg.attention_bias)
+        self.mlp_norm = layer_norm(hidden, eps, dtype, model_cfg.norm_bias)
+        self.mlp_in = column(2 * model_cfg.ffn_size, model_cfg.mlp_bias)
+        self.mlp_out = row(model_cfg.ffn_size, model_cfg.mlp_bias)
+        self.attention_out_dropout = Dropout(model_cfg.attention_dropout)  # transformers' attn.out_drop
+        self.mlp_dropout = model_cfg.hidden_dropout
+
+    def _layer(self, hidden, mask, position_ids, packed: bool) -> torch.Tensor:
+        rows, seq, _ = hidden.shape
+        normed = self.attn_norm(hidden) if self.attn_norm is not None else hidden
+        qkv = self.attn_qkv(normed)[0].view(rows, seq, self.local_heads, 3, self.head_dim)
+        query, key, value = (t.transpose(1, 2) for t in qkv.unbind(3))
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=hidden.device)[None]
+        cos, sin = rotary_tables(position_ids, self.head_dim, self.rope_theta, hidden.dtype)
+        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        if self.recompute == "selective" and self.training and torch.is_grad_enabled():
+            context = checkpoint_with_rng(self._attention_core, self.rng, query, key, value, mask, packed)
+        else:
+            context = self._attention_core(query, key, value, mask, packed)
+        context = context.transpose(1, 2).reshape(rows, seq, self.local_heads * self.head_dim)
+        hidden = hidden + self.attention_out_dropout(self.attn_out(context)[0])
+        up = self.mlp_in(self.mlp_norm(hidden))[0].view(rows, seq, -1, 2)
+        gated = F.gelu(up[..., 0]) * up[..., 1]
+        with self.rng.fork():  # this rank's slice of the MLP width: a TP-rank-specific stream
+            gated = dropout(gated, self.mlp_dropout, self.training)
+        return hidden + self.mlp_out(gated)[0]
+
+    def _attention_core(self, query, key, value, mask, packed: bool) -> torch.Tensor:
+        dropout_p = self.attention_dropout if self.training else 0.0
+        masks = {"sample_ids": mask} if packed else {"padding_mask": mask}
+        with self.rng.fork():  # this rank's heads: a TP-rank-specific dropout stream
+            return encoder_attention(query, key, value, **masks, half_window=self.half_window, dropout_p=dropout_p)
+
+    def forward(self, inputs):
+        packed = len(inputs) == 5  # (hidden, sample_ids, masked_positions, cls_positions, position_ids)
+        hidden, mask, *rest = inputs
+        position_ids = rest[-1] if packed else None
+        if self.recompute == "full" and self.training and torch.is_grad_enabled():
+            hidden = checkpoint_with_rng(self._layer, self.rng, hidden, mask, position_ids, packed)
+        else:
+            hidden = self._layer(hidden, mask, position_ids, packed)
+        return hidden, mask, *rest
+
+
+class ModernMlmHead(nn.Module):
+    """The encoder's final LayerNorm and the MLM head (dense -> GELU -> LayerNorm), applied at the
+    masked positions only (LayerNorm is per token, so norming those alone is the same numbers)."""
+
+    def __init__(self, model_cfg, params_dtype: torch.dtype):
+        super().__init__()
+        hidden, eps, bias = model_cfg.hidden_size, model_cfg.layernorm_epsilon, model_cfg.norm_bias
+        self.final_norm = layer_norm(hidden, eps, params_dtype, bias)
+        self.dense = nn.Linear(hidden, hidden, bias=model_cfg.classifier_bias, dtype=params_dtype)
+        self.norm = layer_norm(hidden, eps, params_dtype, bias)
+        self.classifier_pooling = model_cfg.classifier_pooling  # read by sequence-level fine-tuning
+
+    def forward(self, inputs):
+        if len(inputs) == 5:  # packed: flat positions into the [rows * seq] tokens
+            hidden, _sample_ids, masked_positions, _cls_positions, _position_ids = inputs
+            tokens = hidden.reshape(-1, hidden.shape[-1])
+            masked_hidden = tokens[masked_positions.reshape(-1)].view(*masked_positions.shape, -1)
+        else:
+            hidden, _padding_mask, masked_positions = inputs
+            index = masked_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+            masked_hidden = torch.gather(hidden, 1, index)
+        return self.transform(self.final_norm(masked_hidden)), None
+
+    def transform(self, normed: torch.Tensor) -> torch.Tensor:
+        """transformers' ModernBertPredictionHead (also the sequence and token heads' first step)."""
+        return self.norm(F.gelu(self.dense(normed)))
+
+
+def modern_stage_specs(model_cfg, padded_vocab_size: int, mp_config: ModelParallelConfig, rng: RngTracker,
+                       tp_group) -> list:
+    """ModernBERT as bert.stage_specs' ordered list of layer specs (see the module docstring)."""
+    dtype = mp_config.params_dtype
+    token = partial(TiedLayerSpec, TIED_EMBEDDING_KEY, TokenEmbedding, padded_vocab_size, model_cfg.hidden_size,
+                    mp_config, tp_group, tied_weight_attr=["weight"])
+    return [
+        token(),  # no forward_fn on the first use: see bert.stage_specs
+        LayerSpec(EmbeddingNorm, model_cfg, dtype),
+        *[LayerSpec(ModernLayer, i, model_cfg, mp_config, rng, tp_group) for i in range(model_cfg.num_layers)],
+        LayerSpec(ModernMlmHead, model_cfg, dtype),
+        token(forward_fn=decode_tokens),
+        LayerSpec(DecoderBias, model_cfg.vocab_size, padded_vocab_size, mp_config, tp_group),
+    ]
