@@ -66,16 +66,21 @@ class TaskSection:
 
 @dataclass
 class ModelSection:
-    init_from: str = ""  # native checkpoint (any layout) or Hugging Face BERT directory
+    init_from: str = ""  # native checkpoint (any layout) or Hugging Face BERT / ModernBERT directory
     vocab_file: str | None = None  # default: the checkpoint's own vocab.txt / tokenizer.json
     classifier_dropout: float = 0.1
     hidden_dropout: float | None = None  # None: the checkpoint's
     attention_dropout: float | None = None
+    # ModernBERT: how sequence and multiple-choice heads pool the last layer, cls (the first token)
+    # or mean (over the real tokens); None: the checkpoint's model.classifier_pooling
+    classifier_pooling: str | None = None
 
     def problems(self) -> list[str]:
         p = _missing_paths([self.vocab_file])
+        if self.classifier_pooling not in (None, "cls", "mean"):
+            p.append(f"model.classifier_pooling {self.classifier_pooling!r} must be cls or mean")
         if not self.init_from:
-            p.append("model.init_from is required: a native checkpoint or a Hugging Face BERT directory")
+            p.append("model.init_from is required: a native checkpoint or a Hugging Face BERT or ModernBERT directory")
         elif not os.path.exists(self.init_from):
             p.append(f"model.init_from {self.init_from} does not exist")
         return p

@@ -141,7 +141,7 @@ class FeatureTagger:
         except TaskDataError as e:
             raise FinetuneError(str(e)) from None
         logger.info(read.report.summary())
-        features = self.task.encode(self.tokenizer.tokenizer, read.examples, self.cfg.task, False)
+        features = self.task.encode(self.tokenizer.tokenizer, read.examples, self.cfg.task, False, self.tokenizer.specials)
         data = Dataset(name, read.examples, features, read.reference)
         cache = self._cache_path(path)
         shape = (sum(features.words_per_example), len(self.cfg.features.layers) * self.ckpt.config.model.hidden_size)

@@ -59,7 +59,7 @@ def extract_features(checkpoint: str, input_file: str, output_file: str, layers:
         info = checkpoint_tokenizer(ckpt.vocab_dir, model_cfg.vocab_size, checkpoint, vocab_file)
     except CheckpointError as e:
         raise FeatureError(str(e)) from None
-    tokenizer = fixed_length_tokenizer(info.tokenizer, max_seq_length)
+    tokenizer = fixed_length_tokenizer(info.tokenizer, max_seq_length, info.specials)
 
     tracker = RngTracker(parallel.device)
     seed_streams(tracker, 0, parallel.tp_rank, 0, parallel.dp_rank)

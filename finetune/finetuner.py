@@ -47,7 +47,7 @@ from pretrain.training.metrics import ThroughputWindow
 
 from .config import FinetuneConfig
 from .inputs import Batches, length_grouped
-from .model import build_encoder, load_encoder, load_head
+from .model import build_encoder, initialise_head, load_encoder
 from .tasks import TASKS
 from .tasks.base import Dataset, Read, TaskDataError
 
@@ -96,10 +96,14 @@ class Finetuner:
         for note in notes_that_matter(self.ckpt.notes):
             logger.info(note)
         m = self.ckpt.config.model
+        if cfg.model.classifier_pooling is not None and not m.modern:
+            raise FinetuneError(f"model.classifier_pooling is ModernBERT's; {self.ckpt.source} is a "
+                                f"{m.architecture} model (its sequence heads read the pooled [CLS])")
         self.model_cfg = replace(m, hidden_dropout=m.hidden_dropout if cfg.model.hidden_dropout is None
                                  else cfg.model.hidden_dropout,
                                  attention_dropout=m.attention_dropout if cfg.model.attention_dropout is None
-                                 else cfg.model.attention_dropout)
+                                 else cfg.model.attention_dropout,
+                                 classifier_pooling=cfg.model.classifier_pooling or m.classifier_pooling)
         try:
             self.tokenizer = checkpoint_tokenizer(self.ckpt.vocab_dir, self.model_cfg.vocab_size, self.ckpt.source,
                                                   cfg.model.vocab_file, how_to_name_one="set model.vocab_file")
@@ -118,11 +122,11 @@ class Finetuner:
         load_encoder(bert, self.ckpt.weights, self.model_cfg, parallel.tp_rank, parallel.tp_size)
         self.model = self.task.build_model(bert, self.model_cfg, cfg.model, t.seed)
         try:
-            if load_head(self.model.head, self.ckpt.extra, self.ckpt.source):
-                names = ", ".join(n for n, _ in self.model.head.named_parameters())
-                logger.info(f"task head ({names}) taken from {self.ckpt.source}")
+            note = initialise_head(self.model.head, self.ckpt)
         except ValueError as e:
             raise FinetuneError(str(e)) from None
+        if note:
+            logger.info(note)
         self.micro_per_step = t.global_batch_size // (t.micro_batch_size * parallel.dp_size)
         # train.padding "longest" rounds a batch's length up to this (pad_to_multiple_of, by device)
         self.pad_multiple = t.pad_to_multiple_of or (1 if parallel.device.type == "cpu" else 8)
@@ -148,7 +152,7 @@ class Finetuner:
         return read
 
     def _encode(self, examples: list, training: bool = False) -> Batches:
-        return self.task.encode(self.tokenizer.tokenizer, examples, self.cfg.task, training)
+        return self.task.encode(self.tokenizer.tokenizer, examples, self.cfg.task, training, self.tokenizer.specials)
 
     def _dataset(self, name: str, path: str, split: str) -> Dataset:
         read = self._read(path, split)
@@ -369,6 +373,15 @@ class Finetuner:
                 write_files(os.path.join(self.cfg.train.output_dir, "submission"), files)
 
     # ----------------------------------------------------------------------------- best weights
+    def _export_config(self) -> dict:
+        """config.json entries beyond the encoder's: the task's (labels, ...), and a ModernBERT
+        task class's pooling and head dropout as this run used them."""
+        extra = self.task.export_config()
+        if self.model_cfg.modern:
+            extra.update(classifier_pooling=self.model_cfg.classifier_pooling,
+                         classifier_dropout=self.cfg.model.classifier_dropout)
+        return extra
+
     @torch.no_grad()
     def save_best(self, result: dict) -> None:
         """The best epoch's weights as a Hugging Face directory of the task's architecture."""
@@ -393,8 +406,9 @@ class Finetuner:
             with disk_full_named(fresh, f"the epoch-{result['epoch']} weights"):
                 with tempfile.TemporaryDirectory() as vocab_dir:
                     save_vocab(self.tokenizer.source, vocab_dir)  # the tokenizer this model was fine-tuned with
-                    write_hf(replace(ckpt, vocab_dir=vocab_dir), fresh, architecture=self.task.architecture,
-                             config_extra=self.task.export_config())
+                    write_hf(replace(ckpt, vocab_dir=vocab_dir), fresh,
+                             architecture=self.task.exported_architecture(self.model_cfg),
+                             config_extra=self._export_config())
                 with open(os.path.join(fresh, "finetune_result.json"), "w") as f:
                     json.dump(result, f, indent=2)
         except BaseException:

@@ -1,17 +1,52 @@
-"""What every task's inputs share: fixed-length tokenisation, batches of the three input tensors
-(plus labels) sliced by example index, and tokenised texts as such a batch source."""
+"""What every task's inputs share: the tokenizer's special tokens by role, fixed-length
+tokenisation, batches of the three input tensors (plus labels) sliced by example index, and
+tokenised texts as such a batch source."""
 from __future__ import annotations
 
 import functools
+import os
+import tempfile
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:  # annotations only
+    from pretrain.data.preprocess.special_tokens import SpecialTokens
 
-def fixed_length_tokenizer(tokenizer, max_length: int):
-    """A copy of `tokenizer` that truncates (longest first) and pads every encoding to max_length."""
+
+def special_tokens(tokenizer, specials: SpecialTokens | None = None) -> SpecialTokens:
+    """The special tokens by role (pad, unk, cls, sep, mask) of a loaded `tokenizers.Tokenizer`:
+    `specials` when the caller has them (the fine-tuner: read with the checkpoint's tokenizer file
+    and the configs beside it), else read from the tokenizer itself by the data layer's rules
+    (pretrain/data/preprocess/special_tokens.py: its post-processor's template for cls and sep, a
+    special token spelt [PAD] or <pad>, ...), never assumed. Raises its TokenizerError naming a
+    missing role."""
+    if specials is not None:
+        return specials
+    from pretrain.data.preprocess.tokenizer import read_special_tokens
+
+    # the data layer reads a tokenizer from its file (and the configs beside it): a directory of its own
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "tokenizer.json")
+        tokenizer.save(path)
+        return read_special_tokens(path)
+
+
+def fixed_length_tokenizer(tokenizer, max_length: int, specials: SpecialTokens | None = None):
+    """A copy of `tokenizer` that truncates (longest first) and pads every encoding to max_length
+    with its pad token. A tokenizer without a post-processor (a bare BPE tokenizer.json) gets
+    BERT's template from its cls and sep tokens: [CLS] A [SEP] (B [SEP])."""
+    from tokenizers.processors import TemplateProcessing
+
+    specials = special_tokens(tokenizer, specials)
     tokenizer = tokenizer.__class__.from_str(tokenizer.to_str())
+    if tokenizer.post_processor is None:
+        cls, sep = specials.token("cls"), specials.token("sep")
+        tokenizer.post_processor = TemplateProcessing(
+            single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
+            special_tokens=[(cls, specials.cls_id), (sep, specials.sep_id)])
     tokenizer.enable_truncation(max_length, strategy="longest_first")
-    tokenizer.enable_padding(length=max_length, pad_id=tokenizer.token_to_id("[PAD]"), pad_token="[PAD]")
+    tokenizer.enable_padding(length=max_length, pad_id=specials.pad_id, pad_token=specials.token("pad"))
     return tokenizer
 
 
@@ -68,8 +103,9 @@ class TextFeatures(Batches):
     """Texts (a string or a pair each) tokenised and padded to max_length: [N, S], or
     [N, choices, S] when every example is `choices` consecutive texts."""
 
-    def __init__(self, tokenizer, texts: list, labels: torch.Tensor | None, max_length: int, choices: int = 1):
-        encoded = fixed_length_tokenizer(tokenizer, max_length).encode_batch(texts)
+    def __init__(self, tokenizer, texts: list, labels: torch.Tensor | None, max_length: int, choices: int = 1,
+                 specials: SpecialTokens | None = None):
+        encoded = fixed_length_tokenizer(tokenizer, max_length, specials).encode_batch(texts)
         shape = (-1, choices, max_length) if choices > 1 else (-1, max_length)
         self.input_ids = torch.tensor([e.ids for e in encoded], dtype=torch.long).view(shape)
         self.token_type_ids = torch.tensor([e.type_ids for e in encoded], dtype=torch.long).view(shape)

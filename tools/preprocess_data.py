@@ -77,7 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument("--chunk-bytes", type=positive_int, default=1 << 20,
                        help="input bytes per work unit (default 1 MiB)")
     group.add_argument("--quiet", action="store_true", help="no progress bar")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.vocab_file and args.vocab_file.endswith(".json"):
+        parser.error(f"--vocab-file {args.vocab_file} is a tokenizer.json: pass it as --tokenizer-json")
+    return args
 
 
 def main(argv=None) -> int:

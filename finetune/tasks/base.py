@@ -3,7 +3,8 @@
 A task kind (GLUE classification/regression, SWAG multiple choice, SQuAD span extraction) is one
 module with one `Task` subclass: it reads its data files, turns examples into model inputs, builds
 the task model (the shared encoder plus its head), computes the loss, the metrics and the
-prediction and submission files, and names the transformers architecture of the exported weights.
+prediction and submission files, and names the transformers architecture of the exported weights
+(by encoder family: BertFor... or ModernBertFor...).
 The trainer (finetune/finetuner.py) only calls these methods; it knows no task by name.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # annotations only
     from tokenizers import Tokenizer
 
     from pretrain.config import ModelConfig
+    from pretrain.data.preprocess.special_tokens import SpecialTokens
 
 
 
@@ -122,7 +124,8 @@ class Evaluation:
 class Task(ABC):
     """One fine-tuning task. Subclasses are frozen dataclasses holding the task's constants."""
 
-    architecture: ClassVar[str]  # transformers class of the exported best weights
+    architecture: ClassVar[str]  # transformers class of the exported best weights (a BERT encoder)
+    modern_architecture: ClassVar[str]  # the same for a ModernBERT encoder
     feature_based: ClassVar[bool] = False  # a BiLSTM tagger over frozen features can learn it (finetune/feature_tagger.py)
     name: str
     submission: str  # stem of the submission file (GLUE's official names: CoLA, MNLI, ...)
@@ -153,10 +156,16 @@ class Task(ABC):
     def read(self, path: str, split: str, section: TaskSection) -> Read:
         """The examples of a "train", "dev" or "test" file; raises TaskDataError."""
 
+    def exported_architecture(self, model_cfg: ModelConfig) -> str:
+        """The transformers class the best weights are written as, by the encoder's family."""
+        return self.modern_architecture if model_cfg.modern else self.architecture
+
     @abstractmethod
     def encode(self, tokenizer: Tokenizer, examples: list, section: TaskSection,
-               training: bool) -> Batches:
-        """Model inputs (and labels, where the examples have them) padded to task.max_seq_length."""
+               training: bool, specials: SpecialTokens | None = None) -> Batches:
+        """Model inputs (and labels, where the examples have them) padded to task.max_seq_length.
+        `specials`: the tokenizer's special tokens by role (pad, cls, sep, unk), as the checkpoint's
+        tokenizer files name them; None: read from `tokenizer` itself (finetune.inputs.special_tokens)."""
 
     @abstractmethod
     def build_model(self, encoder: nn.Module, model_cfg: ModelConfig, section: ModelSection, seed: int) -> nn.Module:

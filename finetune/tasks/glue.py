@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # annotations only
     from torch import nn
 
     from pretrain.config import ModelConfig
+    from pretrain.data.preprocess.special_tokens import SpecialTokens
 
 csv.field_size_limit(sys.maxsize)  # some GLUE sentences are long; the default limit is 128 KiB
 
@@ -74,9 +75,11 @@ _MAIN_METRIC = {"matthews": "matthews_corr", "accuracy": "accuracy", "accuracy_f
 
 @dataclass(frozen=True)
 class GlueTask(Task):
-    """Sentence(-pair) classification, or regression (STS-B): a linear head on the pooled [CLS]."""
+    """Sentence(-pair) classification, or regression (STS-B): a head on the pooled [CLS] (ModernBERT:
+    the pooled vector per model.classifier_pooling)."""
 
     architecture: ClassVar[str] = "BertForSequenceClassification"
+    modern_architecture: ClassVar[str] = "ModernBertForSequenceClassification"
     name: str
     submission: str  # file name stem in a GLUE submission
     labels: tuple[str, ...] | None  # None: regression
@@ -112,9 +115,9 @@ class GlueTask(Task):
         return Read(examples, report)
 
     def encode(self, tokenizer: Tokenizer, examples: list[Example], section: TaskSection,
-               training: bool) -> TextFeatures:
+               training: bool, specials: SpecialTokens | None = None) -> TextFeatures:
         texts = [(e.text_a, e.text_b) if e.text_b is not None else e.text_a for e in examples]
-        return TextFeatures(tokenizer, texts, self.label_tensor(examples), section.max_seq_length)
+        return TextFeatures(tokenizer, texts, self.label_tensor(examples), section.max_seq_length, specials=specials)
 
     def label_tensor(self, examples: list[Example]) -> torch.Tensor | None:
         if examples[0].label is None:
@@ -124,10 +127,9 @@ class GlueTask(Task):
         return torch.tensor([self.labels.index(e.label) for e in examples], dtype=torch.long)
 
     def build_model(self, encoder: nn.Module, model_cfg: ModelConfig, section: ModelSection, seed: int) -> nn.Module:
-        from ..model import ClassifierHead, SequenceClassifier  # megatron-core: imported once a model is built
+        from ..model import SequenceClassifier, task_head  # megatron-core: imported once a model is built
 
-        head = ClassifierHead(model_cfg.hidden_size, 1 if self.is_regression else len(self.labels),
-                              section.classifier_dropout, model_cfg.init_std, seed)
+        head = task_head(model_cfg, 1 if self.is_regression else len(self.labels), section.classifier_dropout, seed)
         return SequenceClassifier(encoder, head)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

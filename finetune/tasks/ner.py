@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelSection, TaskSection
-from ..inputs import Batches
+from ..inputs import Batches, special_tokens
 from ..ner_metrics import tagging_scores
 from ..windows import max_context_owners, windows
 from .base import Dataset, Evaluation, Read, Task, TaskDataError
@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # annotations only
     from torch import nn
 
     from pretrain.config import ModelConfig
+    from pretrain.data.preprocess.special_tokens import SpecialTokens
 
 IGNORE = -100  # label of positions outside the loss (cross_entropy's ignore_index)
 CONTEXTS = ("document", "sentence")
@@ -48,9 +49,10 @@ CONTEXTS = ("document", "sentence")
 
 @dataclass(frozen=True)
 class TokenClassificationTask(Task):
-    """A tag for every word from a linear layer on its first sub-token's hidden state."""
+    """A tag for every word from a linear layer (ModernBERT: its head) on its first sub-token's hidden state."""
 
     architecture: ClassVar[str] = "BertForTokenClassification"
+    modern_architecture: ClassVar[str] = "ModernBertForTokenClassification"
     feature_based: ClassVar[bool] = True
     name: str
     labels: tuple[str, ...]  # IOB2 tags; the head's outputs in this order (task.labels replaces them)
@@ -104,9 +106,9 @@ class TokenClassificationTask(Task):
 
     # ------------------------------------------------------------------------- inputs
     def encode(self, tokenizer: Tokenizer, examples: list[Document], section: TaskSection,
-               training: bool) -> TaggingFeatures:
+               training: bool, specials: SpecialTokens | None = None) -> TaggingFeatures:
         features = build_tagging_features(tokenizer, examples, self.labels, section.max_seq_length,
-                                          section.doc_stride)
+                                          section.doc_stride, specials)
         words = sum(features.words_per_example)
         longer = sum(n > 1 for n in features.windows_per_example)
         logger.info(f"  {len(examples):,} {section.context}s, {words:,} words -> {len(features):,} windows "
@@ -115,10 +117,9 @@ class TokenClassificationTask(Task):
         return features
 
     def build_model(self, encoder: nn.Module, model_cfg: ModelConfig, section: ModelSection, seed: int) -> nn.Module:
-        from ..model import ClassifierHead, TokenModel  # megatron-core: imported once a model is built
+        from ..model import TokenModel, task_head  # megatron-core: imported once a model is built
 
-        return TokenModel(encoder, ClassifierHead(model_cfg.hidden_size, len(self.labels), section.classifier_dropout,
-                                                  model_cfg.init_std, seed))
+        return TokenModel(encoder, task_head(model_cfg, len(self.labels), section.classifier_dropout, seed))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Cross entropy over the labelled positions (first sub-tokens) of the micro-batch."""
@@ -174,33 +175,57 @@ class TaggingFeatures(Batches):
     unknown_words: int = 0
 
 
-def word_pieces(tokenizer, documents: list[Document]) -> tuple[list[list[list[int]]], int, int]:
-    """Sub-token ids of every word of every document ([UNK] for a word that normalises to nothing),
-    the number of words split into several sub-tokens, and of words with none."""
+def word_pieces(tokenizer, documents: list[Document],
+                specials: SpecialTokens | None = None) -> tuple[list[list[list[int]]], int, int]:
+    """Sub-token ids of every word of every document (the unknown token, [UNK], for a word that
+    normalises to nothing), the number of words split into several sub-tokens, and of words with
+    none. A tokenizer without an unknown token (a byte-level BPE never needs one) that gives a word
+    no token is an error naming the word.
+
+    Words are cut as in the document's running text: a byte-level BPE without add_prefix_space
+    (ModernBERT's, GPT-2's) marks a word after a space with 'Ġ', which a word given alone lacks, so
+    every word but a document's first is given with the space before it."""
+    unk = special_tokens(tokenizer, specials).unk_id
     tokenizer = tokenizer.__class__.from_str(tokenizer.to_str())
     tokenizer.no_truncation()
     tokenizer.no_padding()
-    unk = tokenizer.token_to_id("[UNK]")
-    encodings = tokenizer.encode_batch([d.words for d in documents], is_pretokenized=True, add_special_tokens=False)
+    words_of = [d.words for d in documents]
+    if _byte_level_without_prefix_space(tokenizer):
+        words_of = [words[:1] + [" " + word for word in words[1:]] for words in words_of]
+    encodings = tokenizer.encode_batch(words_of, is_pretokenized=True, add_special_tokens=False)
     pieces, split, unknown = [], 0, 0
     for document, encoding in zip(documents, encodings):
         words = [[] for _ in range(document.num_words)]
         for token, word in zip(encoding.ids, encoding.word_ids):
             words[word].append(token)
-        for word in words:
+        for w, word in enumerate(words):
             split += len(word) > 1
             if not word:
+                if unk is None:
+                    line = [line for sentence in document.sentences for line in sentence.lines][w]
+                    raise TaskDataError(f"line {line}: the word {document.words[w]!r} gives no token and the "
+                                        "tokenizer has no unknown token to stand for it")
                 word.append(unk)
                 unknown += 1
         pieces.append(words)
     return pieces, split, unknown
 
 
+def _byte_level_without_prefix_space(tokenizer) -> bool:
+    """Whether the tokenizer's pre-tokenizer (or one in its Sequence) is ByteLevel without add_prefix_space."""
+    pre = json.loads(tokenizer.to_str()).get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    return any(step.get("type") == "ByteLevel" and not step.get("add_prefix_space") for step in steps)
+
+
 def build_tagging_features(tokenizer, documents: list[Document], labels: tuple[str, ...], max_seq_length: int,
-                           stride: int) -> TaggingFeatures:
-    cls_id, sep_id, pad_id = (tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
+                           stride: int, specials: SpecialTokens | None = None) -> TaggingFeatures:
+    """[CLS] window [SEP] rows (the tokenizer's own cls, sep and pad tokens; `specials` None: read
+    from it, finetune.inputs.special_tokens)."""
+    specials = special_tokens(tokenizer, specials)
+    cls_id, sep_id, pad_id = specials.cls_id, specials.sep_id, specials.pad_id
     label_id = {tag: i for i, tag in enumerate(labels)}
-    pieces, split, unknown = word_pieces(tokenizer, documents)
+    pieces, split, unknown = word_pieces(tokenizer, documents, specials)
     tagged = documents[0].sentences[0].tags is not None
     rows = {"ids": [], "mask": [], "labels": [], "example": [], "predicts": []}
     windows_per_example = []

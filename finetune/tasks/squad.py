@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from pretrain.common.textfile import read_text
 
 from ..config import ModelSection, TaskSection
-from ..inputs import Batches
+from ..inputs import Batches, special_tokens
 from ..squad_metrics import evaluate_v1, evaluate_v2
 from ..windows import is_max_context, windows
 from .base import Dataset, Evaluation, Read, ReadReport, Task, TaskDataError
@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # annotations only
     from torch import nn
 
     from pretrain.config import ModelConfig
+    from pretrain.data.preprocess.special_tokens import SpecialTokens
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class SquadTask(Task):
     """Span extraction: start and end logits on every token of every window."""
 
     architecture: ClassVar[str] = "BertForQuestionAnswering"
+    modern_architecture: ClassVar[str] = "ModernBertForQuestionAnswering"
     name: str
     version: str  # "1.1" or "2.0" (unanswerable questions)
     train_file: str
@@ -71,9 +73,9 @@ class SquadTask(Task):
         return Read(examples, report, data)
 
     def encode(self, tokenizer: Tokenizer, examples: list[SquadExample], section: TaskSection,
-               training: bool) -> SquadFeatures:
+               training: bool, specials: SpecialTokens | None = None) -> SquadFeatures:
         features = build_features(tokenizer, examples, section.max_seq_length, section.doc_stride,
-                                   section.max_query_length, training)
+                                   section.max_query_length, training, specials)
         longer = sum(n > 1 for n in features.windows_per_example)
         logger.info(f"  {len(examples):,} questions -> {len(features):,} windows ({longer:,} contexts need "
                     f"more than one); {features.truncated_questions:,} questions truncated to "
@@ -81,9 +83,10 @@ class SquadTask(Task):
         return features
 
     def build_model(self, encoder: nn.Module, model_cfg: ModelConfig, section: ModelSection, seed: int) -> nn.Module:
-        from ..model import SpanHead, TokenModel  # megatron-core: imported once a model is built
+        from ..model import TokenModel, task_head  # megatron-core: imported once a model is built
 
-        return TokenModel(encoder, SpanHead(model_cfg.hidden_size, model_cfg.init_std, seed))
+        # BERT: qa_outputs; ModernBERT: its classifier with the two outputs start and end
+        return TokenModel(encoder, task_head(model_cfg, 2, section.classifier_dropout, seed, span=True))
 
     def loss(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Mean of the start and end cross entropies (run_squad.py's loss)."""
@@ -190,8 +193,11 @@ class SquadFeatures(Batches):
 
 
 def build_features(tokenizer, examples: list[SquadExample], max_seq_length: int, doc_stride: int,
-                   max_query_length: int, training: bool) -> SquadFeatures:
-    cls_id, sep_id, pad_id = (tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
+                   max_query_length: int, training: bool, specials: SpecialTokens | None = None) -> SquadFeatures:
+    """[CLS] question [SEP] window [SEP] rows (the tokenizer's own cls, sep and pad tokens; `specials`
+    None: read from it, finetune.inputs.special_tokens)."""
+    specials = special_tokens(tokenizer, specials)
+    cls_id, sep_id, pad_id = specials.cls_id, specials.sep_id, specials.pad_id
     rows = collections.defaultdict(list)
     truncated = 0
     questions = tokenizer.encode_batch([e.question for e in examples], add_special_tokens=False)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # annotations only
     from torch import nn
 
     from pretrain.config import ModelConfig
+    from pretrain.data.preprocess.special_tokens import SpecialTokens
 
 CHOICES = 4
 ENDINGS = tuple(f"ending{i}" for i in range(CHOICES))
@@ -33,9 +34,11 @@ LABELS = tuple(str(i) for i in range(CHOICES))
 
 @dataclass(frozen=True)
 class SwagTask(Task):
-    """One logit per choice from a linear head on each choice's pooled [CLS]; softmax over choices."""
+    """One logit per choice from a head on each choice's pooled [CLS] (ModernBERT: per
+    model.classifier_pooling); softmax over choices."""
 
     architecture: ClassVar[str] = "BertForMultipleChoice"
+    modern_architecture: ClassVar[str] = "ModernBertForMultipleChoice"
     name: str = "swag"
     submission: str = "SWAG"
     main_metric: str = "accuracy"
@@ -48,17 +51,16 @@ class SwagTask(Task):
         return Read(examples, report)
 
     def encode(self, tokenizer: Tokenizer, examples: list[ChoiceExample], section: TaskSection,
-               training: bool) -> TextFeatures:
+               training: bool, specials: SpecialTokens | None = None) -> TextFeatures:
         labels = None if examples[0].label is None else \
             torch.tensor([LABELS.index(e.label) for e in examples], dtype=torch.long)
         pairs = [pair for e in examples for pair in choice_pairs(e)]
-        return TextFeatures(tokenizer, pairs, labels, section.max_seq_length, CHOICES)
+        return TextFeatures(tokenizer, pairs, labels, section.max_seq_length, CHOICES, specials)
 
     def build_model(self, encoder: nn.Module, model_cfg: ModelConfig, section: ModelSection, seed: int) -> nn.Module:
-        from ..model import ClassifierHead, MultipleChoiceClassifier  # megatron-core: imported once a model is built
+        from ..model import MultipleChoiceClassifier, task_head  # megatron-core: imported once a model is built
 
-        head = ClassifierHead(model_cfg.hidden_size, 1, section.classifier_dropout, model_cfg.init_std, seed)
-        return MultipleChoiceClassifier(encoder, head)
+        return MultipleChoiceClassifier(encoder, task_head(model_cfg, 1, section.classifier_dropout, seed))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float(), labels)
