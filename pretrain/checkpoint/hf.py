@@ -285,12 +285,14 @@ def architecture_note(ckpt: LogicalCheckpoint, architecture: str) -> str:
     """One line on the heads written and left out, for the converter's report."""
     heads = written_heads(ckpt, architecture)
     untrained = [h for h in heads if h in ckpt.initialised_heads]
-    left_out = [h for h in HEADS if h not in heads]
+    # ModernBERT has no pooler or next-sentence head to leave out
+    left_out = [h for h in HEADS if h not in heads and (h == "MLM head" or not ckpt.config.model.modern)]
     note = f"architecture {architecture}: encoder{''.join(', ' + h for h in heads)}"
     if untrained:
         note += f"; untrained (initialised when converted from a directory without them): {', '.join(untrained)}"
     if left_out and architecture == trained_architecture(ckpt):
-        note += f"; left out {', '.join(left_out)} (never trained; --architecture BertForPreTraining writes them)"
+        asks = "ModernBertForMaskedLM" if ckpt.config.model.modern else "BertForPreTraining"
+        note += f"; left out {', '.join(left_out)} (never trained; --architecture {asks} writes them)"
     elif left_out:
         note += f"; left out {', '.join(left_out)}"
     return note

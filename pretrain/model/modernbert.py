@@ -54,6 +54,7 @@ from .layers import (
     dropout,
     layer_norm,
 )
+from .attention import encoder_attention
 from .rng import RngTracker, checkpoint_with_rng
 
 
@@ -81,6 +82,23 @@ class EmbeddingNorm(nn.Module):
         return self.dropout(self.norm(word_vectors)), padding_mask, masked_positions
 
 
+def _geglu_halves(tensor: torch.Tensor) -> torch.Tensor:
+    """Wi's interleaved rows [input_0, gate_0, input_1, ...] as [inputs; gates] (a copy)."""
+    return tensor.view(-1, 2, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
+
+
+class GegluInput(ColumnParallelLinear):
+    """GeGLU's input projection Wi, column-parallel. Its rows are stored interleaved (so that a TP
+    shard holds matching input and gate rows, see the module docstring) and reordered to
+    [inputs; gates] for the GEMM: the halves of the output are then contiguous slices, where an
+    interleaved output's would be strided ones (GELU and its backward on strided halves cost 3x).
+    Reordered inside _forward_impl, after the module's hooks (ZeRO-3 gathers the weight there)."""
+
+    def _forward_impl(self, input, weight, bias=None, *args, **kwargs):
+        return super()._forward_impl(input, _geglu_halves(weight), None if bias is None else _geglu_halves(bias),
+                                     *args, **kwargs)
+
+
 def rotary_tables(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos and sin [rows, 1, seq, head_dim] of the rotary angles at `position_ids` ([rows, seq]),
     computed in fp32 and rounded to `dtype`, as transformers' ModernBertRotaryEmbedding."""
@@ -99,20 +117,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x [rows, heads, seq, head_dim] turned by the angles, in fp32 (transformers' apply_rotary_pos_emb)."""
     x32 = x.float()
     return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
-
-
-def encoder_attention(query, key, value, *, padding_mask=None, sample_ids=None, half_window=None, dropout_p=0.0):
-    """TEMPORARY dense reference (to be replaced by attention.py's kernels)."""
-    seq = query.shape[2]
-    if sample_ids is not None:
-        allowed = sample_ids[:, None, :, None] == sample_ids[:, None, None, :]
-    else:
-        allowed = (padding_mask != 0)[:, None, None, :]
-    if half_window is not None:
-        index = torch.arange(seq, device=query.device)
-        allowed = allowed & ((index[:, None] - index[None, :]).abs() <= half_window)
-    bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, torch.finfo(query.dtype).min)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout_p)
 
 
 class ModernLayer(nn.Module):
@@ -146,7 +150,8 @@ class ModernLayer(nn.Module):
         self.attn_qkv = column(3 * hidden, model_cfg.attention_bias)
         self.attn_out = row(hidden, model_cfg.attention_bias)
         self.mlp_norm = layer_norm(hidden, eps, dtype, model_cfg.norm_bias)
-        self.mlp_in = column(2 * model_cfg.ffn_size, model_cfg.mlp_bias)
+        self.mlp_in = _sharded(GegluInput(hidden, 2 * model_cfg.ffn_size, config=mp_config, init_method=_unused_init,
+                                          bias=model_cfg.mlp_bias, gather_output=False, tp_group=tp_group), 0)
         self.mlp_out = row(model_cfg.ffn_size, model_cfg.mlp_bias)
         self.attention_out_dropout = Dropout(model_cfg.attention_dropout)  # transformers' attn.out_drop
         self.mlp_dropout = model_cfg.hidden_dropout
@@ -166,8 +171,8 @@ class ModernLayer(nn.Module):
             context = self._attention_core(query, key, value, mask, packed)
         context = context.transpose(1, 2).reshape(rows, seq, self.local_heads * self.head_dim)
         hidden = hidden + self.attention_out_dropout(self.attn_out(context)[0])
-        up = self.mlp_in(self.mlp_norm(hidden))[0].view(rows, seq, -1, 2)
-        gated = F.gelu(up[..., 0]) * up[..., 1]
+        inputs, gates = self.mlp_in(self.mlp_norm(hidden))[0].chunk(2, dim=-1)
+        gated = F.gelu(inputs) * gates
         with self.rng.fork():  # this rank's slice of the MLP width: a TP-rank-specific stream
             gated = dropout(gated, self.mlp_dropout, self.training)
         return hidden + self.mlp_out(gated)[0]

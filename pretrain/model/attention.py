@@ -1,0 +1,326 @@
+"""The attention core of the ModernBERT encoder: global or sliding-window, padded or packed rows.
+
+Semantics (transformers' ModernBertForMaskedLM; masking_utils' sliding_window_bidirectional_overlay):
+query i may attend key j when
+
+- padded rows (`padding_mask`, 1 = real token): j is a real token, and |i - j| <= half_window on a
+  local layer. A query with no real key in reach (a padding query farther than half_window from
+  every real token, or a row of padding only) attends itself alone: transformers gives such rows
+  an arbitrary output (all keys masked); ours is finite and defined, and it is never read, since
+  padding keys are never attended. Every other query, padding ones included, gets transformers'
+  output exactly.
+- packed rows (`sample_ids`, a document number per token, 0 = padding): j has i's number, and
+  |i - j| <= half_window on a local layer. Padding attends padding only, so every query reaches
+  at least itself: no row is fully masked and nothing is NaN.
+
+No path builds a dense [seq x seq] mask per layer unless it was measured faster at that size
+(short rows; tools/benchmarks/attention.py holds the measurements, `choose_path` the outcome):
+
+- "padded_global": SDPA with the additive key mask [batch, 1, 1, keys], keys cut after the last
+  real token of the batch (they are padding in every row, attended by no query).
+- "banded": local layers. Query blocks of BAND_BLOCK tokens attend the key band [block start -
+  half_window, block end + half_window) only, a strided view of the keys; the window and the
+  document/padding rule become a [block, block + 2 half_window] mask per block. Memory and work
+  O(seq (block + 2 half_window)) instead of O(seq^2).
+- "documents": global layers of packed rows. The tokens of each document are gathered into
+  [documents, heads, length, head_dim] batches, documents of similar length together (lengths
+  rounded up a ladder of 1x and 1.5x powers of two: at most 2.25x the work of exact lengths, a
+  handful of SDPA calls), and attend within themselves: O(sum of squared document lengths).
+- "dense": SDPA with the full additive [batch, 1, seq, seq] mask: local layers whose band would
+  be no narrower than the row (seq <= BAND_BLOCK + 2 half_window), packed global rows up to
+  DENSE_DOCUMENTS_MAX_SEQ tokens; there it was measured faster.
+
+Attention dropout: off CUDA, each path spells its softmax out and draws the keep mask with
+`layers.dropout` (SDPA's CPU dropout has its own draw); the probabilities then exist in full,
+[block, block + 2 half_window] per block on the banded path, [seq, keys] on the global ones.
+
+On CUDA without attention dropout: FlexAttention with a BlockMask built from the same rule
+(`_flex_attention`), compiled; checked only by the GPU tier (tests/test_attention_kernels.py).
+With dropout, CUDA takes the paths above with SDPA's own dropout.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from .cpu_bf16 import upcast_bf16
+from .layers import dropout as _dropout
+
+# Query block of the banded path. Measured (tools/benchmarks/attention.py, BERT-tiny width,
+# half_window 64, 8,192 tokens): 64 and 128 equally fast at every length, 128 with less memory
+# (its key band copies are 2x the keys, not 3x); 256 slower.
+BAND_BLOCK = 128
+# Packed global rows up to this length take the dense mask: there the per-document gathers cost
+# more than the cross-document work they save (measured: dense 16 ms against 22 at seq 128,
+# 21 against 26 at 256; documents ahead from 512, 2x at 1,024, 7x at 8,192).
+DENSE_DOCUMENTS_MAX_SEQ = 256
+
+PATHS = ("dense", "padded_global", "banded", "documents")
+
+
+def encoder_attention(query, key, value, *, padding_mask=None, sample_ids=None, half_window=None, dropout_p=0.0,
+                      scale=None) -> torch.Tensor:
+    """softmax(q k^T scale + mask) v over [batch, heads, seq, head_dim] (already rotary-embedded),
+    the context in the same shape and dtype; see the module docstring for which key each query
+    may attend. Exactly one of `padding_mask` / `sample_ids` ([batch, seq] integers); half_window
+    None for a global layer; dropout on the probabilities when dropout_p > 0 (on CPU `layers.dropout`
+    draws the keep mask from the default generator, so the RNG tracker's forks govern it); scale
+    defaults to head_dim ** -0.5."""
+    if (padding_mask is None) == (sample_ids is None):
+        raise ValueError("encoder_attention takes exactly one of padding_mask and sample_ids")
+    if half_window is not None and half_window < 0:
+        raise ValueError(f"half_window must be >= 0 (or None for global attention), got {half_window}")
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    if upcast_bf16(query):
+        # bf16 batched products are slower than fp32 ones on this CPU: attend in fp32, as
+        # layers.self_attention does, and hand back bf16
+        return encoder_attention(query.float(), key.float(), value.float(), padding_mask=padding_mask,
+                                 sample_ids=sample_ids, half_window=half_window, dropout_p=dropout_p,
+                                 scale=scale).to(query.dtype)
+    seq = query.shape[2]
+    if half_window is not None and half_window >= seq - 1:
+        half_window = None  # the window holds the whole row: the same as global attention
+    if query.device.type == "cuda" and dropout_p == 0.0:
+        return _flex_attention(query, key, value, padding_mask, sample_ids, half_window, scale)
+    path = choose_path(seq, half_window, packed=sample_ids is not None)
+    return run_path(path, query, key, value, padding_mask=padding_mask, sample_ids=sample_ids,
+                    half_window=half_window, dropout_p=dropout_p, scale=scale)
+
+
+def choose_path(seq: int, half_window: int | None, packed: bool) -> str:
+    """The path encoder_attention takes off CUDA (or on CUDA with dropout): the fastest measured for
+    the case (tools/benchmarks/attention.py), a pure function of the shapes so that a recomputed
+    forward takes the same one (and draws the same dropout masks)."""
+    if half_window is not None:
+        # the band is BAND_BLOCK + 2 half_window keys wide: no narrower than the row, it does the
+        # dense path's work with more copying (measured at half_window 64: dense 2x faster up to
+        # seq 256, banded ahead from 512, 30x at 8,192)
+        return "dense" if seq <= BAND_BLOCK + 2 * half_window else "banded"
+    if not packed:
+        return "padded_global"
+    return "dense" if seq <= DENSE_DOCUMENTS_MAX_SEQ else "documents"
+
+
+def run_path(path: str, query, key, value, *, padding_mask=None, sample_ids=None, half_window=None, dropout_p=0.0,
+             scale=None, block: int | None = None) -> torch.Tensor:
+    """One named path (the benchmark and the tests call each; encoder_attention calls the chosen);
+    `block`: the banded path's query block (default BAND_BLOCK)."""
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    if path == "dense":
+        allowed = _dense_allowed(padding_mask, sample_ids, half_window, query.shape[2])[:, None]
+        bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, float("-inf"))
+        return _attend(query, key, value, bias, dropout_p, scale)
+    if path == "padded_global":
+        if padding_mask is None or half_window is not None:
+            raise ValueError("the padded_global path is for global layers of padded rows")
+        return _padded_global(query, key, value, padding_mask, dropout_p, scale)
+    if path == "banded":
+        if half_window is None:
+            raise ValueError("the banded path is for local layers (half_window set)")
+        return _banded(query, key, value, padding_mask, sample_ids, half_window, dropout_p, scale, block)
+    if path == "documents":
+        if sample_ids is None or half_window is not None:
+            raise ValueError("the documents path is for global layers of packed rows")
+        return _documents(query, key, value, sample_ids, dropout_p, scale)
+    raise ValueError(f"unknown attention path {path!r}: one of {', '.join(PATHS)}")
+
+
+def _attend(query, key, value, mask, dropout_p: float, scale: float) -> torch.Tensor:
+    """softmax(q k^T scale + mask) v for a boolean (True = attend) or additive float mask that leaves
+    every query at least one key. SDPA (fused kernels) unless dropout runs off CUDA: then the same
+    arithmetic spelled out, with `layers.dropout`'s mask from the default generator."""
+    if dropout_p == 0.0 or query.device.type == "cuda":
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(_dropout(probs, dropout_p, True), value)
+
+
+def _near(rows: int, cols: int, offset: int, half_window: int | None, device) -> torch.Tensor:
+    """[rows, cols] True where |(col - offset) - row| <= half_window (all True without a window)."""
+    if half_window is None:
+        return torch.ones(rows, cols, dtype=torch.bool, device=device)
+    distance = torch.arange(cols, device=device)[None, :] - offset - torch.arange(rows, device=device)[:, None]
+    return distance.abs() <= half_window
+
+
+def _reach_count(real: torch.Tensor, half_window: int | None) -> torch.Tensor:
+    """[batch, seq]: how many real keys each query reaches (within half_window, or anywhere)."""
+    counts = real.to(torch.int32)
+    if half_window is None:
+        return counts.sum(-1, keepdim=True).expand_as(counts)
+    seq = real.shape[-1]
+    cumulative = F.pad(counts.cumsum(-1, dtype=torch.int32), (1, 0))
+    index = torch.arange(seq, device=real.device)
+    high = (index + half_window + 1).clamp(max=seq)
+    low = (index - half_window).clamp(min=0)
+    return cumulative[:, high] - cumulative[:, low]
+
+
+def _dense_allowed(padding_mask, sample_ids, half_window, seq: int) -> torch.Tensor:
+    """The [batch, seq, seq] boolean mask of the module docstring's rule."""
+    device = (padding_mask if sample_ids is None else sample_ids).device
+    near = _near(seq, seq, 0, half_window, device)
+    if sample_ids is not None:
+        return (sample_ids[:, :, None] == sample_ids[:, None, :]) & near
+    real = padding_mask != 0
+    isolated = _reach_count(real, half_window) == 0
+    diagonal = torch.eye(seq, dtype=torch.bool, device=device)
+    return (real[:, None, :] & near) | (isolated[:, :, None] & diagonal)
+
+
+def _padded_global(query, key, value, padding_mask, dropout_p: float, scale: float) -> torch.Tensor:
+    """Global attention of padded rows: an additive key mask, no [seq x seq] tensor. Keys after the
+    batch's last real token are dropped (padding in every row, attended by nobody). A row of
+    padding only attends all its keys here (finite) and is then replaced by its values, which is
+    what attending itself alone gives."""
+    real = padding_mask != 0
+    position = torch.arange(1, real.shape[1] + 1, device=real.device)
+    keys = max(int((real.any(0) * position).max()), 1)
+    real = real[:, :keys]
+    empty = ~real.any(-1)
+    bias = torch.zeros(real.shape, dtype=query.dtype, device=query.device)
+    bias = bias.masked_fill_(~real & ~empty[:, None], float("-inf"))[:, None, None, :]
+    out = _attend(query, key[:, :, :keys], value[:, :, :keys], bias, dropout_p, scale)
+    if bool(empty.any()):
+        out = torch.where(empty[:, None, None, None], value, out)
+    return out
+
+
+def _banded(query, key, value, padding_mask, sample_ids, half_window: int, dropout_p: float, scale: float,
+            block: int | None = None) -> torch.Tensor:
+    """Local attention by query blocks: block n (queries [nC, nC + C)) attends the keys
+    [nC - w, nC + C + w) only, an unfold view of the keys padded by w on both sides. Query c of
+    the block sits at nC + c and band entry j at nC - w + j: their distance j - w - c is within
+    +-w iff c <= j <= c + 2w, whatever the block, so one [C, C + 2w] window mask serves all."""
+    block = block or BAND_BLOCK
+    batch, heads, seq, dim = query.shape
+    w, device = half_window, query.device
+    blocks = -(-seq // block)
+    tail = blocks * block - seq
+    width = block + 2 * w
+    q = (F.pad(query, (0, 0, 0, tail)) if tail else query).reshape(batch, heads, blocks, block, dim)
+    k = F.pad(key, (0, 0, w, tail + w)).unfold(2, width, block)  # [batch, heads, blocks, dim, width], a view
+    v = F.pad(value, (0, 0, w, tail + w)).unfold(2, width, block)
+    near = _near(block, width, w, w, device)
+    if sample_ids is not None:
+        # alignment padding gets number -1: it meets only itself (the extra queries attend their own
+        # zero key and are cut off), never a real document or the row's padding
+        key_ids = F.pad(sample_ids, (w, tail + w), value=-1).unfold(1, width, block)
+        query_ids = F.pad(sample_ids, (0, tail), value=-1).view(batch, blocks, block)
+        allowed = (query_ids[..., :, None] == key_ids[..., None, :]) & near
+    else:
+        real = F.pad(padding_mask != 0, (w, tail + w), value=False)
+        isolated = (_reach_count(real, w) == 0)[:, w:w + blocks * block].view(batch, blocks, block)
+        diagonal = _near(block, width, w, 0, device)  # key j is query c itself
+        allowed = (real.unfold(1, width, block)[..., None, :] & near) | (isolated[..., :, None] & diagonal)
+    # allowed: [batch, blocks, block, width], the same for every head
+    if dropout_p == 0.0 or device.type == "cuda":
+        # SDPA takes 4-d operands: (row, block) pairs as its batch, so that one additive mask per
+        # pair serves all heads (a broadcast, not a copy per head)
+        bias = torch.zeros(allowed.shape, dtype=query.dtype, device=device).masked_fill_(~allowed, float("-inf"))
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2).reshape(batch * blocks, heads, block, dim),
+            k.permute(0, 2, 1, 4, 3).reshape(batch * blocks, heads, width, dim),
+            v.permute(0, 2, 1, 4, 3).reshape(batch * blocks, heads, width, dim),
+            attn_mask=bias.view(batch * blocks, 1, block, width), dropout_p=dropout_p, scale=scale)
+        out = out.view(batch, blocks, heads, block, dim).transpose(1, 2)
+    else:
+        scores = torch.matmul(q, k).mul_(scale).masked_fill_(~allowed[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.matmul(_dropout(probs, dropout_p, True), v.transpose(-1, -2))
+    return out.reshape(batch, heads, blocks * block, dim)[:, :, :seq]
+
+
+def _ladder(length: int) -> int:
+    """The bucket a document of `length` tokens is padded to: the next of 8, 12, 16, 24, 32, 48, ..."""
+    size = 8
+    while size < length:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return size
+
+
+def _documents(query, key, value, sample_ids, dropout_p: float, scale: float) -> torch.Tensor:
+    """Global attention of packed rows, one document at a time, the documents of a bucket batched:
+    the tokens of each (row, number) are gathered in order into slots of the bucket's length (the
+    spare slots masked as keys, their outputs dropped), attended, and put back. One index_select
+    per operand and one for the output, whatever the number of buckets: each one's backward
+    zero-fills its whole source, and index_select's (index_add) is several times faster on the CPU
+    than advanced indexing's (index_put with accumulation). Documents need not be contiguous."""
+    batch, heads, seq, dim = query.shape
+    device = query.device
+    span = int(sample_ids.max()) + 1
+    document = (torch.arange(batch, device=device)[:, None] * span + sample_ids).reshape(-1)
+    order = torch.argsort(document, stable=True)  # tokens grouped by document, in position order
+    lengths = torch.unique_consecutive(document[order], return_counts=True)[1]
+    starts = lengths.cumsum(0) - lengths
+    buckets = torch.tensor([_ladder(n) for n in lengths.tolist()], device=device)
+    plans, sources, valids = [], [], []
+    for size in sorted(set(buckets.tolist())):
+        chosen = (buckets == size).nonzero().squeeze(1)
+        slot = torch.arange(size, device=device)
+        valid = slot[None, :] < lengths[chosen][:, None]  # [documents, size]
+        # spare slots read some token (clamped in range): masked as keys, dropped as queries, so
+        # they contribute nothing, gradients included
+        source = order[(starts[chosen][:, None] + slot[None, :]).clamp_(max=batch * seq - 1)]
+        plans.append((chosen.numel(), size, valid))
+        sources.append(source.reshape(-1))
+        valids.append(valid.reshape(-1))
+    source, valid = torch.cat(sources), torch.cat(valids)
+    slots = [count * size for count, size, _ in plans]
+    gathered = [t.transpose(1, 2).reshape(batch * seq, heads, dim).index_select(0, source).split(slots)
+                for t in (query, key, value)]
+    outputs = []
+    for (count, size, valid_slots), q, k, v in zip(plans, *gathered):
+        q, k, v = (t.view(count, size, heads, dim).transpose(1, 2) for t in (q, k, v))
+        bias = torch.zeros(valid_slots.shape, dtype=query.dtype, device=device)
+        bias = bias.masked_fill_(~valid_slots, float("-inf"))[:, None, None, :]
+        outputs.append(_attend(q, k, v, bias, dropout_p, scale).transpose(1, 2).reshape(count * size, heads, dim))
+    slot_of_token = torch.empty(batch * seq, dtype=torch.long, device=device)
+    slot_of_token[source[valid]] = valid.nonzero().squeeze(1)
+    return torch.cat(outputs).index_select(0, slot_of_token).view(batch, seq, heads, dim).transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: FlexAttention with a block mask (GPU tier; not runnable on the development machines)
+
+
+@functools.cache
+def _compiled_flex():
+    """flex_attention and create_block_mask, compiled once per process: uncompiled, flex_attention
+    runs a reference that materialises the scores, and create_block_mask the dense mask."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    return torch.compile(flex_attention), torch.compile(create_block_mask)
+
+
+def _flex_attention(query, key, value, padding_mask, sample_ids, half_window, scale) -> torch.Tensor:
+    """The module docstring's rule as a FlexAttention mask_mod; the BlockMask lets the kernel skip
+    the blocks no query of a block may see (other documents, outside the window). Without a window
+    the distance bound is the row's length, which holds everywhere: one mask_mod per row kind.
+    A mask_mod made anew per call is fine: torch compares them by code and captured values."""
+    flex, block_mask_of = _compiled_flex()
+    batch, _, seq, _ = query.shape
+    reach = seq if half_window is None else half_window
+    if sample_ids is not None:
+        ids = sample_ids.to(torch.int32)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (ids[b, q_idx] == ids[b, kv_idx]) & ((q_idx - kv_idx).abs() <= reach)
+    else:
+        real = padding_mask != 0
+        isolated = _reach_count(real, half_window) == 0
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (real[b, kv_idx] & ((q_idx - kv_idx).abs() <= reach)) | (isolated[b, q_idx] & (q_idx == kv_idx))
+
+    block_mask = block_mask_of(mask_mod, batch, None, seq, seq, device=query.device)
+    return flex(query, key, value, block_mask=block_mask, scale=scale)

@@ -1,0 +1,373 @@
+"""Every path of pretrain/model/attention.py against a plain dense reference (an explicit [seq, seq]
+mask, softmax, matmul): forward and the gradients of q, k and v in fp32 within 1e-5, on padded rows
+of unequal lengths, packed rows with several documents and padding, windows smaller than the
+documents and larger than the row, and global layers. Then the window's bound itself (a key at
+distance half_window exactly is attended, one further is not), transformers' own masks, dropout,
+bf16, every path on the CPU test device (fakegpu), and the CUDA FlexAttention path against the
+same reference (GPU tier).
+
+Run as a script (`python tests/test_attention_kernels.py cuda|fakegpu`) it is those tests' child:
+it runs every path on that device, compares with the reference on the CPU and prints the largest
+differences as JSON.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from pretrain.model import attention  # noqa: E402
+from pretrain.model.attention import encoder_attention, run_path  # noqa: E402
+
+SEQ = 30
+HEADS, DIM = 2, 16  # 16: the smallest head size FlexAttention's kernels take on CUDA
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
+def padded_rows():
+    """Unequal lengths: a full row, two right-padded ones (the last with 4 real tokens, so that its far
+    padding reaches no real key within a small window), a left-padded one."""
+    lengths = [(0, SEQ), (0, 17), (0, 4), (6, SEQ)]
+    mask = torch.zeros(len(lengths), SEQ, dtype=torch.long)
+    for row, (start, stop) in enumerate(lengths):
+        mask[row, start:stop] = 1
+    return mask
+
+
+def packed_rows():
+    """Several documents per row and trailing padding (as data/samples/packing.py makes them), a row
+    of one document, and a row whose document 1 comes back after document 2 (not contiguous)."""
+    rows = [[1] * 8 + [2] * 12 + [3] * 6 + [0] * 4,
+            [4] * 3 + [5] * 20 + [6] * 7,
+            [7] * SEQ,
+            [1] * 5 + [2] * 5 + [1] * 5 + [0] * 15]
+    return torch.tensor(rows)
+
+
+MASKS = {"padded": ("padding_mask", padded_rows), "packed": ("sample_ids", packed_rows)}
+
+
+def allowed_reference(masks: dict, half_window, seq: int) -> torch.Tensor:
+    """[batch, seq, seq]: who attends whom, written out (module docstring of attention.py)."""
+    index = torch.arange(seq)
+    near = torch.ones(seq, seq, dtype=torch.bool)
+    if half_window is not None:
+        near = (index[:, None] - index[None, :]).abs() <= half_window
+    if "sample_ids" in masks:
+        ids = masks["sample_ids"]
+        return (ids[:, :, None] == ids[:, None, :]) & near
+    real = masks["padding_mask"] != 0
+    allowed = real[:, None, :] & near
+    alone = ~allowed.any(-1)  # reaches no real key: attends itself
+    return allowed | (alone[:, :, None] & torch.eye(seq, dtype=torch.bool))
+
+
+def reference(query, key, value, masks, half_window, scale=None):
+    allowed = allowed_reference(masks, half_window, query.shape[2])[:, None]
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scores = (query @ key.transpose(-1, -2)) * scale
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ value
+
+
+def inputs(batch, seq=SEQ, seed=0, dtype=torch.float32):
+    """q, k, v [batch, heads, seq, head_dim] as the model hands them over: transposed views of
+    [batch, seq, heads, head_dim] tensors (not contiguous)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, seq, HEADS, DIM, generator=generator).to(dtype).transpose(1, 2).requires_grad_()
+            for _ in range(3)]
+
+
+def forward_backward(fn, q, k, v):
+    """The output and the gradients of q, k, v for a fixed random upstream gradient."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
+    (out * upstream).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def assert_matches_reference(fn, kind, half_window, seq=SEQ, **tolerance):
+    name, rows = MASKS[kind]
+    masks = {name: rows()}
+    q, k, v = inputs(masks[name].shape[0], seq)
+    ours = forward_backward(lambda *t: fn(*t, masks), q, k, v)
+    theirs = forward_backward(lambda *t: reference(*t, masks, half_window), q, k, v)
+    for label, a, b in zip(("output", "dq", "dk", "dv"), ours, theirs):
+        assert torch.isfinite(a).all(), f"{label} not finite"
+        torch.testing.assert_close(a, b, **(tolerance or TOLERANCE), msg=lambda m: f"{label}: {m}")
+
+
+# windows: none, 0 (itself), smaller than documents, about a document, larger than the row
+WINDOWS = [None, 0, 1, 4, 9, 40]
+CASES = [(kind, hw) for kind in MASKS for hw in WINDOWS]
+
+
+def paths_for(kind, half_window):
+    """(path, block) pairs that apply to the case; small blocks so that rows span several bands."""
+    paths = [("dense", None)]
+    if half_window is None:
+        paths.append(("padded_global", None) if kind == "padded" else ("documents", None))
+    else:
+        paths += [("banded", None), ("banded", 8), ("banded", 4)]
+    return paths
+
+
+@pytest.mark.parametrize("kind,half_window,path,block", [
+    (kind, hw, path, block) for kind, hw in CASES for path, block in paths_for(kind, hw)])
+def test_path_matches_dense_reference(kind, half_window, path, block):
+    def fn(q, k, v, masks):
+        return run_path(path, q, k, v, **masks, half_window=half_window, block=block)
+
+    assert_matches_reference(fn, kind, half_window)
+
+
+@pytest.mark.parametrize("kind,half_window", CASES)
+def test_encoder_attention_matches_dense_reference(kind, half_window):
+    def fn(q, k, v, masks):
+        return encoder_attention(q, k, v, **masks, half_window=half_window)
+
+    assert_matches_reference(fn, kind, half_window)
+
+
+@pytest.mark.parametrize("kind", list(MASKS))
+@pytest.mark.parametrize("half_window", [None, 64])
+@pytest.mark.parametrize("extra", [0, 17])
+def test_longer_rows_take_the_chosen_path(kind, half_window, extra):
+    """Rows long enough for several default-size bands (BAND_BLOCK), a whole number of them or not,
+    and for several document buckets."""
+    seq = 3 * attention.BAND_BLOCK + extra
+    if kind == "padded":
+        mask = torch.ones(2, seq, dtype=torch.long)
+        mask[1, 200:] = 0
+        rows = {"padding_mask": mask}
+    else:
+        ids = torch.zeros(2, seq, dtype=torch.long)
+        ids[0, :150], ids[0, 150:160], ids[0, 160:370] = 1, 2, 3
+        ids[1, :seq - 3] = 4
+        rows = {"sample_ids": ids}
+    q, k, v = inputs(2, seq)
+    ours = forward_backward(lambda *t: encoder_attention(*t, **rows, half_window=half_window), q, k, v)
+    theirs = forward_backward(lambda *t: reference(*t, rows, half_window), q, k, v)
+    for label, a, b in zip(("output", "dq", "dk", "dv"), ours, theirs):
+        torch.testing.assert_close(a, b, **TOLERANCE, msg=lambda m: f"{label}: {m}")
+
+
+@pytest.mark.parametrize("path,block", [("dense", None), ("banded", None), ("banded", 4), (None, None)])
+@pytest.mark.parametrize("kind", list(MASKS))
+def test_window_bound_is_inclusive(path, block, kind):
+    """Query i sees a change of the value at i + half_window and at i - half_window, and none at
+    i +- (half_window + 1): the bound of masking_utils' sliding_window_bidirectional_overlay."""
+    half_window, seq, i = 5, 40, 20
+    masks = {"padding_mask": torch.ones(1, seq, dtype=torch.long)} if kind == "padded" else \
+        {"sample_ids": torch.ones(1, seq, dtype=torch.long)}
+    q, k, v = (t.detach() for t in inputs(1, seq))
+
+    def run(value):
+        if path is None:
+            return encoder_attention(q, k, value, **masks, half_window=half_window)
+        return run_path(path, q, k, value, **masks, half_window=half_window, block=block)
+
+    base = run(v)
+    for j, seen in ((i + half_window, True), (i - half_window, True), (i + half_window + 1, False),
+                    (i - half_window - 1, False)):
+        changed = v.clone()
+        changed[:, :, j] += 1.0
+        moved = (run(changed)[:, :, i] - base[:, :, i]).abs().max().item()
+        assert (moved > 1e-3) == seen, f"key at distance {j - i} {'not ' if seen else ''}attended (moved {moved})"
+
+
+@pytest.mark.parametrize("half_window", [None, 3])
+def test_transformers_eager_masks(half_window):
+    """transformers' own masks (create_bidirectional_mask / create_bidirectional_sliding_window_mask,
+    eager) and eager_attention_forward give our output at every query they leave a key to."""
+    from transformers import ModernBertConfig
+    from transformers.masking_utils import create_bidirectional_mask, create_bidirectional_sliding_window_mask
+    from transformers.models.modernbert.modeling_modernbert import eager_attention_forward
+
+    config = ModernBertConfig(hidden_size=HEADS * DIM, num_attention_heads=HEADS, num_hidden_layers=2,
+                              local_attention=2 * (half_window or 1))
+    config._attn_implementation = "eager"
+    padding_mask = padded_rows()
+    embeds = torch.zeros(padding_mask.shape[0], SEQ, HEADS * DIM)
+    build = create_bidirectional_mask if half_window is None else create_bidirectional_sliding_window_mask
+    hf_mask = build(config=config, inputs_embeds=embeds, attention_mask=padding_mask)
+    q, k, v = (t.detach() for t in inputs(padding_mask.shape[0]))
+    theirs = eager_attention_forward(torch.nn.Module().eval(), q, k, v, hf_mask, scaling=DIM ** -0.5)[0]
+    ours = encoder_attention(q, k, v, padding_mask=padding_mask, half_window=half_window).transpose(1, 2)
+    defined = (hf_mask[:, 0] == 0).any(-1)  # transformers' fully masked rows have no meaning
+    assert defined.sum() > padding_mask.sum(), "the comparison should include padding queries too"
+    torch.testing.assert_close(ours[defined], theirs[defined], **TOLERANCE)
+
+
+@pytest.mark.parametrize("half_window", [None, 2])
+def test_rows_without_reachable_keys_are_finite(half_window):
+    """A row of padding only, and padding far from every real token, attend themselves: finite
+    outputs equal to their values, finite gradients."""
+    padding_mask = torch.zeros(2, 16, dtype=torch.long)
+    padding_mask[1, :3] = 1
+    q, k, v = inputs(2, 16)
+    out = encoder_attention(q, k, v, padding_mask=padding_mask, half_window=half_window)
+    out.sum().backward()
+    assert all(torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))
+    torch.testing.assert_close(out[0], v[0].detach())  # the empty row
+    if half_window is not None:
+        torch.testing.assert_close(out[1, :, 6:], v[1, :, 6:].detach())
+
+
+@pytest.mark.parametrize("path,half_window", [("dense", 4), ("banded", 4), ("padded_global", None),
+                                              ("documents", None), (None, 4), (None, None)])
+def test_dropout_draws_from_the_default_generator(path, half_window):
+    """Attention dropout on CPU: the same seed gives the same output (the RNG tracker's forks replay
+    it on recomputation), another seed another one, and gradients flow."""
+    kind = "packed" if path == "documents" else "padded"
+    name, rows = MASKS[kind]
+    masks = {name: rows()}
+    q, k, v = inputs(masks[name].shape[0])
+
+    def run(seed):
+        torch.manual_seed(seed)
+        if path is None:
+            return encoder_attention(q, k, v, **masks, half_window=half_window, dropout_p=0.3)
+        return run_path(path, q, k, v, **masks, half_window=half_window, dropout_p=0.3)
+
+    first, again, other = run(0), run(0), run(1)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    plain = encoder_attention(q, k, v, **masks, half_window=half_window)
+    assert not torch.allclose(first, plain)
+    first.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_dense_dropout_is_reference_with_the_drawn_mask():
+    """The dense path's dropout is inverted dropout of the probabilities with layers.dropout's draw."""
+    masks = {"sample_ids": packed_rows()}
+    q, k, v = (t.detach() for t in inputs(4))
+    torch.manual_seed(3)
+    ours = run_path("dense", q, k, v, **masks, half_window=4, dropout_p=0.25)
+    torch.manual_seed(3)
+    keep = torch.rand(4, HEADS, SEQ, SEQ).ge_(0.25).mul_(1 / 0.75)
+    allowed = allowed_reference(masks, 4, SEQ)[:, None]
+    probs = torch.softmax((q @ k.transpose(-1, -2) * DIM ** -0.5).masked_fill(~allowed, float("-inf")), -1)
+    torch.testing.assert_close(ours, (probs * keep) @ v, **TOLERANCE)
+
+
+@pytest.mark.parametrize("half_window", [None, 4])
+@pytest.mark.parametrize("kind", list(MASKS))
+def test_bf16_returns_bf16_close_to_fp32(kind, half_window):
+    name, rows = MASKS[kind]
+    masks = {name: rows()}
+    q, k, v = (t.detach() for t in inputs(4, dtype=torch.bfloat16))
+    out = encoder_attention(q, k, v, **masks, half_window=half_window)
+    assert out.dtype == torch.bfloat16
+    expected = reference(q.float(), k.float(), v.float(), masks, half_window)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_exactly_one_mask():
+    q, k, v = inputs(1, 4)
+    with pytest.raises(ValueError, match="exactly one"):
+        encoder_attention(q, k, v)
+    with pytest.raises(ValueError, match="exactly one"):
+        encoder_attention(q, k, v, padding_mask=torch.ones(1, 4), sample_ids=torch.ones(1, 4))
+
+
+def test_choose_path_avoids_a_dense_mask_at_long_rows():
+    """At 8,192 tokens no choice builds the [seq x seq] mask."""
+    for half_window in (None, 64):
+        for packed in (False, True):
+            assert attention.choose_path(8192, half_window, packed) != "dense"
+
+
+def run_device_check(device_type: str, env: dict) -> dict:
+    """This file as a child process checking `device_type` (it must not enable either device here)."""
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), device_type], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["device"].startswith(device_type), result["device"]
+    assert result["dropout_finite"]
+    return result
+
+
+def assert_close_everywhere(result: dict, tolerance: float):
+    assert len(result["cases"]) >= 32, sorted(result["cases"])
+    for case, differences in result["cases"].items():
+        for label, difference in differences.items():
+            assert difference <= tolerance, f"{case} {label}: {difference}"
+
+
+@pytest.mark.slow  # a child process that loads (possibly builds) the test device's extension
+def test_every_path_on_the_cpu_test_device():
+    """On fakegpu (the CPU test mode that fails like CUDA on a tensor made on an implicit device)
+    every path, and encoder_attention's choice, matches the CPU reference, dropout included."""
+    pytest.importorskip("fakegpu")
+    from distributed import child_env
+
+    assert_close_everywhere(run_device_check("fakegpu", child_env({"BERT_FAKE_GPU": "1"})), 1e-5)
+
+
+@pytest.mark.gpu(1)
+def test_cuda_flex_attention_matches_reference():
+    """FlexAttention (compiled, block mask) on CUDA against the CPU reference, forward and gradients,
+    and every CPU path run by CUDA's SDPA (the route of attention dropout there); dropout runs to
+    finite values. In a child with the session's GPUs (this process hides them)."""
+    from distributed import child_env, gpu_env
+
+    result = run_device_check("cuda", child_env(gpu_env(BERT_FAKE_GPU="0")))
+    assert_close_everywhere(result, 1e-4)  # fp32 with TF32 off; the kernels' summation orders differ
+    assert any(case.endswith("encoder_attention") for case in result["cases"])
+
+
+def _device_check(device_type: str) -> dict:
+    """The child: each case on `device_type` against the reference on the CPU, largest differences."""
+    if device_type == "fakegpu":
+        import fakegpu
+
+        fakegpu.enable()
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch._dynamo.config.recompile_limit = 64  # one compilation per shape and mask kind here
+    device = torch.device(device_type, 0)
+    long_ids = torch.zeros(2, 300, dtype=torch.long)
+    long_ids[0, :130], long_ids[0, 130:140], long_ids[0, 140:290] = 1, 2, 3
+    long_ids[1, :250] = 4
+    long_padding = torch.ones(2, 300, dtype=torch.long)
+    long_padding[1, 120:] = 0
+    rows = {"padded": {"padding_mask": padded_rows()}, "packed": {"sample_ids": packed_rows()},
+            "padded300": {"padding_mask": long_padding}, "packed300": {"sample_ids": long_ids}}
+    cases = {}
+    for kind, masks in rows.items():
+        batch, seq = next(iter(masks.values())).shape
+        on_device = {name: m.to(device) for name, m in masks.items()}
+        for half_window in (None, 0, 4, 64):
+            q, k, v = inputs(batch, seq)
+            theirs = forward_backward(lambda *t: reference(*t, masks, half_window), q, k, v)
+            runs = {"encoder_attention": lambda *t: encoder_attention(*t, **on_device, half_window=half_window)}
+            for path, block in paths_for(kind.rstrip("0123456789"), half_window):
+                runs[f"{path}/{block}"] = (lambda path, block: lambda *t: run_path(
+                    path, *t, **on_device, half_window=half_window, block=block))(path, block)
+            for name, fn in runs.items():
+                ours = forward_backward(fn, *(t.detach().to(device) for t in (q, k, v)))
+                assert ours[0].device == device
+                cases[f"{kind} half_window={half_window} {name}"] = {
+                    label: (a.cpu() - b).abs().max().item()
+                    for label, a, b in zip(("output", "dq", "dk", "dv"), ours, theirs)}
+    finite = True
+    for half_window in (None, 4):
+        q, k, v = (t.detach().to(device).requires_grad_() for t in inputs(4))
+        out = encoder_attention(q, k, v, sample_ids=packed_rows().to(device), half_window=half_window, dropout_p=0.2)
+        out.sum().backward()
+        finite = finite and all(bool(torch.isfinite(t).all()) for t in (out, q.grad, k.grad, v.grad))
+    return {"device": str(out.device), "cases": cases, "dropout_finite": finite}
+
+
+if __name__ == "__main__" and sys.argv[1:2] in (["cuda"], ["fakegpu"]):
+    print(json.dumps(_device_check(sys.argv[1])))
