@@ -17,7 +17,7 @@ hide_library_warnings()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from transformers import ModernBertConfig, ModernBertForMaskedLM  # noqa: E402
+from transformers import ModernBertForMaskedLM  # noqa: E402
 
 from pretrain.checkpoint.hf import read_hf  # noqa: E402
 from pretrain.checkpoint.sharding import load_hf_state_dict  # noqa: E402

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from distributed import REPO, free_port
+from docs_blocks import documented_block
 from toy_corpus import documents
 from pretrain.checkpoint.data_sequence import data_sequence_changes, data_sequence_problems
 from pretrain.config import DataConfig, load_config
@@ -128,12 +129,6 @@ def test_a_resume_compares_with_the_latest_checkpoint_that_read_samples(tmp_path
     assert data_sequence_problems(run) == []
 
 
-def documented_block() -> str:
-    text = (REPO / "docs" / "training.md").read_text(encoding="utf-8")
-    section = text.split(HEADING + "\n", 1)[1].split("\n## ", 1)[0]
-    return section.split("```bash\n", 1)[1].split("```", 1)[0]
-
-
 @pytest.mark.slow
 def test_the_continued_pretraining_guide_works_as_documented(tmp_path):
     corpus = tmp_path / "domain"
@@ -150,7 +145,7 @@ def test_the_continued_pretraining_guide_works_as_documented(tmp_path):
     env = dict(os.environ, MODEL=str(model), CORPUS=str(corpus), STEPS="4", OUT=str(out), MASTER_PORT=str(free_port()),
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], OMP_NUM_THREADS="1")
     # the recipe's batch (256 x 128) for a 2-layer model of hidden 64: a few seconds a step here
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", documented_block()], cwd=REPO, env=env,
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", documented_block("training.md", HEADING)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-5000:]

@@ -12,18 +12,13 @@ import sys
 import pytest
 
 from distributed import REPO, free_port
+from docs_blocks import documented_block
 from test_first_run import mrpc_files
 from toy_corpus import documents
 
 pytestmark = pytest.mark.slow
 
 HEADING = "## Pretraining a ModernBERT, step by step"
-
-
-def documented_block() -> str:
-    text = (REPO / "docs" / "modernbert.md").read_text(encoding="utf-8")
-    section = text.split(HEADING + "\n", 1)[1].split("\n## ", 1)[0]
-    return section.split("```bash\n", 1)[1].split("```", 1)[0]
 
 
 def test_the_modernbert_guide_works_as_documented(tmp_path):
@@ -36,7 +31,7 @@ def test_the_modernbert_guide_works_as_documented(tmp_path):
     env = dict(os.environ, CORPUS=str(books), GLUE_MRPC=str(tmp_path / "MRPC"), STEPS="6", OUT=str(out),
                MASTER_PORT=str(free_port()), PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
                OMP_NUM_THREADS="1")
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", documented_block()], cwd=REPO, env=env,
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", documented_block("modernbert.md", HEADING)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-5000:]

@@ -93,6 +93,19 @@ class CpuGemmOverride:
         return super()._forward_impl(input, weight, *args, **kwargs)
 
 
+class GemmOperandsOverride:
+    """Mixin for megatron-core's parallel linears: the subclass's `gemm_operands(weight, bias)`
+    rewrites what the GEMM takes, inside `_forward_impl`: after the module's hooks, so ZeRO-3 has
+    gathered the weight, and with autograd carrying the gradient back to the stored layout."""
+
+    def gemm_operands(self, weight, bias):
+        raise NotImplementedError
+
+    def _forward_impl(self, input, weight, bias=None, **kwargs):
+        weight, bias = self.gemm_operands(weight, bias)
+        return super()._forward_impl(input=input, weight=weight, bias=bias, **kwargs)
+
+
 # ----------------------------------------------------------------------------- ZeRO-3 parameters
 def is_zero3_param(param: torch.Tensor) -> bool:
     """A parameter partitioned by ZeRO-3 (deepspeed.zero.Init gives it ds_id and ds_tensor)."""

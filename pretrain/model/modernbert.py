@@ -54,6 +54,7 @@ from .layers import (
     dropout,
     layer_norm,
 )
+from ..distributed.internals import GemmOperandsOverride
 from .attention import encoder_attention
 from .rng import RngTracker, checkpoint_with_rng
 
@@ -87,16 +88,14 @@ def _geglu_halves(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(-1, 2, *tensor.shape[1:]).transpose(0, 1).reshape(tensor.shape)
 
 
-class GegluInput(ColumnParallelLinear):
+class GegluInput(GemmOperandsOverride, ColumnParallelLinear):
     """GeGLU's input projection Wi, column-parallel. Its rows are stored interleaved (so that a TP
     shard holds matching input and gate rows, see the module docstring) and reordered to
     [inputs; gates] for the GEMM: the halves of the output are then contiguous slices, where an
-    interleaved output's would be strided ones (GELU and its backward on strided halves cost 3x).
-    Reordered inside _forward_impl, after the module's hooks (ZeRO-3 gathers the weight there)."""
+    interleaved output's would be strided ones (GELU and its backward on strided halves cost 3x)."""
 
-    def _forward_impl(self, input, weight, bias=None, *args, **kwargs):
-        return super()._forward_impl(input, _geglu_halves(weight), None if bias is None else _geglu_halves(bias),
-                                     *args, **kwargs)
+    def gemm_operands(self, weight, bias):
+        return _geglu_halves(weight), None if bias is None else _geglu_halves(bias)
 
 
 def rotary_tables(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):

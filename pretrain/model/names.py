@@ -12,7 +12,8 @@ from typing import NamedTuple
 from torch import nn
 
 from ..distributed.internals import tp_partition_dim
-from .layers import TIED_EMBEDDING_KEY, EmbeddingTail, MlmHead, MlmOutputBias, PretrainingHeads, TransformerLayer, WordEmbedding
+from .layers import (TIED_EMBEDDING_KEY, EmbeddingTail, MlmHead, MlmOutputBias, PretrainingHeads,  # noqa: F401
+                     TransformerLayer, WordEmbedding)  # (TIED_EMBEDDING_KEY re-exported)
 from .modernbert import DecoderBias, EmbeddingNorm, ModernLayer, ModernMlmHead, TokenEmbedding
 
 
