@@ -42,6 +42,9 @@ BASE = ["train.train_steps=8", "scheduler.warmup_steps=4", "eval.steps=2", "data
         "logging.interval=1", "resilience.max_consecutive_skips=2"]
 # a NaN loss at steps 3 and 5, a NaN gradient of one parameter (PARAMETER) with a finite loss at step 6
 STRAIGHT = [{"poison": "loss", "steps": [3, 5]}, {"poison": "parameter", "steps": [6]}]
+# ModernBERT's configurations (model.architecture=modernbert) poison its layer-1 attention output
+# projection instead: row-parallel like BERT's, on rank 1 of DP2, TP2 and PP2 alike
+MODERN_PARAMETER = "model.layers.1.attn.Wo.weight"
 # fp16 (ignored otherwise): a dynamic loss scale of 2**8 that is already its minimum
 AT_MIN_SCALE = ["fp16.initial_scale_power=8", "fp16.min_loss_scale=256"]
 
@@ -149,11 +152,14 @@ def main():
         last = parallel.world_size - 1  # a rank of the last stage: it computes the loss
         ckpt = os.path.join(scratch, f"ckpt-{label}-{name}")
         done = {}
+        straight = STRAIGHT
+        if "model.architecture=modernbert" in config["overrides"]:
+            straight = [STRAIGHT[0], {**STRAIGHT[1], "parameter": MODERN_PARAMETER}]
         for run in config["runs"]:
             if run == "straight":
                 cfg = load_config(None, overrides + [f"checkpoint.save_dir={ckpt}", "checkpoint.save_interval=2",
                                                      "checkpoint.keep_last=0", *AT_MIN_SCALE])
-                done[run] = train(cfg, parallel, STRAIGHT, last)
+                done[run] = train(cfg, parallel, straight, last)
             elif run == "resumed":
                 # resume from the step-2 checkpoint, not the latest (step 4): every rank points
                 # `latest` there itself before reading it (atomic replace, the same content)
@@ -162,7 +168,7 @@ def main():
                     f.write("iter_0000002")
                 os.replace(temp, os.path.join(ckpt, "latest"))
                 cfg = load_config(None, overrides + [f"checkpoint.load_dir={ckpt}", *AT_MIN_SCALE])
-                done[run] = train(cfg, parallel, STRAIGHT, last)
+                done[run] = train(cfg, parallel, straight, last)
             elif run == "overflow":
                 cfg = load_config(None, overrides + ["resilience.max_consecutive_skips=1", "train.train_steps=4",
                                                      "scheduler.warmup_steps=2", "fp16.initial_scale_power=8"])

@@ -71,6 +71,9 @@ MODERN_PADDED_RUN = {"name": "modern-padded", "overrides": MODERN + SPREAD_LENGT
 MODERN_PACKED_RUN = {"name": "modern-packed", "overrides": MODERN + SPREAD_LENGTHS[1:] + ["data.packing=true"],
                      "evaluate": True}
 MODERN_LAYOUTS = ["tp2", "pp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2-pp2-dp2-zero1"]
+# activation recomputation: the same training, full at TP2 and selective at PP2
+MODERN_RECOMPUTE = {"tp2": {"name": "modern-recompute", "overrides": MODERN + ["model.recompute=full"]},
+                    "pp2": {"name": "modern-recompute", "overrides": MODERN + ["model.recompute=selective"]}}
 
 # Beside the layouts, in the same jobs: the negative control, bf16 and the micro-batch split.
 PER_SHARD_LAYOUT = ("tp2-per-shard", 2, 1, 2, [], [PER_SHARD])
@@ -88,7 +91,7 @@ def jobs() -> dict[int, list]:
         packed = [PACKED_RUN] if label in PACKED_LAYOUTS else []
         modern = ([MODERN_RUN] if label in MODERN_LAYOUTS else []) + \
             ([MODERN_PACKED_RUN] if label in MODERN_LAYOUTS and label in PACKED_LAYOUTS else [])
-        return RUNS + packed + modern
+        return RUNS + packed + modern + ([MODERN_RECOMPUTE[label]] if label in MODERN_RECOMPUTE else [])
 
     everything = [("reference", 1, 1, 1, [], RUNS + [PADDED_RUN, PACKED_RUN, MODERN_RUN, MODERN_PADDED_RUN,
                                                      MODERN_PACKED_RUN]),
@@ -263,6 +266,17 @@ def test_modernbert_layout_matches_single_process(reference, layout_runs, label)
         assert_close(result["evaluation"][key], value, f"{label} modernbert evaluation {key}")
     assert_layout_took_effect(result, ref, label, tp, pp, world, wrapper, "Lamb")
     assert_groups_by_name(result, ref, label, embeddings_decay=True)
+
+
+@pytest.mark.parametrize("label", list(MODERN_RECOMPUTE))
+def test_modernbert_recomputation_is_the_same_training(reference, layout_runs, label):
+    """Recomputing ModernBERT's layers (full) or its attention core (selective) in backward changes
+    what is kept, not what is computed: the steps equal the single-process run's within 1e-5."""
+    result, ref = layout_runs(label)["modern-recompute"], reference["modern"]
+    for step, (a, b) in enumerate(zip(result["history"], ref["history"], strict=True), start=1):
+        for key in ("loss", "grad_norm"):
+            assert_close(a[key], b[key], f"{label} {MODERN_RECOMPUTE[label]['overrides'][-1]} step {step} {key}")
+    assert_close(result["params_norm"], ref["params_norm"], f"{label} recompute params norm")
 
 
 def test_modernbert_reference_is_modernbert_and_learns(reference):

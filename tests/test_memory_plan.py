@@ -23,19 +23,34 @@ ZERO3 = "train.deepspeed_config=tests/zero3-partition-everything.json"
 DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"]  # BERT's: the masks are activations too
 SEQ128 = ["data.seq_length=128", "model.max_position_embeddings=512", "data.max_predictions_per_seq=20"]
 SEQ512 = ["data.seq_length=512", "model.max_position_embeddings=512", "data.max_predictions_per_seq=76"]
+# ModernBERT at the tests' width: layers 0 and 2 global, 1 and 3 local with +-4 keys, so that at
+# seq 128 local layers take attention.py's dense path and at 512 its banded one (global ones the
+# padded_global path). Its global layers attend keys up to the batch's last real token only, which
+# the plan takes to be the whole row (an upper bound: the batch's rows are data). No short samples,
+# so that rows end near the end: without attention dropout only the key mask depends on it (a few
+# bytes); with it the global layers' [s, keys] probabilities do, and a rank whose micro-batches all
+# end early measures up to ~4% below the plan (seq 512, DP4): those runs get MODERN_SPELLED_TOLERANCE,
+# one-sided (the plan never below the measurement).
+MODERN = ["model.architecture=modernbert", "data.segment_pairs=none", "model.ffn_hidden_size=96",
+          "model.global_attn_every_n_layers=2", "model.local_attention=8", "model.layernorm_epsilon=1e-5",
+          "data.short_seq_prob=0"]
+MODERN_SPELLED_TOLERANCE = 0.05
 
 
 def run(name, tp, pp, precision="fp32", zero=0, recompute="none", seq512=False, micro_batches=4, layers=4,
-        dropout=True):
-    """One training step of the tests' tiny model (4 layers) with `micro_batches` micro-batches of 2."""
+        dropout=True, modern=False):
+    """One training step of the tests' tiny model (4 layers) with `micro_batches` micro-batches of 2
+    (`modern`: ModernBERT's layers, MODERN)."""
     overrides = [f"train.precision={precision}", f"parallel.zero_stage={zero}", f"model.recompute={recompute}",
                  f"model.num_layers={layers}", "train.micro_batch_size=2"]
+    overrides += MODERN if modern else []
     overrides += [ZERO3] if zero == 3 else []
     overrides += ["train.grad_accum_dtype=bf16"] if precision == "bf16" and zero == 0 else []
     overrides += DROPOUT if dropout else []
     overrides += SEQ512 if seq512 else SEQ128
+    tolerance = MODERN_SPELLED_TOLERANCE if modern and dropout and recompute == "none" else 0.01
     return {"name": name, "tp": tp, "pp": pp, "micro_batches": micro_batches, "precision": precision, "zero": zero,
-            "overrides": overrides}
+            "overrides": overrides, "tolerance": tolerance}
 
 
 # world size 4: six layouts, each precision x ZeRO stage at DP > 1 somewhere, every recompute mode
@@ -57,6 +72,12 @@ FOUR = [
     run("tp4-fp32-zero3-full", 4, 1, "fp32", 3, "full"),
     run("pp4-fp32-zero1", 1, 4, "fp32", 1, micro_batches=8),
     run("pp4-bf16-zero1-full", 1, 4, "bf16", 1, "full", micro_batches=8),
+    # ModernBERT
+    run("modern-dp4-bf16-zero1", 1, 1, "bf16", 1, seq512=True, modern=True),
+    run("modern-tp2dp2-fp32-zero1-selective", 2, 1, "fp32", 1, "selective", modern=True),
+    run("modern-tp2dp2-bf16-zero2-512", 2, 1, "bf16", 2, seq512=True, dropout=False, modern=True),
+    run("modern-pp2dp2-fp32-zero0-512", 1, 2, "fp32", 0, seq512=True, dropout=False, modern=True),
+    run("modern-tp2pp2-bf16-zero1-full", 2, 2, "bf16", 1, "full", modern=True),
 ]
 # one process: the whole model on one rank
 ONE = [
@@ -64,6 +85,15 @@ ONE = [
     run("single-bf16-zero1-selective-512", 1, 1, "bf16", 1, "selective", seq512=True, micro_batches=1),
     run("single-fp32-zero2-full", 1, 1, "fp32", 2, "full", micro_batches=1),
     run("single-bf16-zero3", 1, 1, "bf16", 3, micro_batches=1),
+    # ModernBERT: every attention path with and without attention dropout (the spelled-out softmax)
+    run("modern-single-fp32-zero0", 1, 1, "fp32", 0, micro_batches=1, modern=True),
+    run("modern-single-fp32-zero0-nodropout", 1, 1, "fp32", 0, micro_batches=1, dropout=False, modern=True),
+    run("modern-single-fp32-zero0-512", 1, 1, "fp32", 0, seq512=True, micro_batches=1, modern=True),
+    run("modern-single-bf16-zero1-512-nodropout", 1, 1, "bf16", 1, seq512=True, micro_batches=1, dropout=False,
+        modern=True),
+    run("modern-single-fp32-zero2-selective-512", 1, 1, "fp32", 2, "selective", seq512=True, micro_batches=1,
+        modern=True),
+    run("modern-single-fp32-zero0-full", 1, 1, "fp32", 0, "full", micro_batches=1, modern=True),
 ]
 
 
@@ -105,8 +135,10 @@ def test_predicted_memory_matches_every_rank(measured, world, spec):
         for key in ("parameters", "gradients", "optimizer_state"):
             assert measured_bytes[key] == planned[key], (rank, key, measured_bytes[key], planned[key])
         activations = measured_bytes["activations_peak"]
-        assert activations > 0 and planned["activations_peak"] == pytest.approx(activations, rel=0.01), \
+        assert activations > 0 and planned["activations_peak"] == pytest.approx(activations, rel=spec["tolerance"]), \
             (rank, activations, planned["activations_peak"])
+        if spec["tolerance"] > 0.01:  # a bound (MODERN): the plan takes the longest rows
+            assert planned["activations_peak"] >= activations, (rank, activations, planned["activations_peak"])
     if spec["pp"] > 1:  # the first stage holds more micro-batches in flight than the last
         first, last = result["memory"][0], result["memory"][-1]
         assert first["measured"]["activations_peak"] != last["measured"]["activations_peak"]

@@ -34,6 +34,33 @@ the masked positions (the gather), the MLM transform's tensors at P rows, the vo
 mask V_t, the vocabulary-parallel cross entropy's fp32 softmax 4*P*V_t and its index tensors,
 NSP's pooled tanh and log-softmax.
 
+ModernBERT (pretrain/model/modernbert.py; d head size, the same names otherwise), per layer:
+    input B*N*h (layer 0 has no attn_norm: its QKV linear saves it) | attn_norm's statistics and
+    output 2*S*N + B*N*h (layers > 0) | rotary cos and sin 2*B*s*d (one [1, s, d] pair a layer) |
+    attention core and context (below) | attn.out_drop's mask Ma*N*h (attention_dropout) |
+    mlp_norm's input and statistics B*N*h + 2*S*N | Wi reordered to [inputs; gates], a weight-sized
+    copy 2*B*h*f_t | Wi's input B*N*h, its output 2*B*N*f_t (GELU's input and the gates are views
+    of it) | GELU's output B*N*f_t | the MLP dropout's mask M*N*f_t | mlp.Wo's input B*N*f_t
+The core by attention.py's path (choose_path; keys: the plan takes s, an upper bound of the
+padded_global path's keys, cut after the batch's last real token; W bytes of what it attends in,
+4 on the CPU's fp32 bf16 route, B otherwise):
+    padded_global / dense, attention dropout (spelled out): Q, K, V 3*W*N*h_t, fp32 softmax, keep
+        mask and dropped probabilities (4 + 2W)*b*a_t*s*keys, context B*N*h_t (a copy)
+    padded_global / dense, SDPA's CPU flash kernel: the mask W*b*keys (dense: W*b*s^2), Q and K
+        2*W*N*h_t, V a view of the fused QKV output, kept whole 3*B*N*h_t (fp32 route: a copy
+        4*N*h_t), logsumexp 4*b*a_t*s, output W*N*h_t (the context a view; fp32 route: + B*N*h_t)
+    banded (blocks of C=128 queries, width C + 2*half_window, s_p = blocks*C): Q W*b*a_t*s_p*d, K and
+        V bands 2*W*b*a_t*blocks*width*d; spelled: the window mask b*blocks*C*width (bool), softmax,
+        keep mask, dropped probabilities (4 + 2W)*a_t*b*blocks*C*width, context B*N*h_t; flash:
+        the mask W*b*blocks*C*width, logsumexp 4*b*a_t*s_p, output W*b*s_p*h_t (the context a view
+        when s = s_p)
+    cuda without dropout (FlexAttention; an estimate, not measured): Q, K, the QKV output, its
+        output, logsumexp, a context copy
+Selective recomputation keeps the checkpoint's inputs (Q, K, the QKV output 5*B*N*h_t), the
+context B*N*h_t and, once per stage, the padding mask 8N; full as BERT's. Embeddings: the input
+ids 8N (+N), LayerNorm input and statistics, a dropout mask. Heads: as BERT's MLM (no NSP) plus
+final_norm's input and statistics at P rows B*P*h + 2*S*P.
+
 Derived from the saved tensors of each op (their autograd formulas; CUDA's SDPA from torch's
 sources and meta kernels) and checked byte for byte against the meter on the CPU and fakegpu;
 tests/test_memory_plan.py keeps it there.
@@ -86,9 +113,103 @@ def _attention_core(k: Kernels, b: int, s: int, n: int, h_t: int, a_t: int, B: i
     return qkv_extra + wide * b * s + wide * n * h_t + 4 * b * a_t * s
 
 
-def layer_bytes(cfg, tp: int, micro: int, precision: str, kernels: Kernels) -> int:
-    """One transformer layer, one micro-batch (unpacked rows)."""
+def modern_attention_path(cfg, index: int) -> str:
+    """The path pretrain/model/attention.py's encoder_attention takes for layer `index` of
+    unpacked rows off CUDA (choose_path): "padded_global", "dense" or "banded"."""
+    from ..model.attention import choose_path
+
+    m, s = cfg.model, cfg.data.seq_length
+    half_window = None if m.is_global_layer(index) else m.local_attention // 2
+    if half_window is not None and half_window >= s - 1:
+        half_window = None  # the window holds the whole row
+    return choose_path(s, half_window, packed=False)
+
+
+def _modern_core(cfg, k: Kernels, index: int, b: int, s: int, h_t: int, a_t: int, B: int) -> int:
+    """ModernBERT's attention core beyond the layer's input and norm (none recomputed): what its
+    path saves from the rotary Q and K on, and the context the output projection saves."""
+    from ..model.attention import BAND_BLOCK
+
     m = cfg.model
+    n, d = b * s, h_t // a_t
+    spelled = m.attention_dropout > 0
+    if k.attention == "efficient" and not spelled:
+        # CUDA's FlexAttention (compiled; not measured here, the GPU tier's): Q and K, V a view of
+        # the fused QKV output (all of it), its output and logsumexp, the context a copy
+        return 2 * B * n * h_t + 3 * B * n * h_t + B * n * h_t + 4 * b * a_t * _ceil(s, 128) + B * n * h_t
+    W = 4 if k.upcast_bf16 else B  # the fp32 route attends on fp32 copies of Q, K, V
+    path = modern_attention_path(cfg, index)
+    if path == "banded":
+        w = m.local_attention // 2
+        blocks, width = -(-s // BAND_BLOCK), BAND_BLOCK + 2 * w
+        padded = blocks * BAND_BLOCK
+        band = b * a_t * blocks * width * d  # the key (value) band of every block, a copy
+        scores = b * blocks * BAND_BLOCK * width  # per head
+        if spelled:  # Q (or its padded copy), K band, the window mask (bool, all heads), fp32 softmax,
+            # keep mask and dropped probabilities, V band, the context (a copy of the sliced output)
+            return (W * b * a_t * padded * d + 2 * W * band + scores + (4 + 2 * W) * a_t * scores
+                    + B * n * h_t)
+        # SDPA's CPU flash kernel on (row, block) batches: the additive mask (one per block, all
+        # heads), Q blocks, K and V bands, logsumexp, its output (the context: a view when s is a
+        # whole number of blocks)
+        context = 0 if (padded == s or b == 1) and not k.upcast_bf16 else B * n * h_t  # the fp32 route: a bf16 copy
+        return (W * scores + W * b * a_t * padded * d + 2 * W * band + 4 * b * a_t * padded
+                + W * b * padded * h_t + context)
+    # padded_global (keys cut after the batch's last real token: data-dependent, at most s; the
+    # plan takes s, the peak) and dense (the [b, 1, s, s] mask)
+    keys = s
+    if spelled:  # Q, K (a copy of the cut keys, or the rotary output), fp32 softmax, keep mask and
+        # dropped probabilities, V (a contiguous copy), the context (a copy)
+        return 3 * W * n * h_t + (4 + 2 * W) * b * a_t * s * keys + B * n * h_t
+    bias = W * b * keys if path == "padded_global" else W * b * s * s
+    # SDPA's CPU flash kernel: the mask, Q and K, V (a view of the fused QKV output, which it keeps
+    # whole; on the fp32 route a copy), logsumexp, its output (the context: a view, [b, s, heads, d];
+    # on the fp32 route the bf16 copy of the output, which the output projection saves)
+    value = 4 * n * h_t if k.upcast_bf16 else 3 * B * n * h_t
+    context = B * n * h_t if k.upcast_bf16 else 0
+    return bias + 2 * W * n * h_t + value + 4 * b * a_t * s + W * n * h_t + context
+
+
+def _modern_layer_bytes(cfg, tp: int, micro: int, precision: str, kernels: Kernels, index: int) -> int:
+    """One ModernLayer (pretrain/model/modernbert.py), one micro-batch of unpacked rows."""
+    m = cfg.model
+    B = 2 if precision in ("bf16", "fp16") else 4
+    b, s, h = micro, cfg.data.seq_length, m.hidden_size
+    n, h_t, f_t, a_t = b * s, h // tp, m.ffn_size // tp, m.num_attention_heads // tp
+    d = h // m.num_attention_heads
+    M = 0 if m.hidden_dropout == 0 else (kernels.mask_bytes or B)  # the MLP's dropout (on [N, f_t])
+    Ma = 0 if m.attention_dropout == 0 else (kernels.mask_bytes or B)  # attn.out_drop's (on [N, h])
+    S = kernels.stat_bytes or B
+    layer_input = B * n * h  # by attn_norm, or on layer 0 (no attn_norm) by the QKV linear
+    if m.recompute == "full":
+        return layer_input
+    attn_norm = B * n * h + 2 * S * n if index > 0 else 0  # its statistics, and its output (the QKV linear's input)
+    rotary = 2 * B * s * d  # cos and sin [1, 1, s, d] in the model's dtype (rows share them)
+    mlp = (B * n * h + 2 * S * n  # mlp_norm's input and statistics
+           + 2 * B * h * f_t  # Wi reordered [inputs; gates]: a copy of the weight, saved by the GEMM
+           + B * n * h  # Wi's input (mlp_norm's output)
+           + 2 * B * n * f_t  # Wi's output, all of it (GELU's input and the gates are views of it)
+           + B * n * f_t  # GELU's output (the product's other factor)
+           + M * n * f_t + B * n * f_t)  # the dropout's mask, mlp.Wo's input
+    if m.recompute == "selective":
+        # the checkpoint's inputs: rotary Q and K, V (a view of the fused QKV output, kept whole);
+        # the padding mask once per stage (stage_activation_bytes); the context
+        core = 2 * B * n * h_t + 3 * B * n * h_t + B * n * h_t
+    else:
+        core = _modern_core(cfg, kernels, index, b, s, h_t, a_t, B)
+    return layer_input + attn_norm + rotary + core + Ma * n * h + mlp
+
+
+def layer_bytes(cfg, tp: int, micro: int, precision: str, kernels: Kernels, index: int | None = None) -> int:
+    """One transformer layer, one micro-batch (unpacked rows). ModernBERT's layers differ by kind
+    (global or local, and layer 0 has no attn_norm): `index` the layer's number in the model;
+    None, the largest layer's (layers 1 to global_attn_every_n_layers: local ones and a global one)."""
+    m = cfg.model
+    if m.modern:
+        if index is None:
+            return max(_modern_layer_bytes(cfg, tp, micro, precision, kernels, i)
+                       for i in range(1, m.global_attn_every_n_layers + 1))
+        return _modern_layer_bytes(cfg, tp, micro, precision, kernels, index)
     B = 2 if precision in ("bf16", "fp16") else 4
     b, s, h = micro, cfg.data.seq_length, m.hidden_size
     n, h_t, f_t, a_t = b * s, h // tp, m.ffn_size // tp, m.num_attention_heads // tp
@@ -113,6 +234,8 @@ def embedding_bytes(cfg, tp: int, micro: int, precision: str, kernels: Kernels) 
     n = b * s
     M = 0 if m.hidden_dropout == 0 else (kernels.mask_bytes or B)
     S = kernels.stat_bytes or B
+    if m.modern:  # the input ids only (no token types, no positions), the TP lookup's range mask
+        return 8 * n + (n if tp > 1 else 0) + B * n * h + 2 * S * n + M * n * h
     ids = 16 * n + (n if tp > 1 else 0)  # input and token-type ids (int64); the TP lookup's range mask
     return ids + 8 * s + B * n * h + 2 * S * n + M * n * h
 
@@ -126,6 +249,8 @@ def heads_bytes(cfg, tp: int, micro: int, precision: str, kernels: Kernels) -> i
     S = kernels.stat_bytes or B
     v_t = m.padded_vocab_size(tp) // tp
     heads = 8 * p + B * n * h  # the gather's index and input (the last layer's output)
+    if m.modern:  # final_norm's input and statistics at P rows, then the transform as BERT's
+        heads += B * p * h + 2 * S * p
     heads += 4 * B * p * h + 2 * S * p  # MLM transform: dense input, GELU input, LayerNorm input/output, stats
     heads += v_t  # MlmOutputBias.is_padding (bool)
     loss = 4 * p * v_t + p + 8 * p  # cross entropy: fp32 softmax, target mask, targets
@@ -142,10 +267,18 @@ def in_flight(stage: int, stages: int, micro_batches: int) -> int:
 
 
 def stage_activation_bytes(cfg, tp: int, stage: int, stages: int, layers: int, first: bool, last: bool,
-                           micro: int, micro_batches: int, precision: str, kernels: Kernels) -> int:
-    """The peak bytes autograd holds on one rank of `stage`."""
-    per_micro = layers * layer_bytes(cfg, tp, micro, precision, kernels)
-    if cfg.model.recompute == "full":
+                           micro: int, micro_batches: int, precision: str, kernels: Kernels,
+                           first_layer: int | None = None) -> int:
+    """The peak bytes autograd holds on one rank of `stage`; `first_layer` the number of its first
+    transformer layer (ModernBERT; None: `stage * layers`, pipeline stages of equal layer counts)."""
+    m = cfg.model
+    if m.modern:  # layers differ by kind (global or local); a stage holds a contiguous run of them
+        first_layer = stage * layers if first_layer is None else first_layer
+        per_micro = sum(layer_bytes(cfg, tp, micro, precision, kernels, i)
+                        for i in range(first_layer, first_layer + layers))
+    else:
+        per_micro = layers * layer_bytes(cfg, tp, micro, precision, kernels)
+    if m.recompute == "full" or (m.modern and m.recompute == "selective" and layers):
         per_micro += 8 * micro * cfg.data.seq_length  # the padding mask, one storage for every layer
     if first:
         per_micro += embedding_bytes(cfg, tp, micro, precision, kernels)

@@ -107,7 +107,8 @@ def predict_memory(cfg: Config, layout: Layout, stage_index: int, stages: list[S
     kernels = kernels_for(device_type, cfg.model.attention_dropout, layout.precision)
     activations = stage_activation_bytes(cfg, layout.tp, stage_index, layout.pp, stage.transformer_layers,
                                          stage.first, stage.last, layout.micro_batch, micro_batches,
-                                         layout.precision, kernels)
+                                         layout.precision, kernels,
+                                         first_layer=sum(s.transformer_layers for s in stages[:stage_index]))
     buffers = states.persistent_buffers + states.step_buffers + _pipeline_buffers(cfg, layout, stage, micro_batches)
     reduced = ITEM[t.grad_accum_dtype] if layout.precision == "bf16" else ITEM[layout.precision]
     return MemoryPrediction(states.wrapper, states.parameters, states.gradients, states.optimizer_state, activations,
