@@ -220,7 +220,7 @@ class DataConfig:
     test_paths: list[str] = field(default_factory=list)
     segment_pairs: str = "nsp"  # "nsp" (BERT) | "sop" (ALBERT/Megatron sentence order) | "none" (one segment)
     short_seq_prob: float = 0.1  # share of samples cut to a random shorter target length
-    whole_word_masking: bool = True  # mask a word's '##' pieces together
+    whole_word_masking: bool = True  # mask a word's pieces together (WordPiece '##' continuations; BPE: Ġ/▁ word starts)
     max_ngram: int = 1  # 1 = BERT; n > 1 masks spans of up to n words, length drawn with p ~ 1/length
     masking: str = "static"  # "static" (a sample's masks fixed) | "dynamic" (redrawn every epoch)
     index_cache_dir: str | None = None  # where sample indices are cached; default <data dir>/index-cache
