@@ -17,7 +17,8 @@ hide_library_warnings()
 
 from finetune.config import load_finetune_config  # noqa: E402
 from finetune.finetuner import Finetuner  # noqa: E402
-from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
+from _train_worker import finish  # noqa: E402
+from pretrain.distributed.parallel import discover_launch_env, init_parallel  # noqa: E402
 
 
 def dev_record(runner) -> dict:
@@ -49,10 +50,7 @@ def main():
             "logits": after, "dev": dev_record(runner), "summary": summary,
             "local_qkv_rows": [tuple(p.shape) for n, p in encoder.named_parameters() if n.endswith("attn_qkv.weight")][0],
         }
-    if parallel.rank == parallel.logging_rank:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-    shutdown_parallel()
+    finish(parallel, out_path, results)
 
 
 if __name__ == "__main__":
