@@ -359,7 +359,9 @@ def test_sigkill_during_a_background_save_keeps_latest_and_the_relaunch_resumes_
                       env={"ASYNC_SAVE_HOLD": f"8:1:{tmp_path / 'never'}"})
         try:
             crashed.wait_for("holding the background write", rank=1)
-            crashed.wait_for("step 10/")  # training went on past the save
+            # training went on past the save, to the last step, whose stop waits for the held save on
+            # every rank: the kill comes during that wait (it once waited out the save timeout there)
+            crashed.wait_for("step 12/")
             partial = ckpt / "iter_0000008.partial"
             ours = {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "rng_rank00000.pt"}
             deadline = time.monotonic() + 60
@@ -369,8 +371,9 @@ def test_sigkill_during_a_background_save_keeps_latest_and_the_relaunch_resumes_
             # rank 0's files are written and durable, rank 1's are not: nothing is published
             assert (ckpt / "latest").read_text() == "iter_0000004"
             assert not (partial / "meta.json").exists() and not (partial / "rng_rank00001.pt").exists()
+            time.sleep(0.5)
             crashed.procs[1].send_signal(signal.SIGKILL)
-            codes = crashed.wait(timeout=120)
+            codes = crashed.wait(timeout=60)
         finally:
             crashed.kill()
         straight = straight.result()

@@ -240,9 +240,10 @@ class BackgroundSave:
     def finished(self) -> bool:
         return self._finished.is_set()
 
-    def join(self) -> None:
-        """Until the outcome is known on this rank (bounded by the save's own timeouts)."""
-        self._finished.wait()
+    def join(self, timeout: float | None = None) -> bool:
+        """Until the outcome is known on this rank (bounded by the save's own timeouts), or `timeout`
+        seconds; whether it is."""
+        return self._finished.wait(timeout)
 
     def failure_due(self, step: int) -> BaseException | None:
         """The error to raise at the boundary of `step` (None: none, or not yet)."""

@@ -18,12 +18,17 @@ from ..checkpoint.series import new_series, resumed_tag_dir, save_dir_problems, 
 from ..checkpoint.starting_point import untrained_head_notes
 from ..config import Config
 from ..distributed import internals
-from ..distributed.device import all_gather_object, barrier
+from ..distributed.device import all_gather_object, reduce_floats
 from ..distributed.parallel import Parallel
 from ..model.rng import RngTracker
 from ..resilience.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
+
+
+# how often wait() asks every rank whether its save thread is done: quickly at first (a save that is
+# nearly written), then every second at most (a tiny all-reduce each)
+POLL_FIRST_SECONDS, POLL_MAX_SECONDS = 0.01, 1.0
 
 
 def _mib(n: int) -> str:
@@ -87,23 +92,33 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Until the save in flight (checkpoint.async_save) is published on every rank, or raise its
-        failure. Every rank calls it at the same step (the next save, a stop, the end of training):
-        the barrier before the wait fails at once when a rank is gone (rather than after rank 0's
-        save timeout), the one after it keeps rank 0, whose process serves the job's store, alive
-        until every rank has read the outcome there."""
+        failure. Every rank calls it at the same step (the next save, a stop, the end of training)
+        and polls its thread between small collectives (_join_on_every_rank): a rank that dies
+        meanwhile fails the next one (rather than rank 0 waiting out its save timeout for a key
+        that never comes), and the last one keeps rank 0, whose process serves the job's store,
+        alive until every rank has read the outcome there."""
         job = self._in_flight
         if job is None:
             return
         with self.watchdog.limited("save"):  # resilience.save_timeout_minutes
             self.watchdog.doing(f"waiting for the background save of step {job.step} to be published", job.step)
-            barrier()
-            job.join()
+            self._join_on_every_rank(job)
             self._in_flight = None
             if job.error is not None:
                 raise job.error
-            barrier()
             self.watchdog.progress(f"the save of step {job.step}", job.step)
         self._saved(job)
+
+    def _join_on_every_rank(self, job: BackgroundSave) -> None:
+        """Until every rank's save thread has its outcome. Each poll is one all-reduce of "finished"
+        (min) on every rank, so all leave at the same poll; a rank gone fails it at once on gloo, or
+        after resilience.dist_timeout_minutes on NCCL, instead of a silent wait."""
+        poll = POLL_FIRST_SECONDS
+        while True:
+            job.join(timeout=poll)
+            if reduce_floats([job.finished], self.parallel.device, op="min")[0] == 1.0:
+                return
+            poll = min(poll * 2, POLL_MAX_SECONDS)
 
     def _check_in_flight(self, step: int) -> None:
         job = self._in_flight
