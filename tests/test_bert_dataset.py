@@ -418,3 +418,43 @@ def test_loader_process_that_raises_or_dies_names_the_samples():
         for _ in range(10):
             next(dying)
     dying.close()
+
+
+def _masking_shares(dataset, n, special, mask_id):
+    """(predicted / candidate tokens, [MASK] / predicted, random / predicted) over n samples."""
+    candidates = predicted = masked = kept = 0
+    for i in range(n):
+        sample = dataset[i]
+        k = int(sample["masked_weights"].sum())
+        ids = sample["input_ids"][:int(sample["padding_mask"].sum())]
+        positions, labels = sample["masked_positions"][:k], sample["masked_labels"][:k]
+        original = ids.copy()
+        original[positions] = labels
+        candidates += int((~np.isin(original, special)).sum())
+        predicted += k
+        masked += int((ids[positions] == mask_id).sum())
+        kept += int((ids[positions] == labels).sum())
+    return predicted / candidates, masked / predicted, (predicted - masked - kept) / predicted
+
+
+def test_training_and_evaluation_mask_at_their_own_rates_and_shares(corpus, vocab_file, vocab, tmp_path):
+    """data.masked_lm_prob 30% for training, data.eval_masked_lm_prob 15% for evaluation, a 70/20/10
+    split, the masked-position budget following the higher rate: measured on 10,000 samples each."""
+    from pretrain.config import Config
+    from pretrain.data.samples.provider import pretraining_datasets
+
+    prefix, _ = corpus
+    cfg = Config.from_dict({
+        "data": {"kind": "indexed", "paths": [str(prefix)], "vocab_file": str(vocab_file), "split": "80,20,0",
+                 "seq_length": 64, "masked_lm_prob": 0.3, "eval_masked_lm_prob": 0.15, "mask_token_share": 0.7,
+                 "random_token_share": 0.2, "index_cache_dir": str(tmp_path / "cache")},
+        "model": {"vocab_size": vocab.size}, "train": {"global_batch_size": 100, "train_steps": 100},
+        "eval": {"steps": 100}})
+    assert cfg.data.max_predictions() == 20  # ceil(0.3 x 64)
+    train, valid, _ = pretraining_datasets(cfg, True, None)
+    special = vocab.special_ids
+    rate, masked, random = _masking_shares(train, 10_000, special, vocab.mask_id)
+    assert abs(rate - 0.30) < 0.005 and abs(masked - 0.7) < 0.01 and abs(random - 0.2) < 0.01, (rate, masked, random)
+    rate, masked, random = _masking_shares(valid, 10_000, special, vocab.mask_id)
+    assert abs(rate - 0.15) < 0.005 and abs(masked - 0.7) < 0.01 and abs(random - 0.2) < 0.01, (rate, masked, random)
+    assert valid[0]["masked_positions"].shape == train[0]["masked_positions"].shape == (20,)

@@ -109,3 +109,98 @@ def test_scheduler_follows_lr_at_and_round_trips():
     fresh_opt.step()
     fresh.step()
     assert fresh_opt.param_groups[1]["lr"] == opt.param_groups[1]["lr"] == pytest.approx(lr_at(31, **BASE, decay="poly"))
+
+
+# ----------------------------------------------------------------------------- warmup-stable-decay
+def transformers_wsd_rates(steps, base_lr, warmup, stable, decay, decay_type, min_lr_ratio):
+    """transformers' get_wsd_schedule on a real optimizer: the rate of each of `steps` steps."""
+    from transformers.optimization import get_wsd_schedule
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base_lr)
+    sched = get_wsd_schedule(opt, num_warmup_steps=warmup, num_stable_steps=stable, num_decay_steps=decay,
+                             decay_type=decay_type, min_lr_ratio=min_lr_ratio)
+    rates = []
+    for _ in range(steps):
+        rates.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return rates
+
+
+@pytest.mark.parametrize("decay", ["linear", "cosine", "1-sqrt"])
+@pytest.mark.parametrize("min_lr", [0.0, 1e-6])
+def test_wsd_is_transformers_get_wsd_schedule_at_every_step(decay, min_lr):
+    base, warmup, stable, length = 1e-3, 7, 20, 13
+    ref = transformers_wsd_rates(50, base, warmup, stable, length, decay, min_lr / base)
+    sched = make_lr_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base), base, warmup,
+                              warmup + stable + length, decay, min_lr=min_lr, decay_start=warmup + stable,
+                              warmup_from_min=True)
+    ours = []
+    for _ in range(50):
+        ours.append(sched.get_last_lr()[0])
+        sched.optimizer.step()
+        sched.step()
+    assert ours == pytest.approx(ref, rel=1e-12, abs=1e-15)
+    assert ours[warmup + stable - 1] == base and ours[warmup + stable + 1] < base  # a stable stage, then the decay
+    # the default warmup is the same ramp one step earlier (it never steps at lr 0), the rest identical
+    plain = [lr_at(k, base, warmup, warmup + stable + length, decay, min_lr=min_lr, decay_start=warmup + stable)
+             for k in range(50)]
+    assert plain[warmup:] == pytest.approx(ref[warmup:])
+    if min_lr == 0:
+        assert plain[:warmup] == pytest.approx(ref[1:warmup + 1])
+
+
+def test_one_minus_sqrt_decay_formula():
+    # ModernBERT's OneMinusSqrtScheduler: alpha_f + (1 - alpha_f)(1 - sqrt((n - (N_T - N_C)) / N_C))
+    base, alpha_f = 1e-3, 0.001
+    for n in range(100, 200, 7):
+        expected = base * (alpha_f + (1 - alpha_f) * (1 - math.sqrt((n - 100) / 100)))
+        assert lr_at(n, base, 0, 200, "1-sqrt", min_lr=base * alpha_f, decay_start=100) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("decay", ["linear", "cosine", "1-sqrt", "poly", "constant"])
+def test_token_counted_lengths_equal_their_step_equivalents_with_a_fixed_batch(decay):
+    from pretrain.training.batch_ramp import TokenClock
+
+    clock = TokenClock(global_batch_size=24, seq_length=128)
+    per_step = 24 * 128
+    steps = dict(warmup_steps=5, decay_steps=60, decay_start=30)
+    tokens = {key: value * per_step for key, value in steps.items()}
+    for k in range(70):
+        position, size = clock.schedule_clock(k)
+        assert (position, size) == (k * per_step, per_step)
+        assert lr_at(position, 1e-3, decay=decay, size=size, **tokens) == lr_at(k, 1e-3, decay=decay, **steps)
+
+
+def test_a_scheduler_on_a_token_clock_resumes_from_its_step_count():
+    from pretrain.training.batch_ramp import TokenClock
+
+    clock = TokenClock(global_batch_size=8, seq_length=16, ramp_tokens=2000, ramp_min=2, unit=2)
+    kwargs = dict(decay="1-sqrt", decay_start=3000, clock=clock.schedule_clock)
+    run = make_lr_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), 1.0, 500, 6000, **kwargs)
+    for _ in range(40):
+        run.optimizer.step()
+        run.step()
+    resumed = make_lr_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), 1.0, 500, 6000, **kwargs)
+    resumed.load_state_dict(run.state_dict())
+    assert resumed.get_last_lr() == run.get_last_lr() and resumed.optimizer.param_groups[0]["lr"] == run.get_last_lr()[0]
+
+
+def test_the_token_clock_ramps_in_whole_micro_batches_per_rank():
+    from pretrain.training.batch_ramp import TokenClock
+
+    clock = TokenClock(global_batch_size=64, seq_length=32, ramp_tokens=20_000, ramp_min=8, unit=8)
+    sizes = [clock.batch(k) for k in range(clock.ramp_steps + 3)]
+    assert sizes[0] == 8 and sizes[-1] == 64 and clock.batch(clock.ramp_steps) == 64
+    assert all(b % 8 == 0 for b in sizes) and sizes == sorted(sizes) and len(set(sizes)) > 4
+    # step k's size is the linear ramp at the tokens before it, rounded down to whole units
+    for k in range(clock.ramp_steps):
+        seen = clock.tokens_before(k)
+        assert clock.batch(k) == max(8, int((8 + 56 * seen / 20_000) // 8) * 8)
+        assert clock.tokens_before(k + 1) == seen + clock.batch(k) * 32
+    assert clock.tokens_before(clock.ramp_steps) >= 20_000 > clock.tokens_before(clock.ramp_steps - 1)
+    later = clock.ramp_steps + 5
+    assert clock.tokens_before(later) == clock.tokens_before(clock.ramp_steps) + 5 * 64 * 32
+    assert clock.step_at_samples(clock.samples_before(later)) == later
+    assert clock.step_at_samples(clock.samples_before(3) + 1) is None
+    assert TokenClock(64, 32).ramp_steps == 0 and TokenClock(64, 32).batch(0) == 64

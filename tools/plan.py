@@ -221,7 +221,7 @@ def body(args) -> int:
         return 0 if fitting else 1
     m, d, t = cfg.model, cfg.data, cfg.train
     print(f"{args.config}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
-          f"seq {d.seq_length}, {d.max_predictions_per_seq} predictions, global batch {t.global_batch_size}; "
+          f"seq {d.seq_length}, {d.max_predictions()} predictions, global batch {t.global_batch_size}; "
           f"{args.gpus} devices ({min(args.gpus, args.gpus_per_node)} per node) of {args.device_memory / GiB:.1f} GiB, "
           f"{budget.usable / GiB:.1f} GiB usable each")
     print(f"{len(rows)} layouts the trainer accepts, {len(fitting)} fit; memory of the most loaded rank "

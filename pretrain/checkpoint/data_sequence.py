@@ -24,6 +24,7 @@ from .vocabulary import loaded_checkpoint
 # file (checked by content, vocabulary.py), loader workers and caches, packing (the same samples per
 # step, placed in fewer rows) and the validation / test corpora (evaluation only).
 SEQUENCE_KEYS = ("kind", "paths", "weights", "split", "seq_length", "max_predictions_per_seq", "masked_lm_prob",
+                 "mask_token_share", "random_token_share",
                  "segment_pairs", "short_seq_prob", "whole_word_masking", "max_ngram", "masking", "seed")
 SYNTHETIC_KEYS = ("num_samples", "synthetic_min_fraction")  # the synthetic corpus's own shape
 
@@ -36,6 +37,8 @@ def _comparable(data: DataConfig, key: str):
     value = getattr(data, key)
     if key == "paths":
         return _corpus_names(value)
+    if key == "max_predictions_per_seq":  # unset: what the rates need (an older checkpoint's 20 is 20)
+        return data.max_predictions()
     if key == "weights":  # shares: empty = equal, and [2, 2] = [1, 1] (to rounding: [0.1, 0.2] = [1, 2])
         weights = value or [1.0] * len(data.paths)
         return [round(w / sum(weights), 12) for w in weights]

@@ -7,7 +7,7 @@ from __future__ import annotations
 # optimizer.no_layer_adaptation entries must be among them.
 PARAMETER_KINDS = ("weight", "bias", "layernorm", "embedding")
 OPTIMIZERS = ("lamb", "adamw")
-DECAYS = ("linear", "poly", "cosine", "inverse_sqrt", "constant")
+DECAYS = ("linear", "poly", "cosine", "1-sqrt", "inverse_sqrt", "constant")
 PRECISIONS = ("fp32", "bf16", "fp16")
 GRAD_ACCUM_DTYPES = ("fp32", "bf16")  # what bf16 gradients are accumulated and reduced in
 DATA_KINDS = ("synthetic", "indexed")

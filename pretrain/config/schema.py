@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -159,24 +160,48 @@ class OptimizerConfig:
 
 @dataclass
 class SchedulerConfig:
-    warmup_steps: int = 0  # linear warmup from 0 over this many steps ...
+    warmup_steps: int = 0  # linear warmup over this many steps ...
     warmup_fraction: float | None = None  # ... or over this share of the decay horizon (not both)
-    # "linear" | "poly" | "cosine" | "inverse_sqrt" | "constant" (formulas: pretrain/optim/schedule.py)
+    # "linear" | "poly" | "cosine" | "1-sqrt" | "inverse_sqrt" | "constant" (formulas: pretrain/optim/schedule.py)
     decay: str = "linear"
     decay_steps: int | None = None  # the step the decay reaches min_lr; None = train.train_steps
+    # warmup-stable-decay: the rate holds at optimizer.lr from the end of warmup to this step, then
+    # decays (None: the decay starts right after warmup)
+    decay_start_steps: int | None = None
     power: float = 0.5  # exponent of "poly" decay
     min_lr: float = 0.0  # floor of the decayed learning rate
+    # the same lengths counted in tokens (samples x data.seq_length, from the start of the run or of
+    # its phase: checkpoint.new_phase); any of them set makes the whole schedule token-counted
+    warmup_tokens: int | None = None
+    decay_start_tokens: int | None = None
+    decay_tokens: int | None = None  # None: the tokens of train.train_steps
+    # warmup from scheduler.min_lr at the first step (transformers' and Composer's convention)
+    # instead of reaching optimizer.lr at the last warmup step without ever stepping at 0
+    warmup_from_min: bool = False
+
+    @property
+    def in_tokens(self) -> bool:
+        return any(v is not None for v in (self.warmup_tokens, self.decay_start_tokens, self.decay_tokens))
 
     def horizon(self, train_steps: int) -> int:
-        """The resolved decay horizon (Megatron's --lr-decay-iters)."""
+        """The resolved decay horizon in steps (Megatron's --lr-decay-iters)."""
         return self.decay_steps if self.decay_steps is not None else train_steps
 
     def warmup(self, train_steps: int) -> int:
-        """The resolved warmup length; a fraction is of the decay horizon, as Megatron's
+        """The resolved warmup length in steps; a fraction is of the decay horizon, as Megatron's
         --lr-warmup-fraction."""
         if self.warmup_fraction is not None:
             return int(self.warmup_fraction * self.horizon(train_steps))
         return self.warmup_steps
+
+    def lengths(self, train_steps: int, position_at) -> dict:
+        """lr_at's warmup_steps, decay_steps and decay_start in the schedule's unit; position_at(n):
+        the schedule's position after n steps (n itself, or the tokens of the first n steps)."""
+        if self.in_tokens:
+            horizon = self.decay_tokens if self.decay_tokens is not None else position_at(train_steps)
+            return dict(warmup_steps=self.warmup_tokens or 0, decay_steps=horizon, decay_start=self.decay_start_tokens)
+        return dict(warmup_steps=self.warmup(train_steps), decay_steps=self.horizon(train_steps),
+                    decay_start=self.decay_start_steps)
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -188,8 +213,19 @@ class SchedulerConfig:
             if self.warmup_steps:
                 p.append(f"scheduler.warmup_steps ({self.warmup_steps}) and scheduler.warmup_fraction "
                          f"({self.warmup_fraction}) both set: give one")
-        if self.decay_steps is not None:
-            _positive(p, "scheduler.decay_steps", self.decay_steps)
+        for name in ("decay_steps", "decay_start_steps", "decay_tokens", "decay_start_tokens"):
+            if getattr(self, name) is not None:
+                _positive(p, f"scheduler.{name}", getattr(self, name))
+        if self.warmup_tokens is not None:
+            _non_negative(p, "scheduler.warmup_tokens", self.warmup_tokens)
+        if self.in_tokens:
+            steps = [name for name in ("warmup_steps", "warmup_fraction", "decay_steps", "decay_start_steps")
+                     if getattr(self, name) not in (None, 0)]
+            if steps:
+                p.append(f"scheduler: {', '.join('scheduler.' + n for n in steps)} with token-counted lengths "
+                         f"(scheduler.*_tokens): give every length in one unit")
+            if self.decay == "inverse_sqrt":
+                p.append("scheduler.decay inverse_sqrt is counted in steps only; give its lengths in steps")
         _positive(p, "scheduler.power", self.power)
         _non_negative(p, "scheduler.min_lr", self.min_lr)
         return p
@@ -199,8 +235,15 @@ class SchedulerConfig:
 class DataConfig:
     kind: str = "synthetic"  # "synthetic" (no files; tests, demos) | "indexed" (preprocessed .bin/.idx)
     seq_length: int = 128
-    max_predictions_per_seq: int = 20  # masked positions per sequence (padded to this)
-    masked_lm_prob: float = 0.15
+    # masked positions per sequence (padded to this); None: what the masking rate needs,
+    # ceil(max(masked_lm_prob, eval_masked_lm_prob) x seq_length) (20 at seq 128 and 15%)
+    max_predictions_per_seq: int | None = None
+    masked_lm_prob: float = 0.15  # share of a sequence's tokens predicted in training
+    eval_masked_lm_prob: float | None = None  # ... in evaluation (validation, test); None: masked_lm_prob
+    # what a predicted token becomes: [MASK] with this probability, a random token with the next, else
+    # itself (BERT's 80/10/10)
+    mask_token_share: float = 0.8
+    random_token_share: float = 0.1
     num_samples: int = 100000  # synthetic dataset size
     # synthetic samples are [min_fraction * seq_length, seq_length] tokens long (uniform); lower it for
     # the length spread of a real corpus (packing tests, benchmarks)
@@ -243,12 +286,26 @@ class DataConfig:
             if not (isinstance(entry, list) and len(entry) == 2 and entry[0] >= 0 and entry[1] > 0):
                 p.append(f"data.skip_samples entry {entry} must be [first sample >= 0, count > 0]")
         _positive(p, "data.seq_length", self.seq_length)
-        _positive(p, "data.max_predictions_per_seq", self.max_predictions_per_seq)
-        if self.max_predictions_per_seq > self.seq_length:
-            p.append(f"data.max_predictions_per_seq ({self.max_predictions_per_seq}) must be <= "
-                     f"data.seq_length ({self.seq_length})")
         if not 0.0 < self.masked_lm_prob <= 1.0:
             p.append(f"data.masked_lm_prob ({self.masked_lm_prob}) must be in (0, 1]")
+        if self.eval_masked_lm_prob is not None and not 0.0 < self.eval_masked_lm_prob <= 1.0:
+            p.append(f"data.eval_masked_lm_prob ({self.eval_masked_lm_prob}) must be in (0, 1]")
+        for name in ("mask_token_share", "random_token_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                p.append(f"data.{name} ({getattr(self, name)}) must be in [0, 1]")
+        if self.mask_token_share + self.random_token_share > 1.0 + 1e-12:
+            p.append(f"data.mask_token_share ({self.mask_token_share}) + data.random_token_share "
+                     f"({self.random_token_share}) must be <= 1 (the rest keep their token)")
+        if self.max_predictions_per_seq is not None:
+            _positive(p, "data.max_predictions_per_seq", self.max_predictions_per_seq)
+            if self.max_predictions_per_seq > self.seq_length:
+                p.append(f"data.max_predictions_per_seq ({self.max_predictions_per_seq}) must be <= "
+                         f"data.seq_length ({self.seq_length})")
+            elif 0.0 < self.highest_masking_rate() <= 1.0 and self.max_predictions_per_seq < round(
+                    self.highest_masking_rate() * self.seq_length) - 3:
+                p.append(f"data.max_predictions_per_seq ({self.max_predictions_per_seq}) caps the masking rate "
+                         f"{self.highest_masking_rate():g} (about {round(self.highest_masking_rate() * self.seq_length)} "
+                         f"positions at data.seq_length {self.seq_length}): raise it, or leave it unset to follow the rate")
         _positive(p, "data.num_samples", self.num_samples)
         if not 0.0 < self.synthetic_min_fraction <= 1.0:
             p.append(f"data.synthetic_min_fraction ({self.synthetic_min_fraction}) must be in (0, 1]")
@@ -264,6 +321,19 @@ class DataConfig:
         else:
             p += [f"data.{key} needs data.kind indexed" for key in ("valid_paths", "test_paths") if getattr(self, key)]
         return p
+
+    def evaluation_masking_rate(self) -> float:
+        return self.masked_lm_prob if self.eval_masked_lm_prob is None else self.eval_masked_lm_prob
+
+    def highest_masking_rate(self) -> float:
+        return max(self.masked_lm_prob, self.evaluation_masking_rate())
+
+    def max_predictions(self) -> int:
+        """Masked positions per sequence: data.max_predictions_per_seq, or what the higher of the two
+        rates needs at data.seq_length (training and evaluation batches share one shape)."""
+        if self.max_predictions_per_seq is not None:
+            return self.max_predictions_per_seq
+        return max(1, min(self.seq_length, math.ceil(self.highest_masking_rate() * self.seq_length - 1e-9)))
 
     def _indexed_problems(self) -> list[str]:
         p: list[str] = []
@@ -602,6 +672,32 @@ class Config:
                 d.setdefault(new_section, {})[new_key] = d[old_section].pop(old_key)
         return cls.from_dict(d, source)
 
+    def _schedule_length_problems(self) -> list[str]:
+        """The schedule's lengths against each other and the run: warmup within the run, the decay's
+        start within [warmup, horizon), in the schedule's unit (token lengths with a fixed batch:
+        samples x data.seq_length per step)."""
+        s, t = self.scheduler, self.train
+        unit = "tokens" if s.in_tokens else "steps"
+        per_step = t.global_batch_size * self.data.seq_length
+        lengths = s.lengths(t.train_steps, lambda n: n * per_step if s.in_tokens else n)
+        warmup, horizon, start = lengths["warmup_steps"], lengths["decay_steps"], lengths["decay_start"]
+        run = t.train_steps * per_step if s.in_tokens else t.train_steps
+        horizon_name = (f"scheduler.decay_{unit}" if getattr(s, f"decay_{unit}") is not None
+                        else "train.train_steps" if unit == "steps" else "the tokens of train.train_steps")
+        warmup_name = (f"scheduler.warmup_{unit}" if s.warmup_fraction is None
+                       else f"scheduler.warmup_fraction x {horizon_name}")
+        p = []
+        if warmup > run:
+            run_name = f"the tokens of train.train_steps ({run})" if s.in_tokens else f"train.train_steps ({run})"
+            p.append(f"{warmup_name} ({warmup}) must be <= {run_name}")
+        elif start is not None and start < warmup:
+            p.append(f"scheduler.decay_start_{unit} ({start}) must be >= {warmup_name} ({warmup})")
+        elif s.decay != "constant" and horizon <= (warmup if start is None else start):
+            first = warmup_name if start is None else f"scheduler.decay_start_{unit}"
+            p.append(f"{horizon_name} ({horizon}) must exceed {first} ({warmup if start is None else start}) for "
+                     f"scheduler.decay {s.decay}")
+        return p
+
     # -- rules ------------------------------------------------------------------------------
 
     def validate(self, world_size: int | None = None) -> None:
@@ -611,15 +707,7 @@ class Config:
         p = m.problems() + par.problems() + self._model_split_problems()
         p += o.problems() + s.problems()
         if not s.problems() and t.train_steps > 0:
-            warmup, horizon = s.warmup(t.train_steps), s.horizon(t.train_steps)
-            horizon_name = "scheduler.decay_steps" if s.decay_steps is not None else "train.train_steps"
-            warmup_name = ("scheduler.warmup_steps" if s.warmup_fraction is None
-                           else f"scheduler.warmup_fraction x {horizon_name}")
-            if warmup > t.train_steps:
-                p.append(f"{warmup_name} ({warmup}) must be <= train.train_steps ({t.train_steps})")
-            elif s.decay != "constant" and horizon <= warmup:
-                p.append(f"{horizon_name} ({horizon}) must exceed {warmup_name} ({warmup}) for "
-                         f"scheduler.decay {s.decay}")
+            p += self._schedule_length_problems()
         if s.min_lr > o.lr:
             p.append(f"scheduler.min_lr ({s.min_lr}) must be <= optimizer.lr ({o.lr})")
         p += d.problems()

@@ -57,7 +57,7 @@ def head_flops_per_sample(cfg) -> float:
     """Training FLOPs of the heads, per sample however it is packed."""
     m = cfg.model
     pooler = pooler_forward_flops(m) if cfg.binary_head else 0.0
-    return 3.0 * (pooler + cfg.data.max_predictions_per_seq * mlm_forward_flops(m, m.vocab_size))
+    return 3.0 * (pooler + cfg.data.max_predictions() * mlm_forward_flops(m, m.vocab_size))
 
 
 def model_flops_per_sample(cfg) -> float:

@@ -245,7 +245,7 @@ def heads_bytes(cfg, tp: int, micro: int, precision: str, kernels: Kernels) -> i
     m = cfg.model
     B = 2 if precision in ("bf16", "fp16") else 4
     b, s, h = micro, cfg.data.seq_length, m.hidden_size
-    n, p = b * s, b * cfg.data.max_predictions_per_seq
+    n, p = b * s, b * cfg.data.max_predictions()
     S = kernels.stat_bytes or B
     v_t = m.padded_vocab_size(tp) // tp
     heads = 8 * p + B * n * h  # the gather's index and input (the last layer's output)

@@ -66,7 +66,7 @@ def _pipeline_buffers(cfg, layout: Layout, stage: StageParams, micro_batches: in
         return 0
     B = ITEM[layout.precision]
     b, s, h = layout.micro_batch, cfg.data.seq_length, cfg.model.hidden_size
-    p = b * cfg.data.max_predictions_per_seq
+    p = b * cfg.data.max_predictions()
     slots = max(2, min(layout.pp - stage.stage, micro_batches))
     inputs = 8 * (3 * b * s + p)  # ids, token types, padding mask, masked positions (int64)
     activation = B * b * s * h
@@ -84,7 +84,7 @@ def _workspace(cfg, layout: Layout, kernels) -> int:
     B = ITEM[layout.precision]
     m = cfg.model
     b, s, h = layout.micro_batch, cfg.data.seq_length, m.hidden_size
-    p = b * cfg.data.max_predictions_per_seq
+    p = b * cfg.data.max_predictions()
     vocab = m.padded_vocab_size(layout.tp) // layout.tp
     logits = 2 * B * p * vocab  # the MLM logits and their gradient
     flowing = 2 * B * b * s * (h + m.ffn_size // layout.tp)  # activation gradients of one layer

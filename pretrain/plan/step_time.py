@@ -127,9 +127,9 @@ def predict_step_time(cfg, layout: Layout, hw: Hardware, stage_numels: list[int]
     vocab = m.padded_vocab_size(t)
     pooler = pooler_forward_flops(m) if cfg.binary_head else 0.0
     # the transform is replicated over TP, the vocabulary projection split
-    mlm = d.max_predictions_per_seq * mlm_forward_flops(m, vocab // t)
+    mlm = d.max_predictions() * mlm_forward_flops(m, vocab // t)
     heads = 3 * micro * (pooler + mlm)
-    softmax = 3 * 4 * 4 * micro * d.max_predictions_per_seq * (vocab // t)  # the loss's fp32 passes over the logits
+    softmax = 3 * 4 * 4 * micro * d.max_predictions() * (vocab // t)  # the loss's fp32 passes over the logits
     # the slowest stage: every stage has as many layers, the last one the heads too
     per_micro = ((encoder + heads) / flops_per_second + (elementwise + softmax) / hw.memory_bandwidth
                  + hw.layer_overhead * layers)

@@ -27,6 +27,8 @@ from ..optim import Lamb, build_optimizer, layout_for_deepspeed, make_lr_schedul
 from ..optim.groups import optimizer_param_groups
 from ..optim.guard import NonFiniteGuard, wrap_optimizer_step
 from ..optim.norms import counted_once, exact_clipping_for
+from ..optim.schedule import steps_clock
+from .batch_ramp import TokenClock
 
 
 def initialize_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict, parallel: Parallel, *,
@@ -93,9 +95,12 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
     guard.watch((lp.hf_name, lp.param) for lp in logical_parameters(model))
 
     def scheduler(opt):
-        steps = cfg.train.train_steps
-        return make_lr_scheduler(opt, o.lr, s.warmup(steps), s.horizon(steps), s.decay, s.power, s.min_lr,
-                                 hold=lambda: bool(guard.skipped()))
+        clock = token_clock(cfg, par.dp_size)
+        lengths = s.lengths(cfg.train.train_steps, clock.tokens_before if s.in_tokens else int)
+        return make_lr_scheduler(opt, o.lr, lengths["warmup_steps"], lengths["decay_steps"], s.decay, s.power,
+                                 s.min_lr, hold=lambda: bool(guard.skipped()), decay_start=lengths["decay_start"],
+                                 warmup_from_min=s.warmup_from_min,
+                                 clock=clock.schedule_clock if s.in_tokens else steps_clock)
 
     engine, exact = initialize_engine(
         model, optimizer, ds_config, par, lr_scheduler=scheduler, grad_clip=o.grad_clip,
@@ -109,3 +114,8 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
         optimizer.set_layout(layout_for_deepspeed(engine, par.tp_group if par.tp_size > 1 else None,
                                                   par.dp_group if par.dp_size > 1 else None, par.device))
     return PretrainingEngine(engine, model, guard, ds_config, exact)
+
+
+def token_clock(cfg: Config, dp_size: int) -> TokenClock:
+    """The run's batch sequence in tokens (batch_ramp.py)."""
+    return TokenClock(cfg.train.global_batch_size, cfg.data.seq_length, unit=cfg.train.micro_batch_size * dp_size)

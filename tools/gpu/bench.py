@@ -139,7 +139,7 @@ def draw_batches(cfg, count: int, device, packed: bool) -> list:
     from pretrain.data.samples.synthetic import SyntheticDataset
 
     d = cfg.data
-    dataset = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions_per_seq, d.num_samples,
+    dataset = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions(), d.num_samples,
                                d.seed, d.masked_lm_prob, d.synthetic_min_fraction)
     batches = MicroBatchIterator(dataset, 0, cfg.train.micro_batch_size, 0, 1, device, pack_group=int(packed))
     drawn = [next(batches) for _ in range(count)]

@@ -46,6 +46,8 @@ class SampleSettings:
     max_ngram: int
     dynamic_masking: bool
     seed: int
+    mask_share: float = 0.8  # a predicted token becomes [MASK] ...
+    random_share: float = 0.1  # ... or a random token (else it stays)
 
 
 class TokenStore:
@@ -171,7 +173,8 @@ class BertPretrainingDataset:
         # adds no prefix space: every sentence start then starts a word (special_tokens.py).
         self.sentences_start_words = vocab.words.kind == "marker"
         self.masking = MaskingConfig(settings.masked_lm_prob, settings.max_predictions, settings.whole_word_masking,
-                                     settings.max_ngram, vocab.mask_id, vocab.replacement_ids())
+                                     settings.max_ngram, vocab.mask_id, vocab.replacement_ids(), settings.mask_share,
+                                     settings.random_share)
         self.max_tokens = SegmentSettings(settings.segment_pairs, settings.seq_length, 0.0, 0).max_num_tokens
 
     def __getstate__(self):

@@ -19,6 +19,8 @@ class MaskingConfig:
     max_ngram: int  # 1 = BERT; >1 = spans of up to n units, length n drawn with p ~ 1/n (Megatron, SpanBERT-like)
     mask_id: int
     replacement_ids: np.ndarray  # ids the 10% random replacement draws from (no special tokens)
+    mask_share: float = 0.8  # a predicted token becomes [MASK] with this probability ...
+    random_share: float = 0.1  # ... a random token with this one, else it stays (BERT's 80/10/10)
 
 
 def mask_tokens(tokens: np.ndarray, candidate: np.ndarray, continuation: np.ndarray, rng: np.random.Generator,
@@ -75,8 +77,8 @@ def mask_tokens(tokens: np.ndarray, candidate: np.ndarray, continuation: np.ndar
     corrupted = tokens.copy()
     labels = tokens[picked]
     draw = rng.random(picked.size)
-    to_mask = draw < 0.8  # 80% [MASK], 10% unchanged, 10% a random token
-    to_random = draw >= 0.9
+    to_mask = draw < cfg.mask_share  # 80% [MASK], 10% unchanged, 10% a random token (BERT's shares)
+    to_random = draw >= 1.0 - cfg.random_share
     corrupted[picked[to_mask]] = cfg.mask_id
     if to_random.any():
         corrupted[picked[to_random]] = cfg.replacement_ids[rng.integers(cfg.replacement_ids.size, size=int(to_random.sum()))]

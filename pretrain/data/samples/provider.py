@@ -1,6 +1,8 @@
 """The trainer's datasets from the data config: synthetic, or BERT samples over indexed data."""
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from typing import Callable
 
@@ -50,10 +52,11 @@ def pretraining_datasets(cfg: Config, is_builder: bool, barrier: Callable[[], No
     if d.kind == "synthetic":
         from .synthetic import SyntheticDataset
 
-        train = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions_per_seq, d.num_samples, d.seed,
-                                 d.masked_lm_prob, d.synthetic_min_fraction)
-        valid = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions_per_seq, d.num_samples,
-                                 d.seed + 1, d.masked_lm_prob, d.synthetic_min_fraction)
+        shares = dict(mask_share=d.mask_token_share, random_share=d.random_token_share)
+        train = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions(), d.num_samples, d.seed,
+                                 d.masked_lm_prob, d.synthetic_min_fraction, **shares)
+        valid = SyntheticDataset(cfg.model.vocab_size, d.seq_length, d.max_predictions(), d.num_samples,
+                                 d.seed + 1, d.evaluation_masking_rate(), d.synthetic_min_fraction, **shares)
         return train, valid, None
     # here, not at the top: the configuration check (data_file_problems) must not wait for
     # torch's and megatron-core's imports
@@ -69,24 +72,27 @@ def pretraining_datasets(cfg: Config, is_builder: bool, barrier: Callable[[], No
                         f"{cfg.model.vocab_size}: set model.vocab_size={vocab.size}")
     settings = SampleSettings(
         seq_length=d.seq_length, segment_pairs=d.segment_pairs, short_seq_prob=d.short_seq_prob,
-        masked_lm_prob=d.masked_lm_prob, max_predictions=d.max_predictions_per_seq,
+        masked_lm_prob=d.masked_lm_prob, max_predictions=d.max_predictions(),
+        mask_share=d.mask_token_share, random_share=d.random_token_share,
         whole_word_masking=d.whole_word_masking, max_ngram=d.max_ngram, dynamic_masking=d.masking == "dynamic",
         seed=d.seed)
     weights = d.weights or [1.0] * len(d.paths)
     corpora = [CorpusSpec(prefix, w) for prefix, w in zip(d.paths, weights)]
     stores: dict = {}
-    common = dict(settings=settings, vocab=vocab, cache_dir=d.index_cache_dir, is_builder=is_builder,
-                  barrier=barrier, stores=stores)
-    train = build_split_dataset(corpora, 0, d.split, t.train_steps * t.global_batch_size, **common)
+    common = dict(vocab=vocab, cache_dir=d.index_cache_dir, is_builder=is_builder, barrier=barrier, stores=stores)
+    train = build_split_dataset(corpora, 0, d.split, t.train_steps * t.global_batch_size, settings=settings, **common)
     if train is None:
         raise DataError(f"data.split {d.split!r} leaves no training documents in {', '.join(d.paths)}")
     eval_samples = max(1, cfg.eval.steps) * t.global_batch_size
 
+    # evaluation masks at its own rate (data.eval_masked_lm_prob), in batches of the training shape
+    evaluated = dataclasses.replace(settings, masked_lm_prob=d.evaluation_masking_rate())
+
     def held_out(index: int, separate: list[str]):
         if separate:
             return build_split_dataset([CorpusSpec(prefix, 1.0) for prefix in separate], index,
-                                       WHOLE_CORPUS_AS[index], eval_samples, **common)
-        return build_split_dataset(corpora, index, d.split, eval_samples, **common)
+                                       WHOLE_CORPUS_AS[index], eval_samples, settings=evaluated, **common)
+        return build_split_dataset(corpora, index, d.split, eval_samples, settings=evaluated, **common)
 
     valid, test = held_out(1, d.valid_paths), held_out(2, d.test_paths)
     if valid is None and cfg.eval.interval:

@@ -16,7 +16,8 @@ from .batches import SAMPLE_FIELDS
 
 class SyntheticDataset:
     def __init__(self, vocab_size: int, seq_length: int, max_predictions: int, num_samples: int, seed: int,
-                 masked_lm_prob: float = 0.15, min_fraction: float = 0.5):
+                 masked_lm_prob: float = 0.15, min_fraction: float = 0.5, mask_share: float = 0.8,
+                 random_share: float = 0.1):
         if vocab_size > 1000:
             self.pad, self.cls, self.sep, self.mask, self.first_word = 0, 101, 102, 103, 1000
         else:
@@ -29,6 +30,7 @@ class SyntheticDataset:
         self.num_samples = num_samples
         self.seed = seed
         self.masked_lm_prob = masked_lm_prob
+        self.mask_share, self.random_share = mask_share, random_share
         self.min_length = max(8, int(min_fraction * seq_length))  # 0.5: seq // 2, the draws of old
 
     def __len__(self) -> int:
@@ -67,7 +69,8 @@ class SyntheticDataset:
         labels = tokens[positions].copy()
         draw = rng.random(n_predict)
         random_words = rng.integers(self.first_word, self.vocab_size, size=n_predict)
-        tokens[positions] = np.where(draw < 0.8, self.mask, np.where(draw < 0.9, random_words, labels))
+        tokens[positions] = np.where(draw < self.mask_share, self.mask,
+                                     np.where(draw < self.mask_share + self.random_share, random_words, labels))
 
         pad_predictions = self.max_predictions - n_predict
         sample = {
