@@ -317,6 +317,13 @@ def cfg_with(*overrides: str) -> Config:
      "scheduler.decay_start_steps (5) must be >= scheduler.warmup_steps (10)"),
     (["scheduler.decay_tokens=1000", "scheduler.decay_start_tokens=1000"],
      "scheduler.decay_tokens (1000) must exceed scheduler.decay_start_tokens (1000) for scheduler.decay linear"),
+    (["train.batch_warmup_tokens=1000"],
+     "train.batch_warmup_tokens needs train.batch_warmup_min_size (the first batch, and the ramp's step)"),
+    (["train.batch_warmup_tokens=1000", "train.batch_warmup_min_size=512"],
+     "train.batch_warmup_min_size (512) must be in (0, train.global_batch_size (256))"),
+    (["train.batch_warmup_tokens=1000", "train.batch_warmup_min_size=64", "data.packing=true"],
+     "train.batch_warmup_tokens with data.packing is not supported yet (a step's rows are packed from a fixed "
+     "number of micro-batches): turn one off"),
     (["scheduler.decay=exponential"], "scheduler.decay ('exponential') must be one of: linear, poly, cosine, "
                                       "1-sqrt, inverse_sqrt, constant"),
     (["data.seq_length=1024"], "data.seq_length (1024) must be <= model.max_position_embeddings (512)"),
@@ -695,3 +702,11 @@ def test_bf16_gradient_dtype_reaches_deepspeed(tmp_path):
                                         f"train.deepspeed_config={user}"), world_size=1)
     assert problems_of(e) == [f'{user}: communication_data_type="bf16" contradicts train.grad_accum_dtype=fp32; '
                               "set train.grad_accum_dtype instead"]
+
+
+def test_the_batch_warmup_minimum_is_whole_micro_batches_on_every_rank():
+    cfg = cfg_with("train.batch_warmup_tokens=100000", "train.batch_warmup_min_size=24", "train.global_batch_size=48")
+    cfg.validate(world_size=3)  # 8 x 3 = 24
+    with pytest.raises(ConfigError, match=r"train.batch_warmup_min_size \(24\) must be a multiple of "
+                                          r"train.micro_batch_size x data parallel \(8 x 2\)"):
+        cfg.validate(world_size=2)

@@ -160,7 +160,7 @@ def test_one_minus_sqrt_decay_formula():
 
 @pytest.mark.parametrize("decay", ["linear", "cosine", "1-sqrt", "poly", "constant"])
 def test_token_counted_lengths_equal_their_step_equivalents_with_a_fixed_batch(decay):
-    from pretrain.training.batch_ramp import TokenClock
+    from pretrain.data.samples.batch_ramp import TokenClock
 
     clock = TokenClock(global_batch_size=24, seq_length=128)
     per_step = 24 * 128
@@ -173,9 +173,9 @@ def test_token_counted_lengths_equal_their_step_equivalents_with_a_fixed_batch(d
 
 
 def test_a_scheduler_on_a_token_clock_resumes_from_its_step_count():
-    from pretrain.training.batch_ramp import TokenClock
+    from pretrain.data.samples.batch_ramp import TokenClock
 
-    clock = TokenClock(global_batch_size=8, seq_length=16, ramp_tokens=2000, ramp_min=2, unit=2)
+    clock = TokenClock(global_batch_size=8, seq_length=16, ramp_tokens=2000, ramp_min=2)
     kwargs = dict(decay="1-sqrt", decay_start=3000, clock=clock.schedule_clock)
     run = make_lr_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), 1.0, 500, 6000, **kwargs)
     for _ in range(40):
@@ -186,10 +186,10 @@ def test_a_scheduler_on_a_token_clock_resumes_from_its_step_count():
     assert resumed.get_last_lr() == run.get_last_lr() and resumed.optimizer.param_groups[0]["lr"] == run.get_last_lr()[0]
 
 
-def test_the_token_clock_ramps_in_whole_micro_batches_per_rank():
-    from pretrain.training.batch_ramp import TokenClock
+def test_the_token_clock_ramps_in_multiples_of_its_minimum():
+    from pretrain.data.samples.batch_ramp import TokenClock
 
-    clock = TokenClock(global_batch_size=64, seq_length=32, ramp_tokens=20_000, ramp_min=8, unit=8)
+    clock = TokenClock(global_batch_size=64, seq_length=32, ramp_tokens=20_000, ramp_min=8)
     sizes = [clock.batch(k) for k in range(clock.ramp_steps + 3)]
     assert sizes[0] == 8 and sizes[-1] == 64 and clock.batch(clock.ramp_steps) == 64
     assert all(b % 8 == 0 for b in sizes) and sizes == sorted(sizes) and len(set(sizes)) > 4

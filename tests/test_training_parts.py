@@ -100,13 +100,18 @@ def test_reporter_line_names_real_and_computed_speed(library_log):
     lines = library_log
     reporter = Reporter(tiny_config(), ONE_RANK)
     metrics = {"loss": 7.5, "lm_loss": 6.9, "nsp_loss": 0.6, "mlm_accuracy": 0.01, "nsp_accuracy": 0.5,
-               "learning_rate": 1e-4, "grad_norm": 2.5, "skipped_steps": 1}
+               "learning_rate": 1e-4, "grad_norm": 2.5, "skipped_steps": 1, "global_batch_size": 8,
+               "tokens_seen": 1_234_567}
     perf = {"iteration_time": 0.5, "data_wait_time": 0.01, "real_tokens_per_second": 384.0,
             "tokens_per_second": 512.0, "samples_per_second": 16.0, "real_token_share": 0.75}
     reporter.training(4, 32, metrics, perf, {"forward": 100.0, "backward": 200.0}, {"params_norm": 3.0})
     line = lines[-1]
     assert line.startswith("step 4/10 | loss 7.5000 | lm 6.9000 | nsp 0.6000 | mlm acc 0.010 | lr 1.000e-04")
-    assert "| 384 real tok/s (512 computed, 75% real) | data wait 10 ms/step" in line
+    assert "| grad norm 2.500 | tokens 1.23M | 384 real tok/s (512 computed, 75% real) | data wait 10 ms/step" in line
+    # with a batch warmup the step's global batch is on the line too
+    Reporter(tiny_config("train.batch_warmup_tokens=1000", "train.batch_warmup_min_size=4"), ONE_RANK).training(
+        5, 40, dict(metrics, global_batch_size=4), perf, {}, {"params_norm": 3.0})
+    assert "| grad norm 2.500 | batch 4 | tokens 1.23M |" in lines[-1]
     assert "| ETA 0:00:03 |" in line  # 6 steps left at 0.5 s each
     assert line.endswith("| skipped 1 | ms/step: fwd 100 bwd 200")
 

@@ -372,11 +372,26 @@ class TrainConfig:
     grad_accum_dtype: str = "fp32"
     tf32: bool = True  # TF32 tensor cores for fp32 matrix products on GPUs (Ampere and later); no effect on CPU
     deepspeed_config: str | None = None  # path to a user DeepSpeed JSON adding DeepSpeed-only options
+    # batch-size warmup (ModernBERT's): the global batch grows linearly in the tokens seen (samples x
+    # data.seq_length) from batch_warmup_min_size to global_batch_size over this many tokens, in
+    # multiples of batch_warmup_min_size (the same batches at every layout: it must be a multiple of
+    # micro_batch_size x data parallel); 0 = no warmup
+    batch_warmup_tokens: int = 0
+    batch_warmup_min_size: int | None = None
 
     def problems(self) -> list[str]:
         p: list[str] = []
         for name in ("global_batch_size", "micro_batch_size", "train_steps"):
             _positive(p, f"train.{name}", getattr(self, name))
+        _non_negative(p, "train.batch_warmup_tokens", self.batch_warmup_tokens)
+        if self.batch_warmup_tokens and self.batch_warmup_min_size is None:
+            p.append("train.batch_warmup_tokens needs train.batch_warmup_min_size (the first batch, and the ramp's step)")
+        if self.batch_warmup_min_size is not None:
+            if not self.batch_warmup_tokens:
+                p.append("train.batch_warmup_min_size is set without train.batch_warmup_tokens")
+            if not 0 < self.batch_warmup_min_size < self.global_batch_size:
+                p.append(f"train.batch_warmup_min_size ({self.batch_warmup_min_size}) must be in "
+                         f"(0, train.global_batch_size ({self.global_batch_size}))")
         _non_negative(p, "train.seed", self.seed)
         _one_of(p, "train.precision", self.precision, PRECISIONS)
         return p
@@ -676,12 +691,14 @@ class Config:
         """The schedule's lengths against each other and the run: warmup within the run, the decay's
         start within [warmup, horizon), in the schedule's unit (token lengths with a fixed batch:
         samples x data.seq_length per step)."""
+        from ..data.samples.batch_ramp import TokenClock  # torch-free, as this module
+
         s, t = self.scheduler, self.train
         unit = "tokens" if s.in_tokens else "steps"
-        per_step = t.global_batch_size * self.data.seq_length
-        lengths = s.lengths(t.train_steps, lambda n: n * per_step if s.in_tokens else n)
+        clock = TokenClock.of(self)
+        lengths = s.lengths(t.train_steps, clock.tokens_before if s.in_tokens else int)
         warmup, horizon, start = lengths["warmup_steps"], lengths["decay_steps"], lengths["decay_start"]
-        run = t.train_steps * per_step if s.in_tokens else t.train_steps
+        run = clock.tokens_before(t.train_steps) if s.in_tokens else t.train_steps
         horizon_name = (f"scheduler.decay_{unit}" if getattr(s, f"decay_{unit}") is not None
                         else "train.train_steps" if unit == "steps" else "the tokens of train.train_steps")
         warmup_name = (f"scheduler.warmup_{unit}" if s.warmup_fraction is None
@@ -706,11 +723,16 @@ class Config:
         m, par, o, s, d, t = self.model, self.parallel, self.optimizer, self.scheduler, self.data, self.train
         p = m.problems() + par.problems() + self._model_split_problems()
         p += o.problems() + s.problems()
-        if not s.problems() and t.train_steps > 0:
+        clock_readable = t.global_batch_size > 0 and d.seq_length > 0 and (
+            not t.batch_warmup_tokens or 0 < (t.batch_warmup_min_size or 0) < t.global_batch_size)
+        if not s.problems() and clock_readable and t.train_steps > 0:
             p += self._schedule_length_problems()
         if s.min_lr > o.lr:
             p.append(f"scheduler.min_lr ({s.min_lr}) must be <= optimizer.lr ({o.lr})")
         p += d.problems()
+        if t.batch_warmup_tokens and d.packing:
+            p.append("train.batch_warmup_tokens with data.packing is not supported yet (a step's rows are packed "
+                     "from a fixed number of micro-batches): turn one off")
         if m.modern and d.segment_pairs != "none":
             p.append(f"model.architecture modernbert has no next-sentence head: set data.segment_pairs none "
                      f"(not {d.segment_pairs})")
@@ -765,8 +787,13 @@ class Config:
         problem = _world_size_problem(self, world_size)
         if problem:
             return [problem]
-        problem = _batch_problem(self, world_size // (par.tensor_parallel * par.pipeline_parallel))
-        return [problem] if problem else []
+        dp = world_size // (par.tensor_parallel * par.pipeline_parallel)
+        problems = [_batch_problem(self, dp)]
+        if t.batch_warmup_min_size and t.batch_warmup_min_size % (t.micro_batch_size * dp):
+            problems.append(f"train.batch_warmup_min_size ({t.batch_warmup_min_size}) must be a multiple of "
+                            f"train.micro_batch_size x data parallel ({t.micro_batch_size} x {dp}): every batch of "
+                            f"the warmup is whole micro-batches on every rank")
+        return [problem for problem in problems if problem]
 
 
 def _positive(problems: list[str], name: str, value: float) -> None:

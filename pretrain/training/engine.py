@@ -28,7 +28,7 @@ from ..optim.groups import optimizer_param_groups
 from ..optim.guard import NonFiniteGuard, wrap_optimizer_step
 from ..optim.norms import counted_once, exact_clipping_for
 from ..optim.schedule import steps_clock
-from .batch_ramp import TokenClock
+from ..data.samples.batch_ramp import TokenClock
 
 
 def initialize_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict, parallel: Parallel, *,
@@ -95,7 +95,7 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
     guard.watch((lp.hf_name, lp.param) for lp in logical_parameters(model))
 
     def scheduler(opt):
-        clock = token_clock(cfg, par.dp_size)
+        clock = TokenClock.of(cfg)
         lengths = s.lengths(cfg.train.train_steps, clock.tokens_before if s.in_tokens else int)
         return make_lr_scheduler(opt, o.lr, lengths["warmup_steps"], lengths["decay_steps"], s.decay, s.power,
                                  s.min_lr, hold=lambda: bool(guard.skipped()), decay_start=lengths["decay_start"],
@@ -115,7 +115,3 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
                                                   par.dp_group if par.dp_size > 1 else None, par.device))
     return PretrainingEngine(engine, model, guard, ds_config, exact)
 
-
-def token_clock(cfg: Config, dp_size: int) -> TokenClock:
-    """The run's batch sequence in tokens (batch_ramp.py)."""
-    return TokenClock(cfg.train.global_batch_size, cfg.data.seq_length, unit=cfg.train.micro_batch_size * dp_size)

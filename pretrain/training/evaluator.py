@@ -27,7 +27,8 @@ class Evaluator:
         for eval_step in range(self.eval_steps):
             self.watchdog.doing(f"evaluation step {eval_step + 1}/{self.eval_steps}", step)
             if pipelined:
-                self.engine.eval_batch(data_iter, compute_loss=True, bcast_loss=False)
+                # the full batch's micro-batches, also while a batch warmup has the engine at fewer
+                self.engine.eval_batch(data_iter, compute_loss=True, bcast_loss=False, num_micro_batches=grad_accum)
             else:
                 for _ in range(grad_accum):
                     inputs, labels = next(data_iter)

@@ -73,11 +73,11 @@ class Reporter:
         samples (the heads)."""
         t, seconds = self.cfg.train, perf["iteration_time"]
         rows = perf["tokens_per_second"] * seconds / self.cfg.data.seq_length  # = global batch unless packed
-        flops = encoder_flops_per_row(self.cfg) * rows + head_flops_per_sample(self.cfg) * t.global_batch_size
+        flops = encoder_flops_per_row(self.cfg) * rows + head_flops_per_sample(self.cfg) * metrics["global_batch_size"]
         perf = dict(perf, model_tflops_per_rank=flops / seconds / 1e12 / self.parallel.world_size,
                     peak_memory_gb=peak_memory_gb(self.parallel.device))
         train = {k: metrics[k] for k in ("loss", "lm_loss", *self.nsp_keys, "mlm_accuracy", "learning_rate",
-                                          "grad_norm", "skipped_steps")}
+                                          "grad_norm", "skipped_steps", "global_batch_size", "tokens_seen")}
         self.scalars("train", dict(train, **extra), step, consumed_samples)
         self.scalars("perf", perf, step, consumed_samples)
         self.scalars("time", {f"{phase}_ms": ms for phase, ms in phase_ms.items()}, step, consumed_samples)
@@ -89,7 +89,9 @@ class Reporter:
         logger.info(
             f"step {step}/{t.train_steps} | loss {metrics['loss']:.4f} | lm {metrics['lm_loss']:.4f} "
             f"{nsp}| mlm acc {metrics['mlm_accuracy']:.3f} | lr {metrics['learning_rate']:.3e} "
-            f"| grad norm {metrics['grad_norm']:.3f} | {perf['real_tokens_per_second']:.0f} real tok/s "
+            f"| grad norm {metrics['grad_norm']:.3f} "
+            + (f"| batch {metrics['global_batch_size']} " if t.batch_warmup_tokens else "")
+            + f"| tokens {_count(metrics['tokens_seen'])} | {perf['real_tokens_per_second']:.0f} real tok/s "
             f"({perf['tokens_per_second']:.0f} computed, {100 * perf['real_token_share']:.0f}% real) "
             f"| data wait {1e3 * perf['data_wait_time']:.0f} ms/step "
             + (f"| {ranks.line()} " if ranks is not None else "") +
@@ -178,3 +180,11 @@ def peak_memory_gb(on: torch.device) -> float:
         return peak / 2**30
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
     return kb / 2**20 if sys.platform != "darwin" else kb / 2**30
+
+
+def _count(n: float) -> str:
+    """A token count for the log line: 512, 12.3K, 4.50M, 1.70B, 2.00T."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}" if n < 100 * scale else f"{n / scale:.0f}{suffix}"
+    return f"{n:.0f}"

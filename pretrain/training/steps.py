@@ -36,6 +36,18 @@ class StepRunner:
         self.loss_fn, self.guard, self.timers, self.watchdog = loss_fn, guard, timers, watchdog
         self.pipelined = parallel.pp_size > 1
         self.grad_accum = cfg.grad_accum_steps(parallel.world_size)
+        self.global_batch = cfg.train.global_batch_size
+        # train.batch_warmup_tokens: the accumulation changes between steps, and DeepSpeed's own
+        # boundary (micro-steps so far modulo the accumulation steps) would fall mid-step: we set it
+        self.own_boundaries = bool(cfg.train.batch_warmup_tokens)
+
+    def set_batch(self, samples: int) -> None:
+        """The global batch of the steps from now on (the batch warmup's): more or fewer
+        micro-batches per rank, the same micro-batch shape."""
+        if samples != self.global_batch:
+            self.engine.set_train_batch_size(samples)  # the accumulation steps (the pipeline's micro-batches)
+            self.grad_accum = samples // (self.cfg.train.micro_batch_size * self.parallel.dp_size)
+            self.global_batch = samples
 
     def run(self, data_iter, step: int) -> StepResult:
         """Take optimizer step number `step` (1-based) on the micro-batches drawn from `data_iter`."""
@@ -61,7 +73,9 @@ class StepRunner:
                 # set_dataiterator); move its position on as the end stages' moved.
                 data_iter.skip(self.grad_accum)
         else:
-            for inputs, labels in micro_batches:
+            for index, (inputs, labels) in enumerate(micro_batches):
+                if self.own_boundaries:
+                    self.engine.set_gradient_accumulation_boundary(index == len(micro_batches) - 1)
                 with timers.phase("forward"):
                     loss = self.loss_fn(self.engine(inputs), labels)
                 with timers.phase("backward"):
@@ -94,5 +108,4 @@ class StepRunner:
         masked = torch.stack([PretrainingLoss.masked_tokens(micro) for micro in labels]).sum()
         if self.parallel.dp_size > 1:
             masked = device.all_reduce(masked, group=self.parallel.dp_group)
-        self.loss_fn.scale_to_global_batch(masked, self.grad_accum * self.parallel.dp_size,
-                                           self.cfg.train.global_batch_size)
+        self.loss_fn.scale_to_global_batch(masked, self.grad_accum * self.parallel.dp_size, self.global_batch)

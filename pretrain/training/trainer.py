@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from ..config import Config
+from ..data.samples.batch_ramp import TokenClock
 from ..data.samples.provider import pretraining_datasets
 from ..data.samples.skipped import advance, skip_ahead
 from ..distributed import device, internals
@@ -53,6 +54,7 @@ class Trainer:
         self.stopped: str | None = None  # why train() stopped before train.train_steps, and what it saved
         self.pipelined = parallel.pp_size > 1
         self.grad_accum = cfg.grad_accum_steps(parallel.world_size)
+        self.clock = TokenClock.of(cfg)  # each step's global batch (train.batch_warmup_tokens) and tokens
 
         # what the device held before this run (another run's leftovers in a test process): not its memory
         self._allocated_before = device.device_memory_allocated(parallel.device) or 0
@@ -162,10 +164,12 @@ class Trainer:
                 while self.step < last_step:
                     started, learning_rate = time.perf_counter(), self.engine.get_lr()[0]  # the rate this step uses
                     profiler.before_step(self.step + 1)
+                    batch = self.clock.batch(self.step)
+                    self.steps.set_batch(batch)
                     result = self._measured_step(data_iter, memory)
                     self.step += 1
                     position, self.consumed_samples = self.consumed_samples, advance(
-                        self.consumed_samples, t.global_batch_size, self.spikes.skipped)
+                        self.consumed_samples, batch, self.spikes.skipped)
                     if memory is not None and (memory.steps == 2 or self.step == last_step):
                         self.reporter.memory(memory.report(), self.step, self.consumed_samples)  # with optimizer state
                         memory = None
@@ -180,7 +184,9 @@ class Trainer:
                     # wall time between step starts: with a GPU's asynchrony one entry may hold part
                     # of another's work; their average over the window is exact (the log line syncs)
                     pending.append((result, {"iteration_time": time.perf_counter() - started,
-                                             "learning_rate": learning_rate, "skipped_steps": self.skips.skipped}))
+                                             "learning_rate": learning_rate, "skipped_steps": self.skips.skipped,
+                                             "global_batch_size": batch,
+                                             "tokens_seen": self.clock.tokens_before(self.step)}))
                     if spike:
                         self.reporter.scalars("resilience", {"loss_spike": self.steps.guard.global_loss or math.nan},
                                               self.step, self.consumed_samples)
@@ -263,7 +269,7 @@ class Trainer:
         perf = {"iteration_time": window.seconds() / steps, "data_wait_time": data_iter.wait_seconds / steps}
         data_iter.wait_seconds = 0.0
         perf.update(window.rates(*(sum(m[k] for m in reduced) for k in TOKEN_COUNTS),
-                                 steps * self.cfg.train.global_batch_size))
+                                 sum(host["global_batch_size"] for _, host in pending)))
         extra = {"params_norm": self.params_norm()}  # a collective: every rank computes it
         if self.cfg.train.precision == "fp16":  # the other wrappers report a constant 1.0
             extra["loss_scale"] = internals.loss_scale(self.engine)

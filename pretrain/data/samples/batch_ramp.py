@@ -8,8 +8,12 @@ from the start of the run or of its phase (checkpoint.new_phase). The LR schedul
 
 Batch-size warmup (train.batch_warmup_tokens, ModernBERT's batch_size_warmup): step k's global batch
 grows linearly in the tokens seen before it, from train.batch_warmup_min_size to
-train.global_batch_size, rounded down to whole micro-batches on every data-parallel rank
-(train.micro_batch_size x DP samples), so that shapes stay fixed and only the accumulation steps change.
+train.global_batch_size, rounded down to a multiple of the minimum. The minimum is whole micro-batches
+on every data-parallel rank (the config checks it), so that shapes stay fixed and only the
+accumulation steps change, and rounding to it rather than to micro-batch x DP gives every layout the
+same batches. The samples are the one training sequence either way (loaders.py draws a step's
+batch from the position the last one left): after the ramp, a step takes the samples a run at the
+full batch throughout takes from the same position.
 """
 from __future__ import annotations
 
@@ -19,11 +23,10 @@ import bisect
 class TokenClock:
     """Step k's global batch (`batch(k)`) and the tokens before it (`tokens_before(k)`)."""
 
-    def __init__(self, global_batch_size: int, seq_length: int, ramp_tokens: int = 0, ramp_min: int | None = None,
-                 unit: int = 1):
-        self.target, self.seq_length, self.unit = global_batch_size, seq_length, unit
-        self.ramp_tokens = ramp_tokens
-        self.ramp_min = global_batch_size if not ramp_tokens else (ramp_min or unit)
+    def __init__(self, global_batch_size: int, seq_length: int, ramp_tokens: int = 0, ramp_min: int | None = None):
+        self.target, self.seq_length, self.ramp_tokens = global_batch_size, seq_length, ramp_tokens
+        self.ramp_min = global_batch_size if not ramp_tokens else ramp_min
+        self.unit = self.ramp_min
         # the ramp's steps, computed once: batch and tokens before each step while the ramp lasts
         self._batches: list[int] = []
         self._starts: list[int] = [0]
@@ -31,6 +34,12 @@ class TokenClock:
             seen = self._starts[-1]
             self._batches.append(self._ramp(seen))
             self._starts.append(seen + self._batches[-1] * seq_length)
+
+    @classmethod
+    def of(cls, cfg) -> "TokenClock":
+        """The clock of a run's Config (train.*, data.seq_length)."""
+        t = cfg.train
+        return cls(t.global_batch_size, cfg.data.seq_length, t.batch_warmup_tokens, t.batch_warmup_min_size)
 
     def _ramp(self, seen: int) -> int:
         share = seen / self.ramp_tokens

@@ -1,0 +1,99 @@
+"""Batch-size warmup counted in tokens (train.batch_warmup_tokens, pretrain/data/samples/batch_ramp.py).
+
+One 2-rank job (tests/_train_worker.py, its processes started once) runs a ramp from 4 to 16 samples
+over 512 tokens (seq 32: steps of 4, 4, 8, then 16) with the LR warmup counted in tokens:
+- at DP2, TP2 and PP2 (fp32): the per-step global batch is the ramp's (in the history and on the log
+  line), the learning rate follows the tokens, and the three layouts train alike (1e-5);
+- the samples after the ramp are a fixed-batch run's from the same position (that run steps over
+  the ramp's 16 samples with data.skip_samples): the same tokens step by step;
+- bf16, ZeRO-2 at DP2: 2 steps saved and resumed mid-ramp equal the straight run (1e-6).
+"""
+import json
+
+import pytest
+
+from _train_worker import TINY
+from distributed import run_ranks
+
+pytestmark = pytest.mark.slow  # one multi-process job
+
+SEQ, TARGET, MINIMUM, RAMP_TOKENS = 32, 16, 4, 512
+RAMP = ["train.global_batch_size=16", "train.batch_warmup_tokens=512", "train.batch_warmup_min_size=4",
+        "train.train_steps=7", "scheduler.warmup_steps=0", "scheduler.warmup_tokens=1024", "scheduler.decay_tokens=4096",
+        "optimizer.name=lamb"]
+EXPECTED_BATCHES = [4, 4, 8, 16, 16, 16, 16]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ramp")
+    ckpt = str(tmp / "ckpt")
+    # dropout on: the resumed run must restore every RNG stream (the layouts compare without: their
+    # dropout masks differ by construction)
+    bf16 = ["train.precision=bf16", "parallel.zero_stage=2", "model.hidden_dropout=0.1"]
+    named = {
+        "dp2": ({}, RAMP + ["parallel.zero_stage=1"]),
+        "tp2": ({"tp": 2}, RAMP),
+        "pp2": ({"pp": 2}, RAMP),
+        # the full batch from the sample the ramp ends at (4 + 4 + 8 = 16): its steps 1-4 are the ramp's 4-7
+        "fixed": ({}, [o for o in RAMP if not o.startswith("train.batch_warmup")]
+                  + ["train.train_steps=4", "data.skip_samples=[[0,16]]"]),
+        "first": ({}, RAMP + bf16 + [f"checkpoint.save_dir={ckpt}", "resilience.exit_after_steps=2"]),
+        "straight": ({}, RAMP + bf16),
+        "second": ({}, RAMP + bf16 + [f"checkpoint.save_dir={ckpt}", f"checkpoint.load_dir={ckpt}"]),
+    }
+    out = tmp / "runs.json"
+    run_ranks(["tests/_train_worker.py", str(out), "1", "1",
+               *[json.dumps(dict(layout, name=name, overrides=TINY + overrides))
+                 for name, (layout, overrides) in named.items()]], 2, timeout=900)
+    return json.loads(out.read_text())
+
+
+def test_the_global_batch_ramps_in_tokens_and_the_log_says_so(runs):
+    from pretrain.data.samples.batch_ramp import TokenClock
+    from pretrain.optim import lr_at
+
+    history = runs["dp2"]["history"]
+    assert [h["global_batch_size"] for h in history] == EXPECTED_BATCHES
+    clock = TokenClock(TARGET, SEQ, RAMP_TOKENS, MINIMUM)
+    assert [h["tokens_seen"] for h in history] == [clock.tokens_before(k + 1) for k in range(7)]
+    # the LR warmup is counted in the same tokens: each step's rate is that of its position
+    for k, h in enumerate(history):
+        assert h["learning_rate"] == pytest.approx(lr_at(clock.tokens_before(k), 0.01, 1024, 4096,
+                                                         size=clock.batch(k) * SEQ))
+    lines = [line for line in runs["dp2"]["log"] if line.startswith("step ")]
+    assert [int(line.split("| batch ")[1].split()[0]) for line in lines] == EXPECTED_BATCHES
+    assert "| tokens 128 |" in lines[0] and "| tokens 1.54K |" in lines[4]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_layouts_train_alike_during_the_ramp(runs, layout):
+    reference, ours = runs["dp2"], runs[layout]
+    ranks = ours["ranks"][0]
+    assert (ranks["megatron_tp_size"], ranks["deepspeed_stages"], ranks["deepspeed_dp_size"]) == \
+        ((2, 1, 1) if layout == "tp2" else (1, 2, 1))
+    assert [h["global_batch_size"] for h in ours["history"]] == EXPECTED_BATCHES
+    for step, (a, b) in enumerate(zip(ours["history"], reference["history"]), start=1):
+        for key in ("loss", "lm_loss", "grad_norm", "real_tokens"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), f"{layout} step {step} {key}"
+
+
+def test_after_the_ramp_the_samples_are_a_fixed_batch_runs_from_the_same_position(runs):
+    ramped, fixed = runs["dp2"]["history"][3:], runs["fixed"]["history"]
+    assert [h["global_batch_size"] for h in fixed] == [16] * 4
+    assert [(h["real_tokens"], h["computed_tokens"]) for h in ramped] == \
+        [(h["real_tokens"], h["computed_tokens"]) for h in fixed]
+
+
+def test_a_resume_in_the_middle_of_the_ramp_is_exact(runs):
+    first, straight, second = runs["first"]["history"], runs["straight"]["history"], runs["second"]["history"]
+    assert len(first) == 2 and len(second) == 5
+    # bf16 under ZeRO-2 at DP2 took effect
+    assert runs["second"]["ranks"][0]["optimizer_wrapper"] == "DeepSpeedZeroOptimizer"
+    assert "torch.bfloat16" in runs["second"]["ranks"][0]["parameter_dtypes"]
+    assert runs["second"]["ranks"][0]["deepspeed_dp_size"] == 2
+    for step, (a, b) in enumerate(zip(first + second, straight), start=1):
+        assert a["global_batch_size"] == b["global_batch_size"]
+        for key in ("loss", "lm_loss", "grad_norm", "learning_rate"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=0.0), f"step {step} {key}"
+    assert runs["second"]["params_norm"] == pytest.approx(runs["straight"]["params_norm"], rel=1e-6)
