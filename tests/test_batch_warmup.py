@@ -4,6 +4,8 @@ One 2-rank job (tests/_train_worker.py, its processes started once) runs a ramp 
 over 512 tokens (seq 32: steps of 4, 4, 8, then 16) with the LR warmup counted in tokens:
 - at DP2, TP2 and PP2 (fp32): the per-step global batch is the ramp's (in the history and on the log
   line), the learning rate follows the tokens, and the three layouts train alike (1e-5);
+- packed rows (data.packing, each step's share packed together) train as padded ones (1e-5) on
+  fewer computed tokens;
 - the samples after the ramp are a fixed-batch run's from the same position (that run steps over
   the ramp's 16 samples with data.skip_samples): the same tokens step by step;
 - bf16, ZeRO-2 at DP2: 2 steps saved and resumed mid-ramp equal the straight run (1e-6).
@@ -35,6 +37,9 @@ def runs(tmp_path_factory):
         "dp2": ({}, RAMP + ["parallel.zero_stage=1"]),
         "tp2": ({"tp": 2}, RAMP),
         "pp2": ({"pp": 2}, RAMP),
+        # packed rows, each step's share of the ramp packed together: the padded run's training
+        "packed": ({}, RAMP + ["parallel.zero_stage=1", "data.packing=true", "data.synthetic_min_fraction=0.1"]),
+        "padded": ({}, RAMP + ["parallel.zero_stage=1", "data.synthetic_min_fraction=0.1"]),
         # the full batch from the sample the ramp ends at (4 + 4 + 8 = 16): its steps 1-4 are the ramp's 4-7
         "fixed": ({}, [o for o in RAMP if not o.startswith("train.batch_warmup")]
                   + ["train.train_steps=4", "data.skip_samples=[[0,16]]"]),
@@ -64,6 +69,16 @@ def test_the_global_batch_ramps_in_tokens_and_the_log_says_so(runs):
     lines = [line for line in runs["dp2"]["log"] if line.startswith("step ")]
     assert [int(line.split("| batch ")[1].split()[0]) for line in lines] == EXPECTED_BATCHES
     assert "| tokens 128 |" in lines[0] and "| tokens 1.54K |" in lines[4]
+
+
+def test_packed_rows_during_the_ramp_train_as_padded_ones(runs):
+    packed, padded = runs["packed"]["history"], runs["padded"]["history"]
+    assert [h["global_batch_size"] for h in packed] == EXPECTED_BATCHES
+    for step, (a, b) in enumerate(zip(packed, padded), start=1):
+        assert a["real_tokens"] == b["real_tokens"] and a["computed_tokens"] <= b["computed_tokens"], step
+        for key in ("loss", "lm_loss", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), f"step {step} {key}"
+    assert sum(h["computed_tokens"] for h in packed) < 0.8 * sum(h["computed_tokens"] for h in padded)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])

@@ -321,9 +321,6 @@ def cfg_with(*overrides: str) -> Config:
      "train.batch_warmup_tokens needs train.batch_warmup_min_size (the first batch, and the ramp's step)"),
     (["train.batch_warmup_tokens=1000", "train.batch_warmup_min_size=512"],
      "train.batch_warmup_min_size (512) must be in (0, train.global_batch_size (256))"),
-    (["train.batch_warmup_tokens=1000", "train.batch_warmup_min_size=64", "data.packing=true"],
-     "train.batch_warmup_tokens with data.packing is not supported yet (a step's rows are packed from a fixed "
-     "number of micro-batches): turn one off"),
     (["scheduler.decay=exponential"], "scheduler.decay ('exponential') must be one of: linear, poly, cosine, "
                                       "1-sqrt, inverse_sqrt, constant"),
     (["data.seq_length=1024"], "data.seq_length (1024) must be <= model.max_position_embeddings (512)"),

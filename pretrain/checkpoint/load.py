@@ -56,6 +56,8 @@ def check_model_matches(ckpt: LogicalCheckpoint, cfg, path: str, new_run: bool =
     (checkpoint.init_from) may add or drop the binary head (a checkpoint without one carries an
     initialised pooler and classifier, logical.read_native)."""
     ignore = ("make_vocab_size_divisible_by", "binary_head") if new_run else ("make_vocab_size_divisible_by",)
+    if new_run and cfg.checkpoint.new_phase and cfg.model.modern:
+        ignore += ("max_position_embeddings",)  # no position table: a phase extends the context (phases.py)
     differences = shape_differences(model_shape_of(ckpt.config), cfg, ignore)
     if differences:
         raise CheckpointError(f"checkpoint {path} does not fit this run's model:\n  " + "\n  ".join(differences))

@@ -16,6 +16,7 @@ from ..config import Config, ConfigError
 from .errors import CheckpointError
 from .filenames import CONFIG_JSON, LATEST, META
 from .hf_config import ARCHITECTURE_HEADS, HF_MODEL_KEYS, config_from_hf, read_hf_config
+from .phases import phase_model_keys
 from .vocabulary import loaded_checkpoint
 
 # The model.* keys a run takes from its init_from checkpoint: the architecture and shape, what the
@@ -112,7 +113,8 @@ def starting_point_problems(cfg: Config) -> list[str]:
     except CheckpointError as e:
         return [f"{key_name}: {e}"] if how != "resumes" else []  # a resume names a damaged checkpoint itself
     ours = cfg.model
-    differ = [key for key in INHERITED_KEYS if key in theirs and key != "layernorm_epsilon"
+    free = ("layernorm_epsilon",) + (phase_model_keys(cfg) if how != "resumes" else ())  # a new phase's rope, context
+    differ = [key for key in INHERITED_KEYS if key in theirs and key not in free
               and _resolved(ours, key) != _resolved_value(theirs, key)]
     if not differ:
         return []

@@ -410,6 +410,11 @@ class CheckpointConfig:
     # a checkpoint in load_dir takes precedence, so a restarted phase-2 run resumes itself
     init_from: str | None = None
     init_optimizer_states: bool = False
+    # init_from is the previous phase of this training (ModernBERT's context extension, its decay):
+    # its optimizer states too, and the phase may change the LR, schedule, batch, masking, sequence
+    # length and rotary bases; the start-up log lists every setting it changes, and the tokens seen
+    # count on from the previous phase's (pretrain/checkpoint/phases.py)
+    new_phase: bool = False
     # resume (or init_from) a checkpoint trained with another vocabulary than data.vocab_file: a
     # deliberate change (the embedding of a changed id keeps what it learnt for the old token).
     # Without it such a run is refused, naming both files
@@ -434,7 +439,14 @@ class CheckpointConfig:
         p: list[str] = []
         for name in ("save_interval", "keep_last"):
             _non_negative(p, f"checkpoint.{name}", getattr(self, name))
+        if self.new_phase and not self.init_from:
+            p.append("checkpoint.new_phase needs checkpoint.init_from (the previous phase's checkpoint)")
         return p
+
+    @property
+    def loads_optimizer_states(self) -> bool:
+        """Whether init_from's optimizer states are loaded (init_optimizer_states, or a new phase)."""
+        return self.init_optimizer_states or self.new_phase
 
 
 @dataclass
@@ -730,9 +742,6 @@ class Config:
         if s.min_lr > o.lr:
             p.append(f"scheduler.min_lr ({s.min_lr}) must be <= optimizer.lr ({o.lr})")
         p += d.problems()
-        if t.batch_warmup_tokens and d.packing:
-            p.append("train.batch_warmup_tokens with data.packing is not supported yet (a step's rows are packed "
-                     "from a fixed number of micro-batches): turn one off")
         if m.modern and d.segment_pairs != "none":
             p.append(f"model.architecture modernbert has no next-sentence head: set data.segment_pairs none "
                      f"(not {d.segment_pairs})")

@@ -10,7 +10,7 @@ import logging
 import os
 from typing import Callable
 
-from ..checkpoint import exact as checkpoint_saving, load as checkpoint_loading
+from ..checkpoint import exact as checkpoint_saving, load as checkpoint_loading, phases
 from ..checkpoint.data_sequence import data_sequence_problems, resumed_data_changes
 from ..checkpoint.async_save import BackgroundSave, SaveStore, SnapshotEngine
 from ..checkpoint.format import CheckpointError, latest_tag, read_meta, tag_for
@@ -44,6 +44,8 @@ class Checkpointer:
         # checkpoint last loaded (a resume's, a rollback's) kept
         self.trainer_state: Callable[[], dict] = dict
         self.loaded_state: dict = {}
+        # tokens trained on in the phases before this run's (checkpoint.new_phase), kept in its checkpoints
+        self.tokens_before_phase = 0
         # checkpoint.async_save: the save being written in the background (one at most), the step the
         # loop is at, and every rank's snapshot size (bytes, measured at the first save)
         self._in_flight: BackgroundSave | None = None
@@ -168,9 +170,15 @@ class Checkpointer:
                 raise CheckpointError(f"no checkpoint in {t.load_dir} (no 'latest' file)")
         if found is None:
             if t.init_from:
+                if t.new_phase:
+                    self._start_phase()
+                configured = _group_settings(self.engine)
                 loaded = checkpoint_loading.init_from(self.engine, self.model, t.init_from, self.cfg, self.parallel,
-                                                      t.init_optimizer_states)
-                what = "weights and optimizer states" if t.init_optimizer_states else "weights"
+                                                      t.loads_optimizer_states)
+                # DeepSpeed's load of optimizer states brings the checkpoint's group settings (weight
+                # decay, betas, eps...) with the moments: a new run trains with its own
+                _restore_group_settings(self.engine, configured)
+                what = "weights and optimizer states" if t.loads_optimizer_states else "weights"
                 logger.info(f"initialised {what} from {loaded}; starting at step 0")
                 for note in untrained_head_notes(self.cfg):
                     logger.info(f"note: {note}")
@@ -179,6 +187,7 @@ class Checkpointer:
             return 0, 0
         step, consumed_samples = found
         self.loaded_state = read_meta(resumed).get("trainer_state", {})  # the tag the load just checked
+        self.tokens_before_phase = int(self.loaded_state.get("tokens_before_phase", 0))
         if changes:
             logger.info(f"data settings changed ({'; '.join(changes)}); checkpoint.accept_new_data: the new sample "
                         f"sequence starts over from its first sample ({consumed_samples} samples of the old one seen)")
@@ -187,6 +196,15 @@ class Checkpointer:
             internals.let_loss_scaler_reach_minimum(self.engine)
         logger.info(f"resumed from {t.load_dir} at step {step} ({consumed_samples} samples)")
         return step, consumed_samples
+
+    def _start_phase(self) -> None:
+        """checkpoint.new_phase: say what the phase changes; count the tokens on from the last phase's."""
+        tag_dir, previous, meta = phases.previous_phase(self.cfg)
+        self.tokens_before_phase = phases.tokens_seen(meta, previous)
+        changed = phases.overrides(previous, self.cfg)
+        logger.info(f"checkpoint.new_phase: a new phase from {tag_dir} (its step {meta.get('step')}, "
+                    f"{self.tokens_before_phase:,} tokens seen): step 0, its own LR schedule and sample sequence; "
+                    + (f"overriding {'; '.join(changed)}" if changed else "no setting changed"))
 
     def roll_back(self) -> tuple[str, int, int] | None:
         """Reload the run's own latest checkpoint in checkpoint.save_dir (weights, optimizer, LR
@@ -204,3 +222,18 @@ class Checkpointer:
             self.watchdog.progress(f"the rollback to step {step}", step)
         self.loaded_state = read_meta(os.path.join(save_dir, tag)).get("trainer_state", {})
         return os.path.join(save_dir, tag), step, consumed_samples
+
+
+# per-group optimizer settings that are not hyperparameters of the run: the tensors, the rate the
+# schedule sets at every step, and step counters some optimizers keep in the group
+_NOT_SETTINGS = ("params", "lr", "initial_lr", "step")
+
+
+def _group_settings(engine) -> list[dict]:
+    return [{k: v for k, v in group.items() if k not in _NOT_SETTINGS}
+            for group in internals.client_optimizer(engine).param_groups]
+
+
+def _restore_group_settings(engine, settings: list[dict]) -> None:
+    for group, configured in zip(internals.client_optimizer(engine).param_groups, settings):
+        group.update(configured)

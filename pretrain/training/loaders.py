@@ -6,6 +6,7 @@ import logging
 import time
 
 from ..config import Config
+from ..data.samples.batch_ramp import MicroBatchesPerStep, TokenClock
 from ..data.samples.batches import FixedMicroBatches, MicroBatchIterator
 from ..data.samples.skipped import Ranges
 from ..distributed.parallel import Parallel
@@ -59,14 +60,17 @@ class Loaders:
         """data.packing packs a rank's share of a step (its micro-batches) together; 0 = unpacked."""
         return self.grad_accum if self.cfg.data.packing else 0
 
-    def training(self, dataset, consumed_samples: int, skipped: Ranges = ()) -> TrainingBatches:
-        """This rank's micro-batches of `dataset` from sample `consumed_samples` on, stepping over the
-        `skipped` ranges of the sequence; closed with the rest."""
-        p = self.parallel
+    def training(self, dataset, consumed_samples: int, skipped: Ranges = (), first_step: int = 0) -> TrainingBatches:
+        """This rank's micro-batches of `dataset` from sample `consumed_samples` on (where step
+        `first_step` + 1 starts), stepping over the `skipped` ranges of the sequence; closed with the rest."""
+        p, t = self.parallel, self.cfg.train
         if self._training is not None:
             self._training.close()
-        self._training = TrainingBatches(dataset, consumed_samples, self.cfg.train.micro_batch_size, p.dp_rank,
-                                         p.dp_size, p.device, num_workers=self.workers, pack_group=self.pack_group,
+        pack_group = self.pack_group
+        if pack_group and t.batch_warmup_tokens:  # each step's share of the batch warmup, packed together
+            pack_group = MicroBatchesPerStep(TokenClock.of(self.cfg), first_step, t.micro_batch_size * p.dp_size)
+        self._training = TrainingBatches(dataset, consumed_samples, t.micro_batch_size, p.dp_rank,
+                                         p.dp_size, p.device, num_workers=self.workers, pack_group=pack_group,
                                          skipped=skipped)
         return self._training
 

@@ -88,7 +88,7 @@ class Trainer:
         self.stops = StopRequests(r.stop_check_interval, r.exit_duration_minutes, parallel, started)
         self.checkpointer = Checkpointer(cfg, parallel, self.engine, self.model, self.tracker, self.watchdog)
         self.spikes = SpikePolicy(cfg, parallel, built.guard, self.loss_fn)
-        self.checkpointer.trainer_state = self.spikes.state
+        self.checkpointer.trainer_state = lambda: dict(self.spikes.state(), **self._token_state())
 
     def _phase_timers(self) -> tuple[PhaseTimers | NoTimers, StragglerWatch | None]:
         """The phase timers and the straggler watch that reads them.
@@ -158,7 +158,7 @@ class Trainer:
                 self.resume()
                 self.watchdog.progress("start-up", self.step)
                 last_step = min(t.train_steps, self.step + (self.cfg.resilience.exit_after_steps or t.train_steps))
-                data_iter = self.loaders.training(self.train_data, self.consumed_samples, self.spikes.skipped)
+                data_iter = self.loaders.training(self.train_data, self.consumed_samples, self.spikes.skipped, self.step)
                 window, pending = ThroughputWindow(self.parallel.device), []  # the steps since the last log line
                 memory = FirstStepMemory(self.model, self.engine, self.parallel.device, self._allocated_before)
                 while self.step < last_step:
@@ -186,7 +186,7 @@ class Trainer:
                     pending.append((result, {"iteration_time": time.perf_counter() - started,
                                              "learning_rate": learning_rate, "skipped_steps": self.skips.skipped,
                                              "global_batch_size": batch,
-                                             "tokens_seen": self.clock.tokens_before(self.step)}))
+                                             "tokens_seen": self.tokens_seen(self.step)}))
                     if spike:
                         self.reporter.scalars("resilience", {"loss_spike": self.steps.guard.global_loss or math.nan},
                                               self.step, self.consumed_samples)
@@ -219,6 +219,14 @@ class Trainer:
                 self.reporter.close()
         return self.history
 
+    def tokens_seen(self, step: int) -> int:
+        """Tokens trained on after `step` steps of this run, the phases before it included."""
+        return self.checkpointer.tokens_before_phase + self.clock.tokens_before(step)
+
+    def _token_state(self) -> dict:
+        """What a checkpoint keeps of the token count (a later phase counts on from it)."""
+        return {"tokens_before_phase": self.checkpointer.tokens_before_phase, "tokens_seen": self.tokens_seen(self.step)}
+
     def _measured_step(self, data_iter, memory: FirstStepMemory | None) -> StepResult:
         """One step; the first one under the activation meter's hooks (memory logged once)."""
         if memory is None:
@@ -250,7 +258,7 @@ class Trainer:
                     f"{self.spikes.rollbacks} of at most {self.cfg.resilience.spike_max_rollbacks}")
         self.reporter.scalars("resilience", {"rollback_from_step": spike_step, "rollback_to_step": step,
                                              "skipped_samples": end - first}, spike_step, end)
-        return self.loaders.training(self.train_data, self.consumed_samples, self.spikes.skipped)
+        return self.loaders.training(self.train_data, self.consumed_samples, self.spikes.skipped, self.step)
 
     def _check_position(self, data_iter) -> None:
         if data_iter.consumed_samples != self.consumed_samples:

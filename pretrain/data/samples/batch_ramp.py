@@ -75,3 +75,18 @@ class TokenClock:
     def schedule_clock(self, step: int) -> tuple[int, int]:
         """(tokens before step number step+1, its tokens): the LR schedule's position in tokens."""
         return self.tokens_before(step), self.batch(step) * self.seq_length
+
+
+class MicroBatchesPerStep:
+    """A rank's micro-batches in each step from `first_step` on (its number counted from there), for
+    the loader's packing groups (a step's share packed together) during a batch warmup."""
+
+    def __init__(self, clock: TokenClock, first_step: int, samples_per_micro_step: int):
+        self.clock, self.first_step, self.per_micro_step = clock, first_step, samples_per_micro_step
+
+    def __call__(self, item: int) -> int:
+        return self.clock.batch(self.first_step + item) // self.per_micro_step
+
+    def after(self, steps: int) -> "MicroBatchesPerStep":
+        """The same from `steps` steps later."""
+        return MicroBatchesPerStep(self.clock, self.first_step + steps, self.per_micro_step)

@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 import weakref
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -52,6 +52,12 @@ def collate_packed(samples: list[dict[str, np.ndarray]], parts: int = 1) -> list
             for part in pack(typed, parts)]
 
 
+def collate_packed_micro_batches(samples: list[dict[str, np.ndarray]], micro_batch_size: int):
+    """collate_packed into as many micro-batches as the samples fill (a step's share, whatever the
+    step's accumulation)."""
+    return collate_packed(samples, len(samples) // micro_batch_size)
+
+
 def split_inputs_labels(batch: dict[str, torch.Tensor], device: torch.device):
     """The (inputs, labels) pair the model and the pipeline engine take: inputs (input_ids,
     token_type_ids, padding_mask, masked_positions), or packed (input_ids, token_type_ids,
@@ -79,10 +85,11 @@ class _RankMicroBatches:
     """Index lists of this rank's micro-batches from a consumed-samples position (the batch
     sampler of the DataLoader): endlessly, or the first `count` of them. With `group` > 1 an
     index list is that many consecutive micro-batches' (packing: a step's share, packed together
-    and cut into `group` micro-batches again by the collate function); `count` is in those."""
+    and cut into `group` micro-batches again by the collate function); `count` is in those.
+    `group` may be a function of the list's number (a batch warmup's steps: batch_ramp.py)."""
 
     def __init__(self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, dataset_size: int,
-                 count: int | None = None, group: int = 1, skipped: Ranges = ()):
+                 count: int | None = None, group: int | Callable[[int], int] = 1, skipped: Ranges = ()):
         self.consumed_samples = consumed_samples
         self.skipped = list(skipped)  # ranges of the sequence stepped over (skipped.py)
         self.micro_batch_size = micro_batch_size
@@ -90,7 +97,13 @@ class _RankMicroBatches:
         self.dp_size = dp_size
         self.dataset_size = dataset_size
         self.count = count
-        self.group = group
+        self.group = group if callable(group) else _Constant(group)
+        self._starts = [0]  # the micro-step each index list starts at, as far as computed
+
+    def _start(self, item: int) -> int:
+        while len(self._starts) <= item:
+            self._starts.append(self._starts[-1] + self.group(len(self._starts) - 1))
+        return self._starts[item]
 
     def __len__(self) -> int:
         if self.count is None:
@@ -100,7 +113,8 @@ class _RankMicroBatches:
     def at(self, item: int) -> list[int]:
         """Sample indices of the item-th index list from the start position."""
         indices = []
-        for micro_step in range(item * self.group, (item + 1) * self.group):
+        first = self._start(item)
+        for micro_step in range(first, first + self.group(item)):
             consumed = advance(self.consumed_samples, micro_step * self.micro_batch_size * self.dp_size, self.skipped)
             indices += micro_batch_indices(consumed, self.micro_batch_size, self.dp_rank, self.dp_size)
         return [i % self.dataset_size for i in indices]
@@ -110,6 +124,21 @@ class _RankMicroBatches:
         while self.count is None or item < self.count:
             yield self.at(item)
             item += 1
+
+
+def packed_steps(pack_group) -> bool:
+    """A packing group per step (a function of the step's number), not one size for all."""
+    return callable(pack_group)
+
+
+class _Constant:
+    """A packing group of the same size for every index list (picklable, unlike a lambda)."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __call__(self, item: int) -> int:
+        return self.size
 
 
 class LoaderError(RuntimeError):
@@ -187,7 +216,8 @@ class _Batches:
         self.packed = packed
         self.loader = torch.utils.data.DataLoader(
             dataset, batch_sampler=sampler, num_workers=num_workers,
-            collate_fn=functools.partial(collate_packed, parts=sampler.group) if packed else collate,
+            collate_fn=functools.partial(collate_packed_micro_batches, micro_batch_size=sampler.micro_batch_size)
+            if packed else collate,
             prefetch_factor=prefetch_factor if num_workers else None, pin_memory=device.type == "cuda",
             persistent_workers=persistent and num_workers > 0,
             multiprocessing_context=_loader_context(num_workers, dataset),
@@ -248,12 +278,13 @@ class MicroBatchIterator:
     trainer spent waiting for one, the figure that shows whether data keeps up. `pack_group` k > 0
     (data.packing): the samples of each k micro-batches (a step's share) share rows, dealt out
     to k micro-batches again (packing.py); the position must then stay at multiples of k
-    micro-batches (whole steps), as the trainer's does.
+    micro-batches (whole steps), as the trainer's does. A function of the step's number from the
+    start position gives each step its own k (a batch warmup: batch_ramp.MicroBatchesPerStep).
     """
 
     def __init__(self, dataset: PretrainingDataset, consumed_samples: int, micro_batch_size: int,
                  dp_rank: int, dp_size: int, device: torch.device, num_workers: int = 0, prefetch_factor: int = 4,
-                 pack_group: int = 0, skipped: Ranges = ()):
+                 pack_group: int | Callable[[int], int] = 0, skipped: Ranges = ()):
         self.skipped = list(skipped)  # ranges of the sequence stepped over (data.skip_samples, rollbacks)
         self.consumed_samples = skip_ahead(consumed_samples, self.skipped)
         self.micro_batch_size = micro_batch_size
@@ -263,14 +294,17 @@ class MicroBatchIterator:
         self.wait_seconds = 0.0
         self._dataset = dataset
         self.pack_group = pack_group
-        self._loader_options = dict(num_workers=num_workers, prefetch_factor=prefetch_factor, packed=pack_group > 0)
+        packed = callable(pack_group) or pack_group > 0
+        self._loader_options = dict(num_workers=num_workers, prefetch_factor=prefetch_factor, packed=packed)
         self._batches: _Batches | None = None  # the loader starts at the first draw, from the position then
 
     def skip(self, micro_batches: int) -> None:
-        """Advance the position without building batches (for ranks that never draw: the middle
-        stages of a pipeline); a later draw starts from the new position."""
+        """Advance the position by one step's `micro_batches` without building batches (for ranks
+        that never draw: the middle stages of a pipeline); a later draw starts from the new position."""
         self.consumed_samples = advance(self.consumed_samples, micro_batches * self.micro_batch_size * self.dp_size,
                                         self.skipped)
+        if packed_steps(self.pack_group):
+            self.pack_group = self.pack_group.after(1)
         self.close()
 
     def __iter__(self) -> Iterator:
@@ -280,7 +314,8 @@ class MicroBatchIterator:
         started = time.perf_counter()
         if self._batches is None:
             sampler = _RankMicroBatches(self.consumed_samples, self.micro_batch_size, self.dp_rank, self.dp_size,
-                                        len(self._dataset), group=max(self.pack_group, 1), skipped=self.skipped)
+                                        len(self._dataset), group=self.pack_group if packed_steps(self.pack_group)
+                                        else max(self.pack_group, 1), skipped=self.skipped)
             self._batches = _Batches(self._dataset, sampler, self.device, persistent=False, **self._loader_options)
         batch = self._batches.next()
         self.wait_seconds += time.perf_counter() - started
