@@ -8,7 +8,10 @@ over 512 tokens (seq 32: steps of 4, 4, 8, then 16) with the LR warmup counted i
   fewer computed tokens;
 - the samples after the ramp are a fixed-batch run's from the same position (that run steps over
   the ramp's 16 samples with data.skip_samples): the same tokens step by step;
-- bf16, ZeRO-2 at DP2: 2 steps saved and resumed mid-ramp equal the straight run (1e-6).
+- bf16, ZeRO-2 at DP2: 2 steps saved and resumed mid-ramp equal the straight run (1e-6);
+- (sharing the job's processes) a new phase (checkpoint.new_phase) from that run's checkpoint
+  trains with its own optimizer settings, not the checkpoint's (DeepSpeed's load of the optimizer
+  states brings those), logs what it changes, and counts the tokens on.
 """
 import json
 
@@ -46,6 +49,12 @@ def runs(tmp_path_factory):
         "first": ({}, RAMP + bf16 + [f"checkpoint.save_dir={ckpt}", "resilience.exit_after_steps=2"]),
         "straight": ({}, RAMP + bf16),
         "second": ({}, RAMP + bf16 + [f"checkpoint.save_dir={ckpt}", f"checkpoint.load_dir={ckpt}"]),
+        # a new phase from that checkpoint with other optimizer settings (sharing the processes), at its
+        # layout: DeepSpeed then loads the optimizer states itself, their group settings with them
+        "phase": ({}, RAMP + bf16 + [f"checkpoint.init_from={ckpt}",
+                                     "checkpoint.new_phase=true", f"checkpoint.save_dir={tmp / 'phase'}",
+                                     "optimizer.weight_decay=0.002", "optimizer.beta2=0.95", "optimizer.lr=0.005",
+                                     "train.train_steps=2", "scheduler.warmup_tokens=128"]),
     }
     out = tmp / "runs.json"
     run_ranks(["tests/_train_worker.py", str(out), "1", "1",
@@ -112,3 +121,18 @@ def test_a_resume_in_the_middle_of_the_ramp_is_exact(runs):
         for key in ("loss", "lm_loss", "grad_norm", "learning_rate"):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=0.0), f"step {step} {key}"
     assert runs["second"]["params_norm"] == pytest.approx(runs["straight"]["params_norm"], rel=1e-6)
+
+
+def test_a_new_phase_trains_with_its_own_optimizer_settings_and_counts_tokens_on(runs):
+    phase = runs["phase"]
+    decays = {wd for rank in phase["ranks"] for wd, _ in rank["optimizer_groups"].values()}
+    assert decays == {0.002, 0.0}, decays  # the config's, not the checkpoint's 0.01
+    loaded = next(line for line in phase["log"] if line.startswith("initialised weights and optimizer states"))
+    assert "layout-free" not in loaded, loaded  # DeepSpeed's own load, the one that brings group settings
+    start = next(line for line in phase["log"] if line.startswith("checkpoint.new_phase: a new phase from"))
+    for change in ("optimizer.weight_decay 0.01 -> 0.002", "optimizer.beta2 0.999 -> 0.95", "optimizer.lr 0.01 -> 0.005",
+                   "train.train_steps 7 -> 2"):
+        assert change in start, start
+    seen = runs["second"]["history"][-1]["tokens_seen"]
+    assert f"{seen:,} tokens seen" in start
+    assert [h["tokens_seen"] for h in phase["history"]] == [seen + 4 * SEQ, seen + 8 * SEQ]  # the ramp starts over
