@@ -106,8 +106,9 @@ def test_resume_with_other_data_settings_is_refused_or_starts_the_new_sequence_o
     ckpt = str(tmp_path / "ckpt")
     save = [f"checkpoint.save_dir={ckpt}", f"checkpoint.load_dir={ckpt}"]
     runs = {"first": save + ["resilience.exit_after_steps=2"],
-            "refused": save + ["data.seq_length=64"],
-            "accepted": save + ["data.seq_length=64", "checkpoint.accept_new_data=true", "train.train_steps=3"]}
+            "refused": save + ["data.seq_length=64", "data.max_predictions_per_seq=10"],
+            "accepted": save + ["data.seq_length=64", "data.max_predictions_per_seq=10", "checkpoint.accept_new_data=true",
+                                "train.train_steps=3"]}
     out = tmp_path / "runs.json"
     run_ranks(["tests/_train_worker.py", str(out), "1", "1",
                *[json.dumps({"name": name, "overrides": COMMON + overrides, "expect_error": name == "refused"})
@@ -123,7 +124,8 @@ def test_resume_with_other_data_settings_is_refused_or_starts_the_new_sequence_o
 
     # the same refusal before any rank starts, from the config and the checkpoint's meta.json alone
     # (the latest checkpoint is now the accepted run's, at seq 64)
-    same = TINY + ["model.ffn_hidden_size=256", "data.seq_length=64", f"checkpoint.load_dir={ckpt}"]  # the workers' run
+    same = TINY + ["model.ffn_hidden_size=256", "data.seq_length=64", "data.max_predictions_per_seq=10",
+                   f"checkpoint.load_dir={ckpt}"]  # the workers' run
     result, _ = check_config(same)
     assert result.returncode == 0, result.stderr
     result, seconds = check_config(same + ["data.seq_length=32", "data.masking=dynamic"])
