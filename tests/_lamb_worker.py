@@ -1,4 +1,4 @@
-"""One rank of the 2-process LAMB layout tests (launched by tests/test_lamb.py).
+"""One rank of the 2-process LAMB and StableAdamW layout tests (launched by tests/test_lamb.py).
 
 Usage: RANK=r WORLD_SIZE=2 LOCAL_RANK=r MASTER_ADDR=127.0.0.1 MASTER_PORT=p \
        python tests/_lamb_worker.py OUT_DIR
@@ -17,6 +17,8 @@ Scenarios:
               optimizer with layout_for_deepspeed (fp32: DeepSpeedZeroOptimizer, Stage3).
   bf16_zero{0,1}  the same in bf16 (FP16_UnfusedOptimizer, BF16_Optimizer wrappers).
 Each has a "<name>_naive" twin that skips the layout/groups: it must NOT match the reference.
+The same scenarios with StableAdamW ("saw_" + name; bf16 at ZeRO-1 only), their gradients scaled
+up step by step (SAW_SCALES) so that its update clipping engages, run in the same process pair.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ import torch
 
 STEPS = 3
 LR = 0.05
+SAW_LR = 0.05
+# StableAdamW's RMS term is 1 at step 1 (v = g^2) and exceeds 1 where a gradient grows against its
+# history: the growing scales make the update clipping engage, where the layout matters.
+SAW_SCALES = (1.0, 4.0, 16.0)
 
 # --- deterministic data shared with the test process -------------------------------------
 
@@ -54,9 +60,9 @@ def flat_init_full() -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=g) for name, shape, _ in FLAT_PARAMS}
 
 
-def flat_grads_full(step) -> dict[str, torch.Tensor]:
-    g = _gen(100 + step)
-    return {name: torch.randn(shape, generator=g) for name, shape, _ in FLAT_PARAMS}
+def flat_grads_full(step, scales=None) -> dict[str, torch.Tensor]:
+    g, scale = _gen(100 + step), 1.0 if scales is None else scales[step]
+    return {name: scale * torch.randn(shape, generator=g) for name, shape, _ in FLAT_PARAMS}
 
 
 TP_SHAPES = {"P": (6, 4), "S": (6,), "R": (5,)}  # P, S sharded along dim 0; R replicated
@@ -67,9 +73,9 @@ def tp_init_full():
     return {name: torch.randn(shape, generator=g) for name, shape in TP_SHAPES.items()}
 
 
-def tp_grads_full(step):
-    g = _gen(200 + step)
-    return {name: torch.randn(shape, generator=g) for name, shape in TP_SHAPES.items()}
+def tp_grads_full(step, scales=None):
+    g, scale = _gen(200 + step), 1.0 if scales is None else scales[step]
+    return {name: scale * torch.randn(shape, generator=g) for name, shape in TP_SHAPES.items()}
 
 
 TP_GROUPS = [dict(names=["P", "S"], weight_decay=0.01), dict(names=["R"], weight_decay=0.0)]
@@ -114,9 +120,17 @@ def net_batch(step):
 
 # --- scenarios --------------------------------------------------------------------------
 
-def run_flat_dp(rank, world, use_layout):
+def _optimizer(stable):
+    """(class, lr, gradient scales per step) of the scenario's optimizer."""
+    from pretrain.optim import Lamb, StableAdamW
+    return (StableAdamW, SAW_LR, SAW_SCALES) if stable else (Lamb, LR, None)
+
+
+def run_flat_dp(rank, world, use_layout, stable=False):
     import torch.distributed as dist
-    from pretrain.optim import Lamb, NormLayout, Segment
+    from pretrain.optim import NormLayout, Segment
+
+    Opt, lr, scales = _optimizer(stable)
 
     offsets, part = flat_offsets(), FLAT_TOTAL // world
     lo, hi = rank * part, (rank + 1) * part
@@ -131,12 +145,12 @@ def run_flat_dp(rank, world, use_layout):
         start, end = offsets[name], offsets[name] + torch.Size(shape).numel()
         if max(start, lo) < min(end, hi):
             segments.append(Segment(index, max(start, lo) - lo, min(end, hi) - max(start, lo)))
-    opt = Lamb([local], lr=LR, **FLAT_GROUP)
+    opt = Opt([local], lr=lr, **FLAT_GROUP)
     if use_layout:
         opt.set_layout(NormLayout([(local, segments)], [False] * len(FLAT_PARAMS), dp_group=dist.group.WORLD))
     for step in range(STEPS):
         grad = torch.full((FLAT_TOTAL,), -3.0)
-        for name, gr in flat_grads_full(step).items():
+        for name, gr in flat_grads_full(step, scales).items():
             grad[offsets[name]:offsets[name] + gr.numel()] = gr.reshape(-1)
         local.grad = grad[lo:hi].clone()
         opt.step()
@@ -145,9 +159,11 @@ def run_flat_dp(rank, world, use_layout):
     return {"flat": torch.cat(gathered)}
 
 
-def run_tp(rank, world, use_layout):
+def run_tp(rank, world, use_layout, stable=False):
     import torch.distributed as dist
-    from pretrain.optim import Lamb, layout_for_params
+    from pretrain.optim import layout_for_params
+
+    Opt, lr, scales = _optimizer(stable)
 
     def shard(name, t):
         return t.chunk(world, dim=0)[rank].clone() if name != "R" else t.clone()
@@ -158,11 +174,11 @@ def run_tp(rank, world, use_layout):
         params[name].tensor_model_parallel = name != "R"
     groups = [dict(params=[params[n] for n in g["names"]], weight_decay=g["weight_decay"])
               for g in TP_GROUPS]
-    opt = Lamb(groups, lr=LR)
+    opt = Opt(groups, lr=lr)
     if use_layout:
         opt.set_layout(layout_for_params([g["params"] for g in groups], tp_group=dist.group.WORLD))
     for step in range(STEPS):
-        for name, gr in tp_grads_full(step).items():
+        for name, gr in tp_grads_full(step, scales).items():
             params[name].grad = shard(name, gr)
         opt.step()
     out = {}
@@ -176,13 +192,14 @@ def run_tp(rank, world, use_layout):
     return out
 
 
-def run_deepspeed(rank, world, stage, use_layout, bf16=False):
+def run_deepspeed(rank, world, stage, use_layout, bf16=False, stable=False):
     import deepspeed
     import torch.distributed as dist
-    from pretrain.optim import Lamb, layout_for_deepspeed
+    from pretrain.optim import layout_for_deepspeed
 
+    Opt, lr, scales = _optimizer(stable)
     net = make_net()
-    opt = Lamb(net_param_groups(net), lr=LR)
+    opt = Opt(net_param_groups(net), lr=lr)
     config = {
         "train_batch_size": 4,
         "train_micro_batch_size_per_gpu": 2,
@@ -220,6 +237,8 @@ def run_deepspeed(rank, world, stage, use_layout, bf16=False):
         rows = slice(2 * rank, 2 * rank + 2)
         dtype = torch.bfloat16 if bf16 else torch.float32
         loss = torch.nn.functional.mse_loss(engine(x[rows].to(dtype)).float(), y[rows])
+        if scales is not None:
+            loss = scales[step] * loss
         engine.backward(loss)
         engine.step()
     params = list(engine.module.named_parameters())
@@ -249,6 +268,11 @@ def main(out_dir):
             results[f"zero{stage}{suffix}"] = run_deepspeed(rank, world, stage, use_layout)
         for stage in (0, 1):
             results[f"bf16_zero{stage}{suffix}"] = run_deepspeed(rank, world, stage, use_layout, bf16=True)
+        results["saw_flat_dp" + suffix] = run_flat_dp(rank, world, use_layout, stable=True)
+        results["saw_tp" + suffix] = run_tp(rank, world, use_layout, stable=True)
+        for stage in (1, 2, 3):
+            results[f"saw_zero{stage}{suffix}"] = run_deepspeed(rank, world, stage, use_layout, stable=True)
+        results["saw_bf16_zero1" + suffix] = run_deepspeed(rank, world, 1, use_layout, bf16=True, stable=True)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     import torch.distributed as dist
     dist.barrier()

@@ -3,8 +3,9 @@
 usage: python tests/_train_worker.py OUT.json TP PP RUN_JSON...
 Each RUN_JSON is {"name": ..., "overrides": [...]} applied on top of tests' tiny config, with
 optional "evaluate": true (evaluation metrics after training), "expect_error": true (a run the
-trainer must refuse: its error message is recorded, and the job goes on), "per_shard_lamb": true (the
-negative control: LAMB trust ratios of whatever tensor each rank steps, not of whole parameters)
+trainer must refuse: its error message is recorded, and the job goes on), "per_shard": true (the
+negative control: LAMB trust ratios, or StableAdamW's RMS terms, of whatever tensor each rank
+steps, not of whole parameters)
 and "tp"/"pp" (this run's layout instead of TP PP: the process group stays, the TP/PP/DP groups
 are built anew, so one job runs several layouts of its world size and starts its processes once).
 The logging rank writes, per run: the per-step metrics, the params norm, where it ran, what
@@ -95,14 +96,14 @@ def optimizer_groups_by_name(trainer) -> dict:
     return found
 
 
-def use_per_shard_trust_ratios(trainer) -> None:
+def use_per_shard_norms(trainer) -> None:
     """The negative control of the layout tests: each stepped tensor (a TP shard, a ZeRO
-    partition) taken for a whole parameter, as a LAMB unaware of the layout would."""
-    from pretrain.optim import Lamb
+    partition) taken for a whole parameter, as a LAMB or StableAdamW unaware of the layout would."""
+    from pretrain.optim import Lamb, StableAdamW
     from pretrain.optim.layout import layout_for_params
 
     client = trainer.engine.basic_optimizer
-    assert isinstance(client, Lamb), type(client).__name__
+    assert isinstance(client, (Lamb, StableAdamW)), type(client).__name__
     client.set_layout(layout_for_params([g["params"] for g in client.param_groups], tp_group=None))
 
 
@@ -149,8 +150,8 @@ def main():
         cfg.validate(world_size=parallel.world_size)
         lines = log_lines(parallel)
         trainer = Trainer(cfg, parallel)
-        if run.get("per_shard_lamb"):
-            use_per_shard_trust_ratios(trainer)
+        if run.get("per_shard"):
+            use_per_shard_norms(trainer)
         try:
             history = trainer.train()
         except Exception as error:  # noqa: BLE001 (a run that must be refused: its message is the result)

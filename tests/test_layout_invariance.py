@@ -1,8 +1,9 @@
 """Invariant 1: the same initial weights and data give the same per-step losses in every layout.
 
-Each layout trains the tiny BERT (4 layers, so that 4 pipeline stages fit) twice, LAMB then
-AdamW, at the default data.num_workers, for 5 optimizer steps with gradient accumulation and
-clipping on, dropout off, fp32, then evaluating. Losses, gradient norms, the final parameter
+Each layout trains the tiny BERT (4 layers, so that 4 pipeline stages fit) with LAMB, AdamW
+and StableAdamW (no gradient clipping, its own update clipping engaged), at the default
+data.num_workers, for 5 optimizer steps with gradient accumulation and clipping on (LAMB, AdamW),
+dropout off, fp32, then evaluating. Losses, gradient norms, the final parameter
 norm, every final weight tensor (read back from the checkpoint) and the evaluation metrics must
 equal the single-process run within 1e-5 relative.
 
@@ -10,7 +11,7 @@ Every layout also proves it took effect, from what megatron-core and DeepSpeed t
 report on every rank (sizes, what each rank holds, the optimizer wrapper, ZeRO-3 partitions),
 and that the optimizer steps each parameter, by name, with the intended weight decay and
 trust-ratio settings. A negative control shows the 1e-5 tolerance is tight enough to catch
-LAMB trust ratios computed per shard instead of per whole parameter. Also here: the optimizer
+LAMB trust ratios (and StableAdamW's RMS terms) computed per shard instead of per whole parameter. Also here: the optimizer
 groups on BERT-base's real parameter list, the micro-batch split of the global batch (1x8 = 4x2),
 and bf16 tracking fp32.
 """
@@ -31,7 +32,17 @@ FOUR_LAYERS = ["model.num_layers=4", "eval.steps=2", "data.num_workers=2"]
 RUNS = [{"name": "lamb", "overrides": ["optimizer.name=lamb"], "evaluate": True},
         {"name": "adamw", "overrides": ["optimizer.name=adamw", "optimizer.no_weight_decay=[bias,layernorm,embedding]"],
          "evaluate": True}]
-PER_SHARD = {"name": "lamb-per-shard", "overrides": ["optimizer.name=lamb"], "per_shard_lamb": True}
+PER_SHARD = {"name": "lamb-per-shard", "overrides": ["optimizer.name=lamb"], "per_shard": True}
+# StableAdamW (ModernBERT's optimizer) at its defaults: no gradient clipping (grad_clip unset). Its update
+# clipping engages (RMS > 1, up to ~1.3, measured single-process: 77 tensor-steps, the attention and
+# MLP matrices from step 3 on), so the whole-parameter RMS is what these runs compare
+# (test_per_shard_stable_adamw_rms_is_caught proves it engaged on TP shards). lr 0.005, not tests'
+# 0.01: without gradient clipping 0.01 is where rounding starts to grow past the tolerance in any
+# Adam (measured at TP2, worst tensor: torch's AdamW 1.0e-5 at lr 0.01 and 5.5e-5 at 0.02, this
+# optimizer 1.0e-5 and 2.0e-5; at 0.005 it is 4.8e-6).
+SAW_RUN = {"name": "stable_adamw", "overrides": ["optimizer.name=stable_adamw", "optimizer.grad_clip=null",
+                                                 "optimizer.lr=0.005"], "evaluate": True}
+SAW_PER_SHARD = dict(SAW_RUN, name="stable_adamw-per-shard", per_shard=True, evaluate=False)
 ZERO3 = ["parallel.zero_stage=3", "train.deepspeed_config=tests/zero3-partition-everything.json"]
 # (label, tp, pp, world size, extra overrides, DeepSpeed's optimizer wrapper or None for the
 # client optimizer itself); global batch 8 = micro 2 x accumulation x DP.
@@ -76,7 +87,7 @@ MODERN_RECOMPUTE = {"tp2": {"name": "modern-recompute", "overrides": MODERN + ["
                     "pp2": {"name": "modern-recompute", "overrides": MODERN + ["model.recompute=selective"]}}
 
 # Beside the layouts, in the same jobs: the negative control, bf16 and the micro-batch split.
-PER_SHARD_LAYOUT = ("tp2-per-shard", 2, 1, 2, [], [PER_SHARD])
+PER_SHARD_LAYOUT = ("tp2-per-shard", 2, 1, 2, [], [PER_SHARD, SAW_PER_SHARD])
 BF16_LAYOUT = ("bf16-pp2-dp2-zero1", 1, 2, 4, ["parallel.zero_stage=1", "train.precision=bf16"],
                RUNS + [PACKED_RUN, MODERN_RUN, MODERN_PACKED_RUN])
 MICRO_8_LAYOUT = ("micro-8", 1, 1, 1, ["train.micro_batch_size=8"], RUNS)
@@ -91,9 +102,9 @@ def jobs() -> dict[int, list]:
         packed = [PACKED_RUN] if label in PACKED_LAYOUTS else []
         modern = ([MODERN_RUN] if label in MODERN_LAYOUTS else []) + \
             ([MODERN_PACKED_RUN] if label in MODERN_LAYOUTS and label in PACKED_LAYOUTS else [])
-        return RUNS + packed + modern + ([MODERN_RECOMPUTE[label]] if label in MODERN_RECOMPUTE else [])
+        return RUNS + [SAW_RUN] + packed + modern + ([MODERN_RECOMPUTE[label]] if label in MODERN_RECOMPUTE else [])
 
-    everything = [("reference", 1, 1, 1, [], RUNS + [PADDED_RUN, PACKED_RUN, MODERN_RUN, MODERN_PADDED_RUN,
+    everything = [("reference", 1, 1, 1, [], RUNS + [SAW_RUN, PADDED_RUN, PACKED_RUN, MODERN_RUN, MODERN_PADDED_RUN,
                                                      MODERN_PACKED_RUN]),
                   *[layout[:5] + (runs_of(layout[0]),) for layout in LAYOUTS],
                   PER_SHARD_LAYOUT, BF16_LAYOUT, MICRO_8_LAYOUT]
@@ -211,7 +222,7 @@ def assert_groups_by_name(run: dict, reference_run: dict, label: str, embeddings
 @pytest.mark.parametrize("label,tp,pp,world,extra,wrapper", LAYOUTS, ids=[l[0] for l in LAYOUTS])
 def test_layout_matches_single_process(reference, layout_runs, label, tp, pp, world, extra, wrapper):
     result = layout_runs(label)
-    for optimizer, client in (("lamb", "Lamb"), ("adamw", "AdamW")):
+    for optimizer, client in (("lamb", "Lamb"), ("adamw", "AdamW"), ("stable_adamw", "StableAdamW")):
         ours, ref = result[optimizer]["history"], reference[optimizer]["history"]
         assert len(ours) == len(ref) == 5
         for step, (a, b) in enumerate(zip(ours, ref), start=1):
@@ -225,7 +236,7 @@ def test_layout_matches_single_process(reference, layout_runs, label, tp, pp, wo
         for key, value in reference[optimizer]["evaluation"].items():
             assert_close(result[optimizer]["evaluation"][key], value, f"{label} {optimizer} evaluation {key}")
         assert_layout_took_effect(result[optimizer], reference[optimizer], label, tp, pp, world, wrapper, client)
-        assert_groups_by_name(result[optimizer], reference[optimizer], label, embeddings_decay=optimizer == "lamb")
+        assert_groups_by_name(result[optimizer], reference[optimizer], label, embeddings_decay=optimizer != "adamw")
 
 
 @pytest.mark.parametrize("tp,stage,world", [(1, 0, 1), (2, 1, 4)], ids=["tp1-zero0", "tp2-dp2-zero1"])
@@ -317,6 +328,17 @@ def test_per_shard_trust_ratios_are_caught(reference, layout_runs):
     errors = weight_errors(result["weights"], reference["lamb"]["weights"])
     caught = [name for name, error in errors.items() if error > 100 * TOLERANCE]
     assert caught, f"per-shard trust ratios stay within {100 * TOLERANCE} of the reference: {errors}"
+
+
+def test_per_shard_stable_adamw_rms_is_caught(reference, layout_runs):
+    """The same control for StableAdamW: its update-clipping RMS taken per TP shard. Where the RMS
+    of the whole parameter and of its shards are both <= 1 the two steps are the same bits, so
+    being caught also proves that the clipping engaged on TP-sharded parameters in these 5 steps."""
+    result = layout_runs(PER_SHARD_LAYOUT[0])["stable_adamw-per-shard"]
+    assert result["history"][0]["loss"] == pytest.approx(reference["stable_adamw"]["history"][0]["loss"], rel=TOLERANCE)
+    errors = weight_errors(result["weights"], reference["stable_adamw"]["weights"])
+    caught = [name for name, error in errors.items() if error > 100 * TOLERANCE]
+    assert caught, f"per-shard RMS terms stay within {100 * TOLERANCE} of the reference: {errors}"
 
 
 def test_bf16_pipeline_zero1_tracks_fp32(reference, layout_runs):

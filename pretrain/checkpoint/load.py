@@ -20,7 +20,7 @@ import torch
 from ..distributed.internals import client_optimizer, set_position
 from ..model.names import logical_parameters
 from ..model.rng import seed_streams
-from ..optim import Lamb, layout_for_deepspeed
+from ..optim import Lamb, StableAdamW, layout_for_deepspeed
 from . import exact
 from .format import (CONFIG_JSON, LATEST, MOMENTS, CheckpointError, latest_tag, layout_differences, model_shape_of,
                      read_meta, resolve_tag_dir, restores_exactly, shape_differences)
@@ -64,8 +64,9 @@ def check_model_matches(ckpt: LogicalCheckpoint, cfg, path: str, new_run: bool =
 
 
 def _fresh_state(optimizer, tensor: torch.Tensor, step: int) -> dict:
-    # Lamb counts steps in an int; torch's AdamW in a float32 scalar tensor on the parameter's device.
-    count = step if isinstance(optimizer, Lamb) else torch.tensor(float(step), dtype=torch.float32,
+    # Lamb and StableAdamW count steps in an int; torch's AdamW in a float32 scalar tensor on the
+    # parameter's device.
+    count = step if isinstance(optimizer, (Lamb, StableAdamW)) else torch.tensor(float(step), dtype=torch.float32,
                                                                     device=tensor.device)
     return {"step": count, "exp_avg": torch.zeros_like(tensor), "exp_avg_sq": torch.zeros_like(tensor)}
 

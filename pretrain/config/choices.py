@@ -6,7 +6,7 @@ from __future__ import annotations
 # The kinds the model labels its parameters with; optimizer.no_weight_decay and
 # optimizer.no_layer_adaptation entries must be among them.
 PARAMETER_KINDS = ("weight", "bias", "layernorm", "embedding")
-OPTIMIZERS = ("lamb", "adamw")
+OPTIMIZERS = ("lamb", "adamw", "stable_adamw")
 DECAYS = ("linear", "poly", "cosine", "1-sqrt", "inverse_sqrt", "constant")
 PRECISIONS = ("fp32", "bf16", "fp16")
 GRAD_ACCUM_DTYPES = ("fp32", "bf16")  # what bf16 gradients are accumulated and reduced in

@@ -45,7 +45,7 @@ def build_deepspeed_config(cfg: Config, world_size: int) -> dict:
     a key we own with a different value, or an `optimizer`/`scheduler` block, is a ConfigError."""
     t = cfg.train
     accum = cfg.grad_accum_steps(world_size)
-    ds = deepspeed_settings(t.global_batch_size, t.micro_batch_size, accum, cfg.optimizer.grad_clip,
+    ds = deepspeed_settings(t.global_batch_size, t.micro_batch_size, accum, cfg.optimizer.clip(),
                             cfg.parallel.zero_stage, t.precision, cfg.fp16.deepspeed_block(), t.grad_accum_dtype)
     if cfg.data.packing:
         # Packed micro-batches have as many rows as their samples fill: the pipeline engine then
@@ -70,7 +70,7 @@ def build_deepspeed_config(cfg: Config, world_size: int) -> dict:
         (("gradient_accumulation_steps",),
          f"{accum} (train.global_batch_size / (train.micro_batch_size x data parallel size))",
          "train.global_batch_size / train.micro_batch_size"),
-        (("gradient_clipping",), f"optimizer.grad_clip={cfg.optimizer.grad_clip}", "optimizer.grad_clip"),
+        (("gradient_clipping",), f"optimizer.grad_clip={cfg.optimizer.clip()}", "optimizer.grad_clip"),
         (("zero_optimization", "stage"), f"parallel.zero_stage={cfg.parallel.zero_stage}", "parallel.zero_stage"),
         (("bf16", "enabled"), precision, "train.precision"),
         (("fp16", "enabled"), precision, "train.precision"),

@@ -124,7 +124,7 @@ class ParallelConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "lamb"  # "lamb" | "adamw"
+    name: str = "lamb"  # "lamb" | "adamw" | "stable_adamw"
     lr: float = 1e-3  # peak learning rate (reached at the end of warmup)
     beta1: float = 0.9
     beta2: float = 0.999
@@ -135,7 +135,23 @@ class OptimizerConfig:
     # parameter kinds whose LAMB trust ratio is fixed to 1
     no_layer_adaptation: list[str] = field(default_factory=lambda: ["bias", "layernorm"])
     max_trust_ratio: float | None = None  # optional clamp of the LAMB trust ratio
-    grad_clip: float = 1.0  # global gradient-norm clipping; 0 disables
+    # global gradient-norm clipping; 0 disables; None: off with stable_adamw (its own update
+    # clipping stands in for it, and torch-optimi advises against both), 1.0 otherwise (clip())
+    grad_clip: float | None = None
+    # stable_adamw only (torch-optimi's StableAdamW): decouple_lr decays weights by
+    # (lr_t / max_lr) * weight_decay instead of lr_t * weight_decay; max_lr None = optimizer.lr;
+    # kahan_sum: Kahan-compensated updates of bf16/fp16 tensors the optimizer steps
+    decouple_lr: bool = False
+    max_lr: float | None = None
+    kahan_sum: bool = False
+
+    STABLE_ADAMW_ONLY = {"decouple_lr": False, "max_lr": None, "kahan_sum": False}
+
+    def clip(self) -> float:
+        """The gradient-norm clipping threshold in effect (0 = off): grad_clip, or its default."""
+        if self.grad_clip is not None:
+            return self.grad_clip
+        return 0.0 if self.name == "stable_adamw" else 1.0
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -147,7 +163,15 @@ class OptimizerConfig:
                 p.append(f"optimizer.{name} ({value}) must be in [0, 1)")
         _positive(p, "optimizer.eps", self.eps)
         _non_negative(p, "optimizer.weight_decay", self.weight_decay)
-        _non_negative(p, "optimizer.grad_clip", self.grad_clip)
+        if self.grad_clip is not None:
+            _non_negative(p, "optimizer.grad_clip", self.grad_clip)
+        if self.name != "stable_adamw":
+            for key, default in self.STABLE_ADAMW_ONLY.items():
+                if getattr(self, key) != default:
+                    p.append(f"optimizer.{key} applies to optimizer.name=stable_adamw only, not {self.name}; "
+                             "remove it")
+        if self.max_lr is not None:
+            _positive(p, "optimizer.max_lr", self.max_lr)
         if self.max_trust_ratio is not None:
             _positive(p, "optimizer.max_trust_ratio", self.max_trust_ratio)
         for name in ("no_weight_decay", "no_layer_adaptation"):
@@ -415,6 +439,10 @@ class CheckpointConfig:
     # length and rotary bases; the start-up log lists every setting it changes, and the tokens seen
     # count on from the previous phase's (pretrain/checkpoint/phases.py)
     new_phase: bool = False
+    # init_from is a smaller ModernBERT: tile its weights "from the middle" into this run's larger
+    # model (ModernBERT's tile_weights_from_middle, how ModernBERT-large started from base;
+    # pretrain/checkpoint/tiling.py): weights only, step 0; the model's shape keys are this run's own
+    init_tiled: bool = False
     # resume (or init_from) a checkpoint trained with another vocabulary than data.vocab_file: a
     # deliberate change (the embedding of a changed id keeps what it learnt for the old token).
     # Without it such a run is refused, naming both files
@@ -441,6 +469,13 @@ class CheckpointConfig:
             _non_negative(p, f"checkpoint.{name}", getattr(self, name))
         if self.new_phase and not self.init_from:
             p.append("checkpoint.new_phase needs checkpoint.init_from (the previous phase's checkpoint)")
+        if self.init_tiled:
+            if not self.init_from:
+                p.append("checkpoint.init_tiled needs checkpoint.init_from (the smaller ModernBERT to tile)")
+            for key in ("init_optimizer_states", "new_phase"):
+                if getattr(self, key):
+                    p.append(f"checkpoint.init_tiled takes the weights only: the smaller model's optimizer state "
+                             f"does not fit the larger one; remove checkpoint.{key}")
         return p
 
     @property

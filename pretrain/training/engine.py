@@ -23,7 +23,7 @@ from ..distributed.parallel import Parallel
 from ..model.bert import PretrainingLoss, build_model, init_weights
 from ..model.names import logical_parameters
 from ..model.rng import RngTracker
-from ..optim import Lamb, build_optimizer, layout_for_deepspeed, make_lr_scheduler
+from ..optim import Lamb, StableAdamW, build_optimizer, layout_for_deepspeed, make_lr_scheduler
 from ..optim.groups import optimizer_param_groups
 from ..optim.guard import NonFiniteGuard, wrap_optimizer_step
 from ..optim.norms import counted_once, exact_clipping_for
@@ -88,6 +88,8 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
     hyper = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
     if o.name == "lamb":
         hyper["max_trust_ratio"] = o.max_trust_ratio
+    if o.name == "stable_adamw":
+        hyper.update(decouple_lr=o.decouple_lr, max_lr=o.max_lr, kahan_sum=o.kahan_sum)
     optimizer = build_optimizer(o.name, optimizer_param_groups(model, o), **hyper)
     # Our non-finite check runs in every precision and ZeRO stage (DeepSpeed's wrappers add
     # their own, except at ZeRO-0 fp32); resilience.skip_nonfinite_steps decides whether it vetoes.
@@ -103,14 +105,14 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
                                  clock=clock.schedule_clock if s.in_tokens else steps_clock)
 
     engine, exact = initialize_engine(
-        model, optimizer, ds_config, par, lr_scheduler=scheduler, grad_clip=o.grad_clip,
+        model, optimizer, ds_config, par, lr_scheduler=scheduler, grad_clip=o.clip(),
         counted=[lp.param for lp in counted_once(model, par)], step_is_bad=guard.step_is_bad,
         mpu=None if pipelined else par.mpu)  # the pipeline engine takes its grid from the topology
     if par.dp_size == 1 and cfg.parallel.zero_stage == 0 and not pipelined:
         internals.skip_backward_allreduce(engine)
     if cfg.train.precision == "fp16":
         internals.let_loss_scaler_reach_minimum(engine)
-    if isinstance(optimizer, Lamb):
+    if isinstance(optimizer, (Lamb, StableAdamW)):  # per-parameter terms over whole logical parameters
         optimizer.set_layout(layout_for_deepspeed(engine, par.tp_group if par.tp_size > 1 else None,
                                                   par.dp_group if par.dp_size > 1 else None, par.device))
     return PretrainingEngine(engine, model, guard, ds_config, exact)

@@ -295,7 +295,7 @@ def child_hf(args) -> dict:
     drawn = make_batches(cfg, args.warmup + args.steps, device)
     batches = iter([hf_batch(*b) for b in drawn])
     losses = []
-    step = hf_step(model, optimizer, batches, device, args.precision, cfg.optimizer.grad_clip, losses)
+    step = hf_step(model, optimizer, batches, device, args.precision, cfg.optimizer.clip(), losses)
     times = time_steps(step, args.warmup, args.steps, device)
     peak = max(peak, gemm_peak(args.precision, device))  # a peak: the better of before and after the steps
     return {"times": times, "losses": [float(loss) for loss in losses], "flops_per_sample": model_flops_per_sample(cfg),

@@ -199,7 +199,7 @@ def measure_hf(job: dict, settings: dict, parallel) -> dict:
     batches = iter([hf_batch(*b) for b in drawn])
     del drawn
     losses = []
-    step = hf_step(model, optimizer, batches, device, settings["precision"], cfg.optimizer.grad_clip, losses)
+    step = hf_step(model, optimizer, batches, device, settings["precision"], cfg.optimizer.clip(), losses)
     times = timed(step, device, settings["warmup"], settings["steps"])
     where, dtype = str(next(model.parameters()).device), str(next(model.parameters()).dtype)
     del model, optimizer
