@@ -83,7 +83,7 @@ def test_demo_configs_override_only_what_they_set():
     # deep merge: tiny sets optimizer.lr but keeps the rest of the inherited optimizer section
     assert tiny.optimizer.lr != defaults.optimizer.lr
     assert tiny.optimizer.weight_decay == defaults.optimizer.weight_decay == 0.01
-    assert tiny.optimizer.grad_clip == 1.0
+    assert tiny.optimizer.clip() == 1.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -707,3 +707,65 @@ def test_the_batch_warmup_minimum_is_whole_micro_batches_on_every_rank():
     with pytest.raises(ConfigError, match=r"train.batch_warmup_min_size \(24\) must be a multiple of "
                                           r"train.micro_batch_size x data parallel \(8 x 2\)"):
         cfg.validate(world_size=2)
+
+
+# --------------------------------------------------------------------------------------------
+# optimizer.grad_clip's default and the stable_adamw-only keys
+# --------------------------------------------------------------------------------------------
+
+
+def test_grad_clip_default_follows_the_optimizer():
+    """Unset, clipping is off with stable_adamw (its update clipping stands in for it) and 1.0
+    otherwise; a set value wins either way, and DeepSpeed gets the resolved one."""
+    assert cfg_with("optimizer.name=lamb").optimizer.clip() == 1.0
+    assert cfg_with("optimizer.name=adamw").optimizer.clip() == 1.0
+    stable = cfg_with("optimizer.name=stable_adamw")
+    assert stable.optimizer.grad_clip is None and stable.optimizer.clip() == 0.0
+    assert build_deepspeed_config(stable, world_size=1)["gradient_clipping"] == 0.0
+    assert cfg_with("optimizer.name=stable_adamw", "optimizer.grad_clip=0.5").optimizer.clip() == 0.5
+    assert cfg_with("optimizer.name=lamb", "optimizer.grad_clip=0").optimizer.clip() == 0.0
+
+
+@pytest.mark.parametrize("key", ["optimizer.decouple_lr=true", "optimizer.max_lr=0.01", "optimizer.kahan_sum=true"])
+def test_stable_adamw_keys_refused_with_other_optimizers(key):
+    name = key.split("=")[0]
+    assert cfg_with(key).optimizer.problems() == [f"{name} applies to optimizer.name=stable_adamw only, not lamb; remove it"]
+    assert cfg_with("optimizer.name=stable_adamw", key).optimizer.problems() == []
+    with pytest.raises(ConfigError, match=name.replace(".", r"\.")):
+        cfg_with("optimizer.name=adamw", key).validate(world_size=1)
+
+
+RECIPES = sorted((CONFIGS / "recipes").glob("*.yaml"))
+
+
+def recipe(name: str, *overrides):
+    data = ["data.paths=[corpus_text_sentence]", "data.vocab_file=tokenizer.json"]
+    return load_config(str(CONFIGS / "recipes" / name), data + (["checkpoint.init_from=ckpt"] if "phase1" not in name else [])
+                       + list(overrides))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_recipe_phases_load_and_validate(path):
+    cfg = recipe(path.name)
+    cfg.validate(world_size=1 if "tiny" in path.name else 16)  # the batch warmup's minimum: whole micro-batches on 16 ranks
+    assert cfg.optimizer.name == "stable_adamw" and cfg.optimizer.clip() == 0.0  # StableAdamW clips its own updates
+    assert cfg.checkpoint.new_phase == ("phase1" not in path.name)
+
+
+@pytest.mark.parametrize("size,peak,ramp", [("base", 8e-4, 50e9), ("large", 5e-4, 10e9)])
+def test_the_modernbert_recipe_holds_the_published_settings(size, peak, ramp):
+    """The values docs/modernbert.md's table gives (the paper as issue 41 quotes it)."""
+    one, two, three = (recipe(f"modernbert-{size}-phase{n}.yaml") for n in (1, 2, 3))
+    o = one.optimizer
+    assert (o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.decouple_lr) == (peak, 0.9, 0.98, 1e-6, 1e-5, True)
+    assert set(o.no_weight_decay) == {"bias", "layernorm"}
+    assert (one.data.seq_length, one.data.masked_lm_prob, one.data.evaluation_masking_rate()) == (1024, 0.3, 0.15)
+    assert one.model.global_rope_theta == one.model.local_rope_theta == 10000.0
+    assert (one.scheduler.warmup_tokens, one.scheduler.decay) == (3_000_000_000, "constant")
+    assert (one.train.global_batch_size, one.train.batch_warmup_tokens) == (4608, ramp)
+    assert (one.train.precision, one.data.packing) == ("bf16", True)
+    assert (two.data.seq_length, two.model.max_position_embeddings, two.optimizer.lr) == (8192, 8192, 3e-4)
+    assert (two.model.global_rope_theta, two.model.local_rope_theta, two.optimizer.max_lr) == (160000.0, 10000.0, peak)
+    assert two.train.global_batch_size * 8192 == 4608 * 1024 and two.scheduler.decay == "constant"
+    assert (three.scheduler.decay, three.scheduler.min_lr, three.scheduler.warmup_tokens) == ("1-sqrt", 3e-7, 0)
+    assert three.scheduler.min_lr == pytest.approx(0.001 * two.optimizer.lr)

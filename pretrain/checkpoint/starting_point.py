@@ -6,6 +6,10 @@ Continued pretraining (BioBERT, SciBERT, an in-house encoder from a published BE
 shape exactly: every model.* key the config and the command line leave unset is taken from the
 checkpoint (load_config calls `inherit_model_keys`), and a key set to another value is refused by
 the pre-start check with both values, before any rank starts.
+
+checkpoint.init_tiled grows a smaller ModernBERT into this run's larger one (tiling.py): the shape
+keys (TILED_SHAPE_KEYS) are then the run's own, never inherited, and must be at least the
+checkpoint's (`tiling_problems`); every other inherited key is taken or compared as above.
 """
 from __future__ import annotations
 
@@ -27,6 +31,11 @@ INHERITED_KEYS = ("architecture", "vocab_size", "hidden_size", "num_layers", "nu
                   "local_attention", "global_rope_theta", "local_rope_theta", "norm_bias", "attention_bias", "mlp_bias",
                   "classifier_bias")
 REPORTED_KEYS = tuple(dict.fromkeys(INHERITED_KEYS + tuple(HF_MODEL_KEYS)))
+# checkpoint.init_tiled: the keys a tiled run grows (its own, at least the checkpoint's), and those the
+# tiling needs equal (tiling.py copies each bias only where both models have it; the reference
+# refuses another vocabulary)
+TILED_SHAPE_KEYS = ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size")
+TILED_EQUAL_KEYS = ("architecture", "vocab_size", "norm_bias", "attention_bias", "mlp_bias", "classifier_bias")
 # What a head that starts from random weights means for the first steps of a continued pretraining.
 UNTRAINED_HEAD_MEANING = {
     "MLM head": "the masked-LM loss starts near ln(vocabulary size) (10.3 for 30k tokens), not near the 1.5-2.5 "
@@ -90,7 +99,9 @@ def inherit_model_keys(tree: dict) -> dict:
     except CheckpointError:
         return tree
     given = tree.get("model", {})
-    inherited = {key: theirs[key] for key in INHERITED_KEYS if key in theirs and key not in given}
+    tiled = tree.get("checkpoint", {}).get("init_tiled") is True
+    inherited = {key: theirs[key] for key in INHERITED_KEYS if key in theirs and key not in given
+                 and not (tiled and key in TILED_SHAPE_KEYS)}
     return {**tree, "model": {**given, **inherited}}
 
 
@@ -114,15 +125,49 @@ def starting_point_problems(cfg: Config) -> list[str]:
         return [f"{key_name}: {e}"] if how != "resumes" else []  # a resume names a damaged checkpoint itself
     ours = cfg.model
     free = ("layernorm_epsilon",) + (phase_model_keys(cfg) if how != "resumes" else ())  # a new phase's rope, context
+    tiles = t.init_tiled and how != "resumes"
+    if tiles:
+        free += TILED_SHAPE_KEYS + TILED_EQUAL_KEYS  # tiling_problems says what is wrong with these
+    problems = [f"checkpoint.init_tiled: {p}" for p in tiling_problems(theirs, _keys_of(ours))] if tiles else []
     differ = [key for key in INHERITED_KEYS if key in theirs and key not in free
               and _resolved(ours, key) != _resolved_value(theirs, key)]
     if not differ:
-        return []
+        return problems
     listed = "; ".join(f"model.{key}: run {_resolved(ours, key)}, checkpoint {_resolved_value(theirs, key)}"
                        for key in differ)
     remedy = ("remove these keys from the config and the command line to take the checkpoint's shape"
               if how != "resumes" else "resume with the checkpoint's shape")
-    return [f"{key_name} {path} does not fit this run's model ({source}): {listed}; {remedy}"]
+    return problems + [f"{key_name} {path} does not fit this run's model ({source}): {listed}; {remedy}"]
+
+
+def _keys_of(model) -> dict:
+    return {key: getattr(model, key) for key in REPORTED_KEYS}
+
+
+def tiling_problems(small: dict, large: dict) -> list[str]:
+    """Why a ModernBERT of the model.* keys `small` cannot be tiled into one of `large` (both as
+    read_model_keys gives them), one line per key; [] when it can. The rules are those of ModernBERT's
+    tile_weights_from_middle (tiling.py): the same vocabulary, a strictly wider hidden size (its
+    tile_embedding refuses an equal one), nothing smaller, and at most 2x the layers (its mapping
+    round(i * small / large) would name a layer the small model lacks)."""
+    odd = [f"{whose} is {keys['architecture']}" for whose, keys in (("the checkpoint's", small), ("this run's", large))
+           if keys["architecture"] != "modernbert"]
+    if odd:
+        return [f"model.architecture: tiling grows ModernBERT models only; {' and '.join(odd)}"]
+    p = [f"model.{key}: the checkpoint's is {small[key]!r}, this run's {large[key]!r}; tiling needs them equal"
+         for key in TILED_EQUAL_KEYS if small[key] != large[key]]
+    if large["hidden_size"] <= small["hidden_size"]:
+        p.append(f"model.hidden_size: this run's {large['hidden_size']} must be larger than the checkpoint's "
+                 f"{small['hidden_size']} (tiling grows the hidden size, as ModernBERT's tile_embedding requires)")
+    for key in ("num_layers", "ffn_hidden_size"):
+        theirs, ours = _resolved_value(small, key), _resolved_value(large, key)
+        if ours < theirs:
+            p.append(f"model.{key}: this run's {ours} is smaller than the checkpoint's {theirs}; tiling only grows")
+    n, m = small["num_layers"], large["num_layers"]
+    if m >= n and m and max(round(i * n / m) for i in range(m)) >= n:
+        p.append(f"model.num_layers: {n} -> {m} layers: ModernBERT's layer mapping round(i * {n} / {m}) names layer "
+                 f"{round((m - 1) * n / m)}, which the checkpoint lacks; tile to at most {2 * n - (n % 2 == 0)} layers")
+    return p
 
 
 def _resolved(model, key: str):

@@ -16,6 +16,7 @@ from ..checkpoint.async_save import BackgroundSave, SaveStore, SnapshotEngine
 from ..checkpoint.format import CheckpointError, latest_tag, read_meta, tag_for
 from ..checkpoint.series import new_series, resumed_tag_dir, save_dir_problems, series_of
 from ..checkpoint.starting_point import untrained_head_notes
+from ..checkpoint.tiling import init_tiled
 from ..config import Config
 from ..distributed import internals
 from ..distributed.device import all_gather_object, reduce_floats
@@ -173,8 +174,11 @@ class Checkpointer:
                 if t.new_phase:
                     self._start_phase()
                 configured = _group_settings(self.engine)
-                loaded = checkpoint_loading.init_from(self.engine, self.model, t.init_from, self.cfg, self.parallel,
-                                                      t.loads_optimizer_states)
+                if t.init_tiled:  # a smaller ModernBERT grown into this run's model (checkpoint/tiling.py)
+                    loaded = init_tiled(self.engine, self.model, t.init_from, self.cfg, self.parallel)
+                else:
+                    loaded = checkpoint_loading.init_from(self.engine, self.model, t.init_from, self.cfg,
+                                                          self.parallel, t.loads_optimizer_states)
                 # DeepSpeed's load of optimizer states brings the checkpoint's group settings (weight
                 # decay, betas, eps...) with the moments: a new run trains with its own
                 _restore_group_settings(self.engine, configured)
