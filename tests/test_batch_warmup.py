@@ -2,7 +2,7 @@
 
 One 2-rank job (tests/_train_worker.py, its processes started once) runs a ramp from 4 to 16 samples
 over 512 tokens (seq 32: steps of 4, 4, 8, then 16) with the LR warmup counted in tokens:
-- at DP2, TP2 and PP2 (fp32): the per-step global batch is the ramp's (in the history and on the log
+- at DP2 (ZeRO-1 and ZeRO-3), TP2 and PP2 (fp32): the per-step global batch is the ramp's (in the history and on the log
   line), the learning rate follows the tokens, and the three layouts train alike (1e-5);
 - packed rows (data.packing, each step's share packed together) train as padded ones (1e-5) on
   fewer computed tokens;
@@ -40,6 +40,7 @@ def runs(tmp_path_factory):
         "dp2": ({}, RAMP + ["parallel.zero_stage=1"]),
         "tp2": ({"tp": 2}, RAMP),
         "pp2": ({"pp": 2}, RAMP),
+        "zero3": ({}, RAMP + ["parallel.zero_stage=3", "train.deepspeed_config=tests/zero3-partition-everything.json"]),
         # packed rows, each step's share of the ramp packed together: the padded run's training
         "packed": ({}, RAMP + ["parallel.zero_stage=1", "data.packing=true", "data.synthetic_min_fraction=0.1"]),
         "padded": ({}, RAMP + ["parallel.zero_stage=1", "data.synthetic_min_fraction=0.1"]),
@@ -90,12 +91,14 @@ def test_packed_rows_during_the_ramp_train_as_padded_ones(runs):
     assert sum(h["computed_tokens"] for h in packed) < 0.8 * sum(h["computed_tokens"] for h in padded)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "zero3"])
 def test_layouts_train_alike_during_the_ramp(runs, layout):
     reference, ours = runs["dp2"], runs[layout]
     ranks = ours["ranks"][0]
     assert (ranks["megatron_tp_size"], ranks["deepspeed_stages"], ranks["deepspeed_dp_size"]) == \
-        ((2, 1, 1) if layout == "tp2" else (1, 2, 1))
+        {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "zero3": (1, 1, 2)}[layout]
+    if layout == "zero3":  # partitioned parameters: ZeRO-3 took effect
+        assert ranks["zero3_partitioned"] > 0 and ranks["optimizer_wrapper"] == "DeepSpeedZeroOptimizer_Stage3"
     assert [h["global_batch_size"] for h in ours["history"]] == EXPECTED_BATCHES
     for step, (a, b) in enumerate(zip(ours["history"], reference["history"]), start=1):
         for key in ("loss", "lm_loss", "grad_norm", "real_tokens"):
