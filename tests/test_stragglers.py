@@ -105,7 +105,7 @@ def test_reporter_puts_the_spread_on_the_line_and_every_rank_in_tensorboard(libr
     written = {}
     reporter.writer = SimpleNamespace(add_scalar=lambda name, value, step: written.__setitem__(name, (value, step)))
     metrics = {"loss": 7.5, "lm_loss": 6.9, "nsp_loss": 0.6, "mlm_accuracy": 0.01, "nsp_accuracy": 0.5,
-               "learning_rate": 1e-4, "grad_norm": 2.5, "skipped_steps": 0}
+               "learning_rate": 1e-4, "grad_norm": 2.5, "skipped_steps": 0, "global_batch_size": 8, "tokens_seen": 256}
     perf = {"iteration_time": 0.5, "data_wait_time": 0.01, "real_tokens_per_second": 384.0,
             "tokens_per_second": 512.0, "samples_per_second": 16.0, "real_token_share": 0.75}
     figures = WindowFigures.from_table(TABLE)

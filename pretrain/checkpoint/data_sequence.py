@@ -37,8 +37,6 @@ def _comparable(data: DataConfig, key: str):
     value = getattr(data, key)
     if key == "paths":
         return _corpus_names(value)
-    if key == "max_predictions_per_seq":  # unset: what the rates need (an older checkpoint's 20 is 20)
-        return data.max_predictions()
     if key == "weights":  # shares: empty = equal, and [2, 2] = [1, 1] (to rounding: [0.1, 0.2] = [1, 2])
         weights = value or [1.0] * len(data.paths)
         return [round(w / sum(weights), 12) for w in weights]
@@ -48,8 +46,17 @@ def _comparable(data: DataConfig, key: str):
 def data_sequence_changes(saved: DataConfig, ours: DataConfig) -> list[str]:
     """'data.key: checkpoint X, run Y' for every sequence-defining setting that differs."""
     keys = SEQUENCE_KEYS + (SYNTHETIC_KEYS if ours.kind == saved.kind == "synthetic" else ())
-    return [f"data.{key}: checkpoint {getattr(saved, key)}, run {getattr(ours, key)}"
-            for key in keys if _comparable(saved, key) != _comparable(ours, key)]
+    changes = []
+    for key in keys:
+        if key == "max_predictions_per_seq":
+            # the masked-position budget: unset on both sides it follows keys compared here anyway;
+            # set on either side (an older checkpoint's default 20 included), the budgets are compared
+            explicit = saved.max_predictions_per_seq is not None or ours.max_predictions_per_seq is not None
+            if explicit and saved.max_predictions() != ours.max_predictions():
+                changes.append(f"data.{key}: checkpoint {saved.max_predictions()}, run {ours.max_predictions()}")
+        elif _comparable(saved, key) != _comparable(ours, key):
+            changes.append(f"data.{key}: checkpoint {getattr(saved, key)}, run {getattr(ours, key)}")
+    return changes
 
 
 def saved_data_config(tag_dir: str) -> DataConfig | None:

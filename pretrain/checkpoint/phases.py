@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 from ..config import Config, ConfigError
-from .format import CheckpointError
+from .errors import CheckpointError
 
 # model.* keys a new phase may set apart from its checkpoint's (the weights do not depend on them)
 PHASE_MODEL_KEYS = ("global_rope_theta", "local_rope_theta", "max_position_embeddings")

@@ -1,4 +1,5 @@
-"""Optimizer step benchmark: our LAMB against torch's fused AdamW on BERT-base's parameters.
+"""Optimizer step benchmark: our LAMB against torch's fused AdamW, and our StableAdamW against
+torch-optimi's (the reference, a test-only dependency: skipped when absent), on BERT-base's parameters.
 
 usage: python tools/benchmarks/lamb.py [--config base] [--steps 5] [--warmup 2] [--threads 2] [--json out.json]
 
@@ -12,7 +13,9 @@ before them, when the parameters, gradients and moments already exist (what the 
 step add). The child's malloc returns every block above 64 KiB to the system when it is freed
 (MALLOC_MMAP_THRESHOLD_), so that resident memory follows the live tensors.
 torch's AdamW (fused, one kernel over all tensors) is the peer: the ratio says what LAMB's
-whole-parameter norms and trust ratios cost on top of the same Adam moments.
+whole-parameter norms and trust ratios cost on top of the same Adam moments. optimi's StableAdamW
+(foreach, its fastest path without Triton) is ours' peer: the same update, with per-tensor RMS
+terms read on the host (.item()) where ours keeps them on the device for its layout reductions.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from tools.benchmarks.train import peak_rss_mb, set_threads, time_steps  # noqa: E402
 
-OPTIMIZERS = ("lamb", "adamw")
+OPTIMIZERS = ("lamb", "adamw", "stable_adamw", "optimi")
 CONFIGS = {"base": REPO / "configs" / "bert-base.yaml", "large": REPO / "configs" / "bert-large.yaml",
            "mini": REPO / "configs" / "bert-mini.yaml"}
 
@@ -55,7 +58,16 @@ def child(args) -> dict:
         hyper["max_trust_ratio"] = None
     param_groups = [{"params": groups[True], "weight_decay": 0.01, "layer_adaptation": True},
                     {"params": groups[False], "weight_decay": 0.0, "layer_adaptation": False}]
-    optimizer = build_optimizer(args.child, param_groups, **hyper)
+    if args.child in ("stable_adamw", "optimi"):  # ModernBERT's settings
+        hyper.update(betas=(0.9, 0.98), weight_decay=1e-5, decouple_lr=True)
+        param_groups[0]["weight_decay"] = 1e-5
+    if args.child == "optimi":
+        from optimi import StableAdamW
+
+        optimizer = StableAdamW([{k: v for k, v in g.items() if k != "layer_adaptation"} for g in param_groups],
+                                foreach=True, triton=False, **hyper)
+    else:
+        optimizer = build_optimizer(args.child, param_groups, **hyper)
     for _ in range(args.warmup):
         optimizer.step()
     before = current_rss_mb()
@@ -93,7 +105,13 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    results = {name: run_child(args, name) for name in OPTIMIZERS}
+    try:
+        import optimi  # noqa: F401
+        names = OPTIMIZERS
+    except ImportError:
+        print("torch-optimi is not installed (pip install torch-optimi): StableAdamW's peer left out")
+        names = OPTIMIZERS[:3]
+    results = {name: run_child(args, name) for name in names}
     lamb, adamw = results["lamb"], results["adamw"]
     print(f"BERT-{args.config} parameters: {lamb['elements'] / 1e6:.1f} M ({lamb['parameters_mb']:,.0f} MB fp32), "
           f"{args.threads} threads, median of {args.steps} steps")
@@ -104,6 +122,9 @@ def main(argv=None) -> int:
               f"({r['transient_mb'] / r['parameters_mb']:.2f} x parameters) |")
     ratio = statistics.median(lamb["times"]) / statistics.median(adamw["times"])
     print(f"LAMB / fused AdamW step time: {ratio:.2f}")
+    if "optimi" in results:
+        ratio = statistics.median(results["stable_adamw"]["times"]) / statistics.median(results["optimi"]["times"])
+        print(f"our StableAdamW / torch-optimi's StableAdamW step time: {ratio:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
