@@ -1,5 +1,6 @@
 """launcher.sh starts N ranks on this node with torchrun or the deepspeed launcher, prints the
 command it runs, and refuses an invalid config before starting anything."""
+import glob
 import os
 import re
 import subprocess
@@ -23,9 +24,14 @@ def launch(*args, timeout=300):
 
 def test_launch_two_ranks_with_deepspeed():
     """The deepspeed launcher (torchrun, the default: tests/test_first_run.py and the multi-node tests)."""
-    result = launch("--launcher", "deepspeed", "--nproc-per-node", "2", "--master-port", str(free_port()),
+    port = free_port()
+    result = launch("--launcher", "deepspeed", "--nproc-per-node", "2", "--master-port", str(port),
                     "pretrain", *COMMON, "parallel.pipeline_parallel=2", "parallel.zero_stage=1")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # DeepSpeed's CPU shared-memory all-reduce (its launcher sets LOCAL_SIZE) leaves a 69 MB file per
+    # rank in /dev/shm unless the ranks unlink them (pretrain/distributed/parallel.py)
+    left = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
+    assert not left, left
     printed = [line for line in result.stdout.splitlines() if line.startswith("+ ")]
     assert printed and "deepspeed" in printed[0]
     assert "step 2/2" in result.stdout

@@ -1,7 +1,8 @@
 """Invariant 1: the same initial weights and data give the same per-step losses in every layout.
 
 Each layout trains the tiny BERT (4 layers, so that 4 pipeline stages fit) with LAMB, AdamW
-and StableAdamW (no gradient clipping, its own update clipping engaged), at the default
+and StableAdamW (no gradient clipping, its own update clipping engaged; LEFT_OUT names the few
+layouts that skip one), at the default
 data.num_workers, for 5 optimizer steps with gradient accumulation and clipping on (LAMB, AdamW),
 dropout off, fp32, then evaluating. Losses, gradient norms, the final parameter
 norm, every final weight tensor (read back from the checkpoint) and the evaluation metrics must
@@ -62,6 +63,12 @@ LAYOUTS = [
     ("tp2-pp2-dp2-zero1", 2, 2, 8, ["parallel.zero_stage=1"], "DeepSpeedZeroOptimizer"),
 ]
 TOLERANCE = 1e-5
+# AdamW is elementwise: past the gradients (LAMB's runs prove them in every layout) what a layout changes
+# for it is DeepSpeed's wrapper, proven wherever ZeRO is on. The 4- and 8-rank jobs, the slowest per run
+# on 2 cores, leave it out of their ZeRO-0 pipelines; the 8-rank one also leaves out StableAdamW, whose
+# whole-parameter RMS over TP and DP at once the 4-rank tp2-dp2-zero3 proves.
+OPTIMIZERS = {"lamb": "Lamb", "adamw": "AdamW", "stable_adamw": "StableAdamW"}
+LEFT_OUT = {"pp2-dp2-zero0": {"adamw"}, "pp4": {"adamw"}, "tp2-pp2-dp2-zero1": {"adamw", "stable_adamw"}}
 
 
 # Sequence packing (data.packing): samples of 8-32 tokens (rows of 32), 4 per micro-batch, packed
@@ -102,7 +109,8 @@ def jobs() -> dict[int, list]:
         packed = [PACKED_RUN] if label in PACKED_LAYOUTS else []
         modern = ([MODERN_RUN] if label in MODERN_LAYOUTS else []) + \
             ([MODERN_PACKED_RUN] if label in MODERN_LAYOUTS and label in PACKED_LAYOUTS else [])
-        return RUNS + [SAW_RUN] + packed + modern + ([MODERN_RECOMPUTE[label]] if label in MODERN_RECOMPUTE else [])
+        optimizers = [run for run in RUNS + [SAW_RUN] if run["name"] not in LEFT_OUT.get(label, ())]
+        return optimizers + packed + modern + ([MODERN_RECOMPUTE[label]] if label in MODERN_RECOMPUTE else [])
 
     everything = [("reference", 1, 1, 1, [], RUNS + [SAW_RUN, PADDED_RUN, PACKED_RUN, MODERN_RUN, MODERN_PADDED_RUN,
                                                      MODERN_PACKED_RUN]),
@@ -222,7 +230,10 @@ def assert_groups_by_name(run: dict, reference_run: dict, label: str, embeddings
 @pytest.mark.parametrize("label,tp,pp,world,extra,wrapper", LAYOUTS, ids=[l[0] for l in LAYOUTS])
 def test_layout_matches_single_process(reference, layout_runs, label, tp, pp, world, extra, wrapper):
     result = layout_runs(label)
-    for optimizer, client in (("lamb", "Lamb"), ("adamw", "AdamW"), ("stable_adamw", "StableAdamW")):
+    assert set(result) >= set(OPTIMIZERS) - LEFT_OUT.get(label, set())
+    for optimizer, client in OPTIMIZERS.items():
+        if optimizer in LEFT_OUT.get(label, ()):
+            continue
         ours, ref = result[optimizer]["history"], reference[optimizer]["history"]
         assert len(ours) == len(ref) == 5
         for step, (a, b) in enumerate(zip(ours, ref), start=1):

@@ -10,6 +10,7 @@ there, in one place, instead of deep inside a training run.
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 from typing import NamedTuple
 
@@ -40,7 +41,8 @@ PINNED: dict[str, tuple[str, ...]] = {
     "deepspeed.utils.mixed_precision_linkage": ("_hp_mapping",),  # ZeRO-1/2, bf16: parameter -> fp32 fragment
     "deepspeed.utils.tensor_fragment": ("get_hp_fragment_address", "lp_fragment_address"),
     "megatron.core.tensor_parallel.layers": ("_forward_impl", "tensor_model_parallel", "partition_dim"),
-    "deepspeed.comm.torch": ("build_shm_op",),  # TorchBackend's JIT build of the CPU shared-memory op
+    "deepspeed.comm.torch": ("build_shm_op", "shm_comm_op"),  # TorchBackend's CPU shared-memory all-reduce op
+    "deepspeed.comm.comm": ("cdb",),  # the backend deepspeed.init_distributed started
     # the calls in which a rank waits for the others (waiting_calls: the straggler figures, the timers)
     "deepspeed.runtime.zero.parameter_offload": ("get_param_coordinator",),
     "deepspeed.runtime.zero.partitioned_param_coordinator": ("fetch_sub_module",),
@@ -65,6 +67,26 @@ def without_shared_memory_comm():
         yield
     finally:
         ds_comm_torch.build_shm_op = build
+
+
+# deepspeed/ops/csrc/cpu/comm/shm.cpp: shm_initialize names each rank's buffer
+# "<SHM_BUFFER_NAME>_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>"
+SHM_BUFFER_NAME = "deepspeed_allreduce_buffer"
+SHM_DIRECTORY = "/dev/shm"  # where Linux keeps POSIX shared memory (shm_open)
+
+
+def uses_shared_memory_comm() -> bool:
+    """Whether deepspeed.init_distributed started its CPU shared-memory all-reduce op (the CPU
+    accelerator; the same on every rank of a job)."""
+    import deepspeed.comm.comm as ds_comm
+
+    return getattr(getattr(ds_comm, "cdb", None), "shm_comm_op", None) is not None
+
+
+def shared_memory_comm_buffer(rank: int, environ) -> str:
+    """The path of `rank`'s all-reduce buffer, as DeepSpeed's op names it from the environment."""
+    addr, port = environ.get("MASTER_ADDR", ""), environ.get("MASTER_PORT", "")
+    return f"{SHM_DIRECTORY}/{SHM_BUFFER_NAME}_{os.getuid()}_{addr}_{port}_{rank}"
 
 
 # ----------------------------------------------------------------------------- megatron-core
