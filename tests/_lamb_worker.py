@@ -118,6 +118,53 @@ def net_batch(step):
     return torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
 
 
+# --- the whole-tensor references the tests compare the ranks with (one process, no layout) -----
+# `update(name, w, g, group)` is one step of the reference optimizer on one whole tensor (the
+# tests' closures keep its state per name); `scales` multiply the loss (the gradients) per step.
+
+def reference_flat(update, scales=None) -> dict[str, torch.Tensor]:
+    weights = flat_init_full()
+    for step in range(STEPS):
+        for n, g in flat_grads_full(step, scales).items():
+            weights[n] = update(n, weights[n], g, FLAT_GROUP)
+    return weights
+
+
+def reference_tp(update, scales=None) -> dict[str, torch.Tensor]:
+    weights = tp_init_full()
+    group_of = {n: group for group in TP_GROUPS for n in group["names"]}
+    for step in range(STEPS):
+        for n, g in tp_grads_full(step, scales).items():
+            weights[n] = update(n, weights[n], g, group_of[n])
+    return weights
+
+
+def reference_net(update, scales=None) -> tuple[dict[str, torch.Tensor], SmallNet]:
+    net = make_net()
+    names = {id(p): n for n, p in net.named_parameters()}
+    group_of = {names[id(p)]: group for group in net_param_groups(net) for p in group["params"]}
+    weights = {n: p.detach().clone() for n, p in net.named_parameters()}
+    for step in range(STEPS):
+        x, y = net_batch(step)
+        params = {n: w.clone().requires_grad_(True) for n, w in weights.items()}
+        loss = torch.nn.functional.mse_loss(torch.func.functional_call(net, params, (x,)), y)
+        grads = torch.autograd.grad(loss * (scales[step] if scales else 1.0), list(params.values()))
+        for (n, w), g in zip(list(weights.items()), grads):
+            weights[n] = update(n, w, g, group_of[n])
+    return weights, net
+
+
+def new_state(w):
+    return {"t": 0, "m": torch.zeros_like(w), "v": torch.zeros_like(w)}
+
+
+def assert_rel(actual, expected, tol, what=""):
+    """max |a - e| <= tol * max |e|."""
+    err = (actual - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol} * {scale:.3e}"
+
+
 # --- scenarios --------------------------------------------------------------------------
 
 def _optimizer(stable):

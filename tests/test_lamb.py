@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import _lamb_worker as W
+from _lamb_worker import assert_rel, new_state
 from distributed import wait_or_kill
 from pretrain.optim import Lamb, NormLayout, Segment, build_optimizer, layout_for_params
 
@@ -41,17 +42,6 @@ def ref_lamb_step(w, g, st, lr, wd=0.01, adapt=True, betas=(0.9, 0.999), eps=1e-
     if clamp is not None:
         r = min(r, clamp)
     return w - lr * r * u
-
-
-def new_state(w):
-    return {"t": 0, "m": torch.zeros_like(w), "v": torch.zeros_like(w)}
-
-
-def assert_rel(actual, expected, tol, what=""):
-    """max |a - e| <= tol * max |e|."""
-    err = (actual - expected).abs().max().item()
-    scale = expected.abs().max().item()
-    assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol} * {scale:.3e}"
 
 
 def assert_differs(actual, expected, what=""):
@@ -203,18 +193,20 @@ def ranks(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
-def _wd(cfg):
-    return dict(wd=cfg["weight_decay"])
+def lamb_update():
+    """The reference LAMB's step on whole tensors, its state kept per name (_lamb_worker.reference_*)."""
+    states = {}
+
+    def update(name, w, g, group):
+        return ref_lamb_step(w, g, states.setdefault(name, new_state(w)), W.LR, wd=group["weight_decay"],
+                             adapt=group.get("layer_adaptation", True))
+    return update
 
 
 @pytest.mark.slow
 def test_flat_dp_partition_matches_reference(ranks):
     offsets = W.flat_offsets()
-    ref = W.flat_init_full()
-    states = {n: new_state(w) for n, w in ref.items()}
-    for step in range(W.STEPS):
-        for n, gr in W.flat_grads_full(step).items():
-            ref[n] = ref_lamb_step(ref[n], gr, states[n], W.LR, **_wd(W.FLAT_GROUP))
+    ref = W.reference_flat(lamb_update())
     # The split really cuts: "A" straddles the boundary at 20, "a0" lies entirely on rank 0.
     half = W.FLAT_TOTAL // 2
     assert offsets["A"] < half < offsets["A"] + ref["A"].numel() and ref["a0"].numel() <= half
@@ -231,12 +223,7 @@ def test_flat_dp_partition_matches_reference(ranks):
 
 @pytest.mark.slow
 def test_tp_sharding_matches_reference(ranks):
-    ref = W.tp_init_full()
-    states = {n: new_state(w) for n, w in ref.items()}
-    wd = {n: g["weight_decay"] for g in W.TP_GROUPS for n in g["names"]}
-    for step in range(W.STEPS):
-        for n, gr in W.tp_grads_full(step).items():
-            ref[n] = ref_lamb_step(ref[n], gr, states[n], W.LR, wd=wd[n])
+    ref = W.reference_tp(lamb_update())
     for r in range(2):
         for n in ref:
             assert_rel(ranks[r]["tp"][n], ref[n], 1e-6, f"rank {r} {n}")
@@ -244,27 +231,10 @@ def test_tp_sharding_matches_reference(ranks):
         assert_differs(ranks[0]["tp_naive"][n], ref[n], f"tp {n}")
 
 
-def _reference_net_training():
-    net = W.make_net()
-    names = {id(p): n for n, p in net.named_parameters()}
-    cfg = {names[id(p)]: g for g in W.net_param_groups(net) for p in g["params"]}
-    weights = {n: p.detach().clone() for n, p in net.named_parameters()}
-    states = {n: new_state(w) for n, w in weights.items()}
-    for step in range(W.STEPS):
-        x, y = W.net_batch(step)
-        params = {n: w.clone().requires_grad_(True) for n, w in weights.items()}
-        loss = torch.nn.functional.mse_loss(torch.func.functional_call(net, params, (x,)), y)
-        grads = torch.autograd.grad(loss, list(params.values()))
-        for (n, w), gr in zip(list(weights.items()), grads):
-            weights[n] = ref_lamb_step(w, gr, states[n], W.LR, wd=cfg[n]["weight_decay"],
-                                       adapt=cfg[n]["layer_adaptation"])
-    return weights, net
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_deepspeed_zero_matches_reference(ranks, stage):
-    ref, net = _reference_net_training()
+    ref, net = W.reference_net(lamb_update())
     numels = torch.tensor([p.numel() for g in W.net_param_groups(net) for p in g["params"]])
     held = [ranks[r][f"zero{stage}"]["__held__"] for r in range(2)]
     # Every element held by exactly one rank, and ZeRO really cut at least one parameter.
@@ -293,7 +263,7 @@ def test_deepspeed_bf16_layouts(ranks):
     """bf16 runs cannot match the fp32 reference exactly (bf16 forward, gradients and model
     weights), so check the wrappers' layouts: exact coverage of every element, and for the
     partitioned BF16_Optimizer a result much closer to the reference than the naive one."""
-    ref, net = _reference_net_training()
+    ref, net = W.reference_net(lamb_update())
     numels = torch.tensor([p.numel() for g in W.net_param_groups(net) for p in g["params"]])
 
     zero1 = [ranks[r]["bf16_zero1"] for r in range(2)]

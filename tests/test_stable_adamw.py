@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import _lamb_worker as W
+from _lamb_worker import assert_rel, new_state
 from pretrain.optim import StableAdamW, build_optimizer
 
 
@@ -41,16 +42,6 @@ def ref_stable_adamw_step(w, g, st, lr, wd=0.0, betas=(0.9, 0.99), eps=1e-6, dec
         w = w * (1 - (lr_t / (max_lr or lr) if decouple_lr else lr_t) * wd)
     w = w - lr_t * st["m"] / (st["v"].sqrt() + eps)
     return w, rms.max().item()
-
-
-def new_state(w):
-    return {"t": 0, "m": torch.zeros_like(w), "v": torch.zeros_like(w)}
-
-
-def assert_rel(actual, expected, tol, what=""):
-    """max |a - e| <= tol * max |e| (as test_lamb.py, which imports this module)."""
-    err = (actual - expected).abs().max().item()
-    assert err <= tol * expected.abs().max().item(), f"{what}: max error {err:.3e}"
 
 
 def differs(actual, expected) -> bool:
@@ -186,44 +177,30 @@ def test_build_optimizer():
 # --- references of the 2-process tests (test_lamb.py: they share its process pair) -------------
 
 
+def saw_update(clipped: list):
+    """The reference StableAdamW's step on whole tensors (_lamb_worker.reference_*), its state kept
+    per name; the name of every step whose update clipping engaged (rms > 1) goes into `clipped`."""
+    states = {}
+
+    def update(name, w, g, group):
+        w, rms = ref_stable_adamw_step(w, g, states.setdefault(name, new_state(w)), W.SAW_LR, wd=group["weight_decay"])
+        if rms > 1:
+            clipped.append(name)
+        return w
+    return update
+
+
 def saw_flat_reference():
-    ref = W.flat_init_full()
-    states = {n: new_state(w) for n, w in ref.items()}
-    clipped = 0
-    for step in range(W.STEPS):
-        for n, gr in W.flat_grads_full(step, W.SAW_SCALES).items():
-            ref[n], rms = ref_stable_adamw_step(ref[n], gr, states[n], W.SAW_LR, wd=W.FLAT_GROUP["weight_decay"])
-            clipped += rms > 1
-    return ref, clipped
+    clipped = []
+    return W.reference_flat(saw_update(clipped), W.SAW_SCALES), len(clipped)
 
 
 def saw_tp_reference():
-    ref = W.tp_init_full()
-    states = {n: new_state(w) for n, w in ref.items()}
-    wd = {n: g["weight_decay"] for g in W.TP_GROUPS for n in g["names"]}
-    clipped = set()
-    for step in range(W.STEPS):
-        for n, gr in W.tp_grads_full(step, W.SAW_SCALES).items():
-            ref[n], rms = ref_stable_adamw_step(ref[n], gr, states[n], W.SAW_LR, wd=wd[n])
-            if rms > 1:
-                clipped.add(n)
-    return ref, clipped
+    clipped = []
+    return W.reference_tp(saw_update(clipped), W.SAW_SCALES), set(clipped)
 
 
 def saw_net_reference():
-    net = W.make_net()
-    names = {id(p): n for n, p in net.named_parameters()}
-    cfg = {names[id(p)]: g for g in W.net_param_groups(net) for p in g["params"]}
-    weights = {n: p.detach().clone() for n, p in net.named_parameters()}
-    states = {n: new_state(w) for n, w in weights.items()}
-    clipped = set()
-    for step in range(W.STEPS):
-        x, y = W.net_batch(step)
-        params = {n: w.clone().requires_grad_(True) for n, w in weights.items()}
-        loss = W.SAW_SCALES[step] * torch.nn.functional.mse_loss(torch.func.functional_call(net, params, (x,)), y)
-        grads = torch.autograd.grad(loss, list(params.values()))
-        for (n, w), gr in zip(list(weights.items()), grads):
-            weights[n], rms = ref_stable_adamw_step(w, gr, states[n], W.SAW_LR, wd=cfg[n]["weight_decay"])
-            if rms > 1:
-                clipped.add(n)
-    return weights, net, clipped
+    clipped = []
+    weights, net = W.reference_net(saw_update(clipped), W.SAW_SCALES)
+    return weights, net, set(clipped)

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed.device import all_reduce
-from .layout import NormLayout, Segment
+from .whole_parameter import WholeParameterOptimizer, flat_target, write_back
 
 
-class Lamb(torch.optim.Optimizer):
+class Lamb(WholeParameterOptimizer):
     """Param-group keys: lr, betas, eps, weight_decay, layer_adaptation (False fixes the trust
     ratio to 1, for biases and LayerNorm), max_trust_ratio (None = no clamp), bias_correction.
     State per tensor: step, exp_avg, exp_avg_sq (the names DeepSpeed checkpoints know from Adam)."""
@@ -37,28 +36,12 @@ class Lamb(torch.optim.Optimizer):
                         layer_adaptation=True, max_trust_ratio=max_trust_ratio,
                         bias_correction=bias_correction)
         super().__init__(params, defaults)
-        self._layout: NormLayout | None = None
-        self._constants: dict = {}  # index and mask tensors of the layout, per device
-
-    def set_layout(self, layout: NormLayout | None) -> None:
-        """Tell the optimizer how its tensors map onto logical parameters (None = every tensor
-        is a whole parameter, no collectives)."""
-        self._layout = layout
-        self._constants = {}
 
     @torch.no_grad()
     def _adam_directions(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
         """Advance m, v and the step counters of `params` (multi-tensor); their flat update
         directions u, in the arithmetic order of the formula in the module docstring."""
-        for p in params:
-            if p.grad.is_sparse:
-                raise RuntimeError("Lamb does not support sparse gradients")
-            state = self.state[p]
-            if not state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
+        self._advance_states(params, group)
         grads = [p.grad for p in params]
         m = [self.state[p]["exp_avg"] for p in params]
         v = [self.state[p]["exp_avg_sq"] for p in params]
@@ -85,48 +68,13 @@ class Lamb(torch.optim.Optimizer):
             torch._foreach_add_(updates, params, alpha=group["weight_decay"])
         return [u.reshape(-1) for u in updates]
 
-    def _device(self, work) -> torch.device:
-        """Device for the norm vectors (the collectives need the backend's device)."""
-        if work:
-            return work[0][0].device
-        entries = self._layout.entries() if self._layout is not None else []
-        return entries[0][0].device if entries else torch.device("cpu")
-
-    def _on(self, device: torch.device, key: tuple, make) -> torch.Tensor:
-        """A small index/mask tensor that only changes with the layout: built once, kept on `device`."""
-        cached = self._constants.get((device, key))
-        if cached is None:
-            cached = self._constants[(device, key)] = make().to(device)
-        return cached
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-
+    def _update(self) -> None:
         # 1. Elementwise update direction for every tensor with a gradient (one multi-tensor
         #    pass per group), and the segments (logical parameter pieces) it holds.
-        work = []  # (param, group, flat update, segments)
-        implicit = 0  # without a layout each tensor is its own logical parameter
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            for p, u in zip(params, self._adam_directions(params, group)):
-                if self._layout is None:
-                    segments = [Segment(implicit, 0, p.numel())] if p.numel() else []
-                    implicit += 1
-                else:
-                    segments = self._layout.segments_for(p)
-                work.append((p, group, u, segments))
+        work, n, device = self._collect(self._adam_directions)
 
         # 2. Per-logical-parameter partial sums of w^2 and u^2, gathered into one (2, n)
         #    float64 tensor so that adding the pieces does not depend on how they were cut.
-        layout = self._layout
-        n = implicit if layout is None else layout.num_logical
-        device = self._device(work)
         index, w_pieces, u_pieces = [], [], []
         for p, group, u, segments in work:
             if not group["layer_adaptation"]:
@@ -143,32 +91,17 @@ class Lamb(torch.optim.Optimizer):
             positions = self._on(device, ("index", *index), lambda: torch.tensor(index))
             sums.index_add_(1, positions, norms.to(torch.float64).square())
 
-        # 3. Whole-parameter sums: add the pieces held by other DP ranks (ZeRO), then the other
-        #    TP shards of sharded parameters only (a replicated parameter is already whole on
-        #    every TP rank).  Two vector collectives per step, not one per parameter; they run
-        #    even when this rank holds nothing, so that every rank issues the same ones.
-        #    On the model's device: under optimizer offload the stepped tensors are on the CPU,
-        #    where an NCCL group cannot reduce.
-        if layout is not None and layout.comm_device is not None:
-            sums = sums.to(layout.comm_device)
-        if layout is not None and layout.dp_group is not None:
-            all_reduce(sums, layout.dp_group)
-        if layout is not None and layout.tp_group is not None:
-            mask = self._on(sums.device, ("tp_sharded",), lambda: torch.tensor(layout.tp_sharded, dtype=torch.bool))
-            sharded = all_reduce(torch.where(mask, sums, torch.zeros_like(sums)), layout.tp_group)
-            sums = torch.where(mask, sharded, sums)
+        # 3. Whole-parameter sums (whole_parameter.py: over DP, then TP for sharded parameters)
+        sums = self._whole_parameter_sums(sums, device)
 
         # 4. Trust ratios on the device (no host sync): r = ||w|| / ||u|| per logical parameter,
         #    1 if either norm is 0; clamped per group; 1 where the group has no layer adaptation.
-        w_norm, u_norm = sums.to(device).sqrt()
+        w_norm, u_norm = sums.sqrt()
         ratios = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
         targets, directions, segment_index, adapt, ceiling, rates = [], [], [], [], [], []
         copy_back = []
         for p, group, u, segments in work:
-            flat = p.data.view(-1) if p.data.is_contiguous() else None
-            target = flat if flat is not None else p.data.reshape(-1).clone()
-            if flat is None:
-                copy_back.append((p, target))
+            target = flat_target(p, copy_back)
             for seg in segments:  # elements outside every segment (ZeRO padding) stay untouched
                 targets.append(target.narrow(0, seg.start, seg.numel))
                 directions.append(u.narrow(0, seg.start, seg.numel))
@@ -190,6 +123,4 @@ class Lamb(torch.optim.Optimizer):
             for rate in dict.fromkeys(rates):
                 chosen = [j for j, r in enumerate(rates) if r == rate]
                 torch._foreach_add_([targets[j] for j in chosen], [directions[j] for j in chosen], alpha=rate)
-        for p, target in copy_back:
-            p.data.copy_(target.view_as(p))
-        return loss
+        write_back(copy_back)

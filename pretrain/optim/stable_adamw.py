@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed.device import all_reduce
-from .layout import NormLayout, Segment
+from .whole_parameter import WholeParameterOptimizer, flat_target, write_back
 
 
 def debias_beta(beta: float, step: int) -> float:
@@ -34,7 +33,7 @@ def debias_beta(beta: float, step: int) -> float:
     return (beta ** step - beta) / (beta ** step - 1)
 
 
-class StableAdamW(torch.optim.Optimizer):
+class StableAdamW(WholeParameterOptimizer):
     """Param-group keys: lr, betas, eps, weight_decay, decouple_lr, max_lr (None: lr at
     construction when decouple_lr), kahan_sum.  Other keys (layer_adaptation) are ignored.
     State per tensor: step (a host int), exp_avg, exp_avg_sq (the names DeepSpeed checkpoints
@@ -53,36 +52,17 @@ class StableAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         decouple_lr=decouple_lr, max_lr=max_lr, kahan_sum=kahan_sum)
         super().__init__(params, defaults)
-        self._layout: NormLayout | None = None
-        self._constants: dict = {}  # index tensors of the layout, per device
 
-    def set_layout(self, layout: NormLayout | None) -> None:
-        """Tell the optimizer how its tensors map onto logical parameters (None = every tensor
-        is a whole parameter, no collectives)."""
-        self._layout = layout
-        self._constants = {}
-
-    def _on(self, device: torch.device, key: tuple, make) -> torch.Tensor:
-        """A small index tensor that only changes with the layout: built once, kept on `device`."""
-        cached = self._constants.get((device, key))
-        if cached is None:
-            cached = self._constants[(device, key)] = make().to(device)
-        return cached
+    def _new_state(self, param: torch.Tensor, group: dict) -> dict:
+        state = super()._new_state(param, group)
+        if group["kahan_sum"] and param.dtype in (torch.float16, torch.bfloat16):
+            state["kahan_comp"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return state
 
     @torch.no_grad()
     def _moments(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
         """Advance step, m and v of `params`; return g^2 / max(v, eps^2) per tensor (flat)."""
-        for p in params:
-            if p.grad.is_sparse:
-                raise RuntimeError("StableAdamW does not support sparse gradients")
-            state = self.state[p]
-            if not state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if group["kahan_sum"] and p.dtype in (torch.float16, torch.bfloat16):
-                    state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
+        self._advance_states(params, group)
         beta1, beta2 = group["betas"]
         by_step: dict[int, list[int]] = {}  # host integers; one foreach pass per distinct step
         for i, p in enumerate(params):
@@ -115,37 +95,12 @@ class StableAdamW(torch.optim.Optimizer):
             raise ValueError("StableAdamW: a param group with decouple_lr needs max_lr (the peak learning rate)")
         return group["lr"] * wd / group["max_lr"]
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-
+    def _update(self) -> None:
         # 1. Moments, and the elementwise RMS terms of every tensor with a gradient.
-        work = []  # (param, group, flat g^2/max(v, eps^2), segments)
-        implicit = 0  # without a layout each tensor is its own logical parameter
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            for p, ratio in zip(params, self._moments(params, group)):
-                if self._layout is None:
-                    segments = [Segment(implicit, 0, p.numel())] if p.numel() else []
-                    implicit += 1
-                else:
-                    segments = self._layout.segments_for(p)
-                work.append((p, group, ratio, segments))
+        work, n, device = self._collect(self._moments)
 
         # 2. Per-logical-parameter sums of g^2/max(v, eps^2) and element counts in one (2, n)
         #    float64 tensor; ZeRO padding lies outside every segment and is not counted.
-        layout = self._layout
-        n = implicit if layout is None else layout.num_logical
-        if work:
-            device = work[0][0].device
-        else:
-            entries = layout.entries() if layout is not None else []
-            device = entries[0][0].device if entries else torch.device("cpu")
         index, pieces, counts = [], [], []
         for p, group, ratio, segments in work:
             for seg in segments:
@@ -161,32 +116,20 @@ class StableAdamW(torch.optim.Optimizer):
             sums.index_add_(1, positions, torch.stack([partial, self._on(device, ("counts", key),
                                                                          lambda: torch.tensor(counts, dtype=torch.float64))]))
 
-        # 3. Whole-parameter sums: the pieces on other DP ranks (ZeRO), then the other TP shards of
-        #    sharded parameters only.  Issued by every rank, even one holding nothing; on the
-        #    model's device (under optimizer offload the stepped tensors are on the CPU).
-        if layout is not None and layout.comm_device is not None:
-            sums = sums.to(layout.comm_device)
-        if layout is not None and layout.dp_group is not None:
-            all_reduce(sums, layout.dp_group)
-        if layout is not None and layout.tp_group is not None:
-            mask = self._on(sums.device, ("tp_sharded",), lambda: torch.tensor(layout.tp_sharded, dtype=torch.bool))
-            sharded = all_reduce(torch.where(mask, sums, torch.zeros_like(sums)), layout.tp_group)
-            sums = torch.where(mask, sharded, sums)
+        # 3. Whole-parameter sums (whole_parameter.py: over DP, then TP for sharded parameters)
+        sums = self._whole_parameter_sums(sums, device)
 
         # 4. lr_t / lr = 1 / max(1, rms) per logical parameter, on the device (no host sync).
-        total, count = sums.to(device)
+        total, count = sums
         rms = (total / count.clamp(min=1.0)).sqrt()
         scale = 1.0 / rms.clamp(min=1.0)
         if not work:
-            return loss
+            return
         targets, segment_index, rates, decays, kahan = [], [], [], [], []
         directions = []
         copy_back = []
         for p, group, ratio, segments in work:
-            flat = p.data.view(-1) if p.data.is_contiguous() else None
-            target = flat if flat is not None else p.data.reshape(-1).clone()
-            if flat is None:
-                copy_back.append((p, target))
+            target = flat_target(p, copy_back)
             # m / (sqrt(v) + eps) into the RMS temporary, which step 2 is done with
             state = self.state[p]
             denom = ratio.view_as(p)
@@ -225,6 +168,4 @@ class StableAdamW(torch.optim.Optimizer):
                 torch._foreach_add_(ws, comps)
                 torch._foreach_sub_(before, ws)
                 torch._foreach_add_(comps, before)
-        for p, target in copy_back:
-            p.data.copy_(target.view_as(p))
-        return loss
+        write_back(copy_back)
