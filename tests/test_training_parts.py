@@ -29,25 +29,44 @@ OVERFLOW = StepOutcome(True, ("gradients",), counts=False)  # an fp16 scaler fin
 
 # ----------------------------------------------------------------------------- skip policy
 def test_skip_policy_stops_at_the_limit_of_non_finite_steps_in_a_row():
-    policy = SkipPolicy(max_consecutive=3, global_batch_size=8)
+    policy = SkipPolicy(max_consecutive=3)
+    positions = [0, 4, 12, 28, 52, 84]  # batches of 4, 8, 16, 24, 32 samples: a batch warmup
     for step, outcome in enumerate([NON_FINITE, NON_FINITE, APPLIED, NON_FINITE, NON_FINITE], start=1):
-        policy.count(step, outcome)  # an applied step in between starts the count again
+        policy.count(step, outcome, positions[step - 1])  # an applied step in between starts the count again
     assert policy.skipped == 4
     with pytest.raises(NonFiniteTraining) as error:
-        policy.count(6, StepOutcome(True, ("gradients",), counts=True))
+        policy.count(6, StepOutcome(True, ("gradients",), counts=True), positions[5])
     message = str(error.value)
     assert "step 6: non-finite gradients and loss in 3 steps in a row (steps 4-6" in message
-    assert "the weights are those after step 3" in message and "near sample 24" in message
+    assert "the weights are those after step 3" in message and "near sample 28" in message  # step 4's batch
 
 
 def test_skip_policy_counts_fp16_overflows_without_ending_the_run():
-    policy = SkipPolicy(max_consecutive=2, global_batch_size=8, min_loss_scale=256)
+    policy = SkipPolicy(max_consecutive=2, min_loss_scale=256)
     for step in range(1, 11):
-        policy.count(step, OVERFLOW)
+        policy.count(step, OVERFLOW, 8 * (step - 1))
     assert policy.skipped == 10 and policy.bad_run == []
-    policy.count(11, StepOutcome(True, (AT_MIN_SCALE,), counts=True))
+    policy.count(11, StepOutcome(True, (AT_MIN_SCALE,), counts=True), 80)
     with pytest.raises(NonFiniteTraining, match=r"minimum fp16 loss scale \(256, fp16.min_loss_scale\)"):
-        policy.count(12, StepOutcome(True, (AT_MIN_SCALE,), counts=True))
+        policy.count(12, StepOutcome(True, (AT_MIN_SCALE,), counts=True), 88)
+
+
+def test_a_rollback_during_a_batch_warmup_steps_over_the_batches_those_steps_would_have_had():
+    """A rollback steps over spike_skip_batches global batches past the spike's, each of the size
+    its step has on the run's clock: during a batch warmup, not train.global_batch_size each."""
+    from pretrain.data.samples.batch_ramp import TokenClock
+    from pretrain.training.spike_policy import SpikePolicy
+
+    cfg = tiny_config("train.global_batch_size=16", "train.batch_warmup_tokens=512", "train.batch_warmup_min_size=4",
+                      "resilience.spike_skip_batches=2")
+    clock = TokenClock.of(cfg)
+    assert [clock.batch(k) for k in range(6)] == [4, 4, 8, 16, 16, 16]
+    policy = SpikePolicy(cfg, ONE_RANK, guard=None, loss_fn=None)  # the range only: no detector wired
+    # the spike at step 2 (its batch began at sample 4, after step 1's 4): steps 2-4's batches go
+    assert policy.roll_back_range(0, 4, 2) == (0, 4 + 4 + 8 + 16)
+    assert policy.skipped == [(0, 32)]
+    # past the ramp every batch is the full one
+    assert policy.roll_back_range(64, 96, 6) == (64, 96 + 3 * 16)
 
 
 # ----------------------------------------------------------------------------- stop requests

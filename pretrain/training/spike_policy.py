@@ -21,6 +21,7 @@ import torch
 
 from ..common.errors import UserError
 from ..config import Config
+from ..data.samples.batch_ramp import TokenClock
 from ..data.samples.skipped import Ranges, as_pairs, merged
 from ..distributed import device
 from ..distributed.parallel import Parallel
@@ -41,7 +42,7 @@ class SpikePolicy:
         r = cfg.resilience
         self.policy, self.parallel, self.guard = r.spike_policy, parallel, guard
         self.skip_batches, self.max_rollbacks = r.spike_skip_batches, r.spike_max_rollbacks
-        self.global_batch_size = cfg.train.global_batch_size
+        self.clock = TokenClock.of(cfg)  # each step's global batch (it grows during a batch warmup)
         self.detector = SpikeDetector(r.spike_factor, r.spike_window, r.spike_grad_norm)
         self.rollbacks = 0
         self.spikes = 0
@@ -98,16 +99,17 @@ class SpikePolicy:
         value = value if math.isfinite(value) else -1.0
         return device.reduce_floats([value], self.parallel.device, op="max")[0]
 
-    def roll_back_range(self, checkpoint_position: int, spike_position: int) -> tuple[int, int]:
+    def roll_back_range(self, checkpoint_position: int, spike_position: int, spike_step: int) -> tuple[int, int]:
         """The samples a rollback to a checkpoint at `checkpoint_position` steps over, for a spike
-        whose batch began at `spike_position`: from the checkpoint to spike_skip_batches global
-        batches past the spike's batch; added to the ranges stepped over. Raises LossSpikes past
-        resilience.spike_max_rollbacks."""
+        at step `spike_step` whose batch began at `spike_position`: from the checkpoint to
+        spike_skip_batches global batches past the spike's batch, each of the size its step would
+        have had (train.batch_warmup_tokens); added to the ranges stepped over. Raises LossSpikes
+        past resilience.spike_max_rollbacks."""
         if self.rollbacks >= self.max_rollbacks:
             raise LossSpikes(f"the loss spiked again after {self.rollbacks} rollbacks "
                              f"(resilience.spike_max_rollbacks={self.max_rollbacks}): the run diverges; lower "
                              f"optimizer.lr, or raise resilience.spike_factor if these are not spikes")
         self.rollbacks += 1
-        end = spike_position + (1 + self.skip_batches) * self.global_batch_size
+        end = spike_position + sum(self.clock.batch(k) for k in range(spike_step - 1, spike_step + self.skip_batches))
         self.skipped = merged(as_pairs(self.skipped) + [[checkpoint_position, end - checkpoint_position]])
         return checkpoint_position, end

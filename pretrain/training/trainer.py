@@ -80,8 +80,7 @@ class Trainer:
         self.loaders = Loaders(cfg, parallel, self.grad_accum)
         self.watchdog = Watchdog.for_job(cfg.resilience.watchdog_limits(), parallel, self.loaders.report)
         self.steps = StepRunner(cfg, parallel, self.engine, self.loss_fn, built.guard, self.timers, self.watchdog)
-        self.skips = SkipPolicy(cfg.resilience.max_consecutive_skips, cfg.train.global_batch_size,
-                                cfg.fp16.min_loss_scale if cfg.train.precision == "fp16" else None,
+        self.skips = SkipPolicy(cfg.resilience.max_consecutive_skips, cfg.fp16.min_loss_scale if cfg.train.precision == "fp16" else None,
                                 parallel.world_size)
         self.evaluator = Evaluator(self.engine, self.loss_fn, self.loaders, parallel, cfg.eval.steps, self.watchdog)
         r = cfg.resilience
@@ -178,7 +177,7 @@ class Trainer:
                     self.watchdog.limit("step")  # the first step ends the start-up (communicators built)
                     if after_step is not None:
                         after_step(result)
-                    self.skips.count(self.step, result.outcome)
+                    self.skips.count(self.step, result.outcome, position)
                     self._check_position(data_iter)
                     spike = self.spikes.judge(self.step, result)
                     # wall time between step starts: with a GPU's asynchrony one entry may hold part
@@ -250,10 +249,10 @@ class Trainer:
         tag_dir, step, consumed_samples = loaded
         spike_step = self.step
         self.spikes.load(self.checkpointer.loaded_state)
-        first, end = self.spikes.roll_back_range(consumed_samples, spike_position)
+        first, end = self.spikes.roll_back_range(consumed_samples, spike_position, spike_step)
         self.step, self.consumed_samples = step, skip_ahead(consumed_samples, self.spikes.skipped)
         logger.info(f"step {spike_step}: rolled back to {tag_dir} (step {step}); the sample sequence steps over samples "
-                    f"{first}-{end - 1} ({(end - first) // self.cfg.train.global_batch_size} global batches: from the "
+                    f"{first}-{end - 1} ({spike_step - step + self.cfg.resilience.spike_skip_batches} global batches: from the "
                     f"checkpoint to {self.cfg.resilience.spike_skip_batches} past the spike's), rollback "
                     f"{self.spikes.rollbacks} of at most {self.cfg.resilience.spike_max_rollbacks}")
         self.reporter.scalars("resilience", {"rollback_from_step": spike_step, "rollback_to_step": step,
