@@ -458,3 +458,33 @@ def test_training_and_evaluation_mask_at_their_own_rates_and_shares(corpus, voca
     rate, masked, random = _masking_shares(valid, 10_000, special, vocab.mask_id)
     assert abs(rate - 0.15) < 0.005 and abs(masked - 0.7) < 0.01 and abs(random - 0.2) < 0.01, (rate, masked, random)
     assert valid[0]["masked_positions"].shape == train[0]["masked_positions"].shape == (20,)
+
+
+HANG_UP = """
+import functools, multiprocessing.resource_sharer as sharer, os, socket, sys, time
+from pretrain.data.samples.batches import quiet_when_the_rank_hangs_up
+if sys.argv[1] == "loader":  # what a loader process installs (batches._loader_process_init)
+    sys.excepthook = functools.partial(quiet_when_the_rank_hangs_up, sys.excepthook)
+sharer.DupFd(os.pipe()[0])  # the sharer's thread starts, as at a loader process's first batch
+client = socket.socket(socket.AF_UNIX)
+client.connect(sharer._resource_sharer._address)
+client.close()  # the rank, interrupted in the handshake for the batch's file descriptors
+time.sleep(0.5)
+raise ValueError("anything else is still reported")
+"""
+
+
+@pytest.mark.parametrize("process", ["plain", "loader"])
+def test_a_rank_hanging_up_on_a_loader_process_prints_no_traceback(process):
+    """A Ctrl-C reaching a rank while it takes a batch's file descriptors from a loader process left
+    multiprocessing's resource sharer thread there a closed connection, whose traceback landed in
+    the job's output (seen in tests/test_signals.py's Ctrl-C test under load)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", HANG_UP, process], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert "ValueError: anything else is still reported" in done.stderr
+    tracebacks = done.stderr.count("Traceback")
+    assert tracebacks == (2 if process == "plain" else 1), done.stderr  # the plain process shows the scenario
+    assert ("resource_sharer.py" in done.stderr) == (process == "plain"), done.stderr

@@ -181,6 +181,26 @@ def leave_signals_to_the_rank() -> None:
 
 def _loader_process_init(worker_id: int) -> None:
     leave_signals_to_the_rank()
+    sys.excepthook = functools.partial(quiet_when_the_rank_hangs_up, sys.excepthook)
+
+
+_RESOURCE_SHARER = os.path.join("multiprocessing", "resource_sharer.py")
+
+
+def quiet_when_the_rank_hangs_up(previous, exc_type, value, traceback) -> None:
+    """sys.excepthook of a loader process. The process hands each batch's tensors to its rank through
+    multiprocessing's resource sharer, a thread the rank connects to for their file descriptors, which
+    reports its errors through sys.excepthook. A rank interrupted in that handshake (Ctrl-C, SIGTERM:
+    it stops its loaders then) leaves the thread a closed connection, whose traceback would land in
+    the job's output; that batch is not wanted any more, so there is nothing to say. Anything else
+    goes to `previous`."""
+    if issubclass(exc_type, (ConnectionError, EOFError)):
+        frame = traceback
+        while frame is not None:
+            if frame.tb_frame.f_code.co_filename.endswith(_RESOURCE_SHARER):
+                return
+            frame = frame.tb_next
+    previous(exc_type, value, traceback)
 
 
 def _stop_workers(state: dict) -> None:
