@@ -21,6 +21,9 @@ class TaskSection:
     text_b_column: str | None = None
     label_column: str = "label"
     max_seq_length: int = 128
+    # tokenized inputs kept here and loaded by every later run with the same file, tokenizer and task
+    # settings (finetune/input_cache.py; a sweep points all its runs at one); None: tokenize every run
+    cache_dir: str | None = None
     # SQuAD (google-research/bert's run_squad.py defaults)
     doc_stride: int = 128  # step between the starts of a context's windows
     max_query_length: int = 64  # longer questions are truncated

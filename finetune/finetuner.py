@@ -46,6 +46,7 @@ from pretrain.training.engine import initialize_engine
 from pretrain.training.metrics import ThroughputWindow
 
 from .config import FinetuneConfig
+from .input_cache import cached, entry_key
 from .inputs import Batches, length_grouped
 from .model import build_encoder, initialise_head, load_encoder
 from .tasks import TASKS
@@ -143,20 +144,28 @@ class Finetuner:
             self.writer = SummaryWriter(t.tensorboard_dir or os.path.join(t.output_dir, "tensorboard"))
 
     # ----------------------------------------------------------------------------- data
-    def _read(self, path: str, split: str) -> Read:
-        try:
-            read = self.task.read(path, split, self.cfg.task)
-        except TaskDataError as e:
-            raise FinetuneError(str(e)) from None
-        logger.info(read.report.summary())
-        return read
+    def _inputs(self, path: str, split: str, training: bool = False) -> tuple[Read, Batches]:
+        """A data file read and encoded, or both from task.cache_dir (finetune/input_cache.py: a
+        sweep's runs tokenize each file once; the logging rank writes the entry)."""
+        def read_and_encode() -> tuple[Read, Batches]:
+            try:
+                read = self.task.read(path, split, self.cfg.task)
+            except TaskDataError as e:
+                raise FinetuneError(str(e)) from None
+            return read, self.task.encode(self.tokenizer.tokenizer, read.examples, self.cfg.task, training,
+                                          self.tokenizer.specials)
 
-    def _encode(self, examples: list, training: bool = False) -> Batches:
-        return self.task.encode(self.tokenizer.tokenizer, examples, self.cfg.task, training, self.tokenizer.specials)
+        key = None
+        if self.cfg.task.cache_dir:
+            key = entry_key(path, split, training, self.cfg.task, self.tokenizer.to_str(), self.tokenizer.specials)
+        read, features = cached(self.cfg.task.cache_dir, key, read_and_encode, f"{self.task.name} {split} ({path})",
+                                write=self.parallel.rank == self.parallel.logging_rank)
+        logger.info(read.report.summary())
+        return read, features
 
     def _dataset(self, name: str, path: str, split: str) -> Dataset:
-        read = self._read(path, split)
-        return Dataset(name, read.examples, self._encode(read.examples), read.reference)
+        read, features = self._inputs(path, split)
+        return Dataset(name, read.examples, features, read.reference)
 
     def _read_data(self) -> None:
         c, task = self.cfg.task, self.task
@@ -169,7 +178,7 @@ class Finetuner:
         if not self.cfg.train.eval_only:
             if not train_path or not os.path.exists(train_path):
                 raise FinetuneError(f"no training file: {train_path} (set task.train_file, or train.eval_only)")
-            self.train_features = self._encode(self._read(train_path, "train").examples, training=True)
+            self.train_features = self._inputs(train_path, "train", training=True)[1]
         dev_paths = c.dev_files or [default(f) for f in task.dev_files]
         self.dev_sets: list[Dataset] = []
         for path in dev_paths:
