@@ -62,10 +62,10 @@ def test_the_suspect_is_the_rank_that_alone_saw_every_bad_step():
 
 
 def test_the_stop_message_names_the_suspect_device():
-    policy = SkipPolicy(max_consecutive=2, global_batch_size=8, world_size=2)
+    policy = SkipPolicy(max_consecutive=2, world_size=2)
     bad = StepOutcome(True, ("gradients",), counts=True, sources=(_source(1),))
-    policy.count(5, bad)
+    policy.count(5, bad, 32)
     with pytest.raises(NonFiniteTraining) as error:
-        policy.count(6, bad)
+        policy.count(6, bad, 40)
     assert ("rank 1 (host node-1, cuda:1) saw every one of them before the reduction and no other rank did: "
             "suspect that device") in str(error.value)
