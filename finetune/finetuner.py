@@ -85,15 +85,14 @@ def notes_that_matter(notes: list[str]) -> list[str]:
 
 
 class Finetuner:
-    def __init__(self, cfg: FinetuneConfig, parallel):
+    def __init__(self, cfg: FinetuneConfig, parallel, checkpoint=None):
+        """`checkpoint`: model.init_from as read_any read it, for a process that fine-tunes it several
+        times (a sweep's worker reads it once); its tensors are only read."""
         self.cfg, self.parallel = cfg, parallel
         self.pending_files: dict[str, str] = {}  # prediction files of the last evaluation, written if it is the best
         self.task = TASKS[cfg.task.name].configured(cfg.task)
         t = cfg.train
-        try:
-            self.ckpt = read_any(cfg.model.init_from, with_optimizer=False)
-        except CheckpointError as e:
-            raise FinetuneError(str(e)) from None
+        self.ckpt = checkpoint if checkpoint is not None else read_init_from(cfg.model.init_from)
         for note in notes_that_matter(self.ckpt.notes):
             logger.info(note)
         m = self.ckpt.config.model
@@ -238,6 +237,13 @@ class Finetuner:
             return self._train()
         finally:
             self.watchdog.stop()
+
+    def close(self) -> None:
+        """Let go of the engine and the event file: a process that fine-tunes again (a sweep's worker)
+        starts the next run without this one's hooks, buffers and open files."""
+        if self.writer is not None:
+            self.writer.close()
+        self.engine.destroy()
 
     def _train(self) -> dict:
         t = self.cfg.train
@@ -429,8 +435,20 @@ class Finetuner:
         logger.info(f"saved the epoch-{result['epoch']} weights to {target}")
 
 
-def run(cfg: FinetuneConfig, parallel) -> dict:
+def read_init_from(path: str):
+    """model.init_from, read (any native layout or a Hugging Face directory); FinetuneError naming it."""
+    try:
+        return read_any(path, with_optimizer=False)
+    except CheckpointError as e:
+        raise FinetuneError(str(e)) from None
+
+
+def run(cfg: FinetuneConfig, parallel, checkpoint=None) -> dict:
     started = time.perf_counter()
-    summary = Finetuner(cfg, parallel).train()
+    finetuner = Finetuner(cfg, parallel, checkpoint)
+    try:
+        summary = finetuner.train()
+    finally:
+        finetuner.close()
     summary["seconds"] = time.perf_counter() - started
     return summary

@@ -38,6 +38,11 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["sweep"]:  # python -m finetune sweep --config SWEEP.yaml [sweep.key=value ...]
+        from .sweep.runner import main as sweep
+
+        return sweep(argv[1:])
     return run_command(parse_args, start, argv)
 
 
@@ -51,8 +56,7 @@ def start(args: argparse.Namespace) -> int:
     launch = discover_launch_env()
     config = args.config or os.path.join(REPO, "configs", "finetune", f"{args.task}.yaml")
     try:
-        cfg = load_finetune_config(config if os.path.exists(config) or args.config else None,
-                                   [f"task.name={args.task}", *args.overrides])
+        cfg = load_finetune_config(args.config or task_config(args.task), [f"task.name={args.task}", *args.overrides])
         problems = []
         try:
             cfg.validate(launch.world_size, feature_based=args.feature_based)
@@ -87,6 +91,12 @@ def start(args: argparse.Namespace) -> int:
             print(json.dumps({"task": summary["task"], "best": summary["best"]}, indent=2))
 
     return run_distributed(fine_tune, cfg.parallel.tensor_parallel, launch=launch)
+
+
+def task_config(task: str) -> str | None:
+    """The task's own config, configs/finetune/TASK.yaml, when there is one."""
+    path = os.path.join(REPO, "configs", "finetune", f"{task}.yaml")
+    return path if os.path.exists(path) else None
 
 
 def one_node(world_size: int, environ=None) -> bool:

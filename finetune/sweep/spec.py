@@ -12,6 +12,8 @@ A YAML file with one section, ``sweep``::
       overrides: [model.init_from=ckpt/bert-base]   # dotted fine-tuning overrides for every trial
       task_overrides:            # task -> dotted overrides for that task's trials (win over `overrides`)
         squad: [task.data_dir=squad_data]
+      ranks_per_trial: 1         # processes (GPUs) of one trial: its parallel.tensor_parallel x data parallel
+      parallel_trials: null      # trials at once, each on its own processes; null: GPUs / ranks_per_trial (CPU: 1)
 
 Command-line overrides are dotted too: ``sweep.restarts=5``, ``sweep.grid=paper-appendix``,
 ``sweep.grid.train.lr=[3e-5,2e-5]`` (one grid key), ``sweep.task_overrides.mrpc=[task.max_seq_length=64]``.
@@ -65,7 +67,8 @@ NOT_GRID_KEYS: Mapping[str, str] = {
     "model.init_from": "a sweep fine-tunes one pretrained model: set it in sweep.overrides",
 }
 
-SWEEP_KEYS = ("tasks", "grid", "restarts", "first_seed", "output_dir", "data_root", "overrides", "task_overrides")
+SWEEP_KEYS = ("tasks", "grid", "restarts", "first_seed", "output_dir", "data_root", "overrides", "task_overrides",
+              "ranks_per_trial", "parallel_trials")
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,8 @@ class SweepSpec:
     data_root: str | None = None
     overrides: tuple[str, ...] = ()
     task_overrides: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    ranks_per_trial: int = 1  # processes of one trial (its TP x DP; one GPU each)
+    parallel_trials: int | None = None  # trials at once; None: the GPUs / ranks_per_trial (1 on the CPU)
 
     def seed(self, restart: int) -> int:
         return self.first_seed + restart
@@ -280,8 +285,19 @@ def load_sweep_spec(path: str | None, overrides: Sequence[str] = ()) -> SweepSpe
             if key in grid_keys:
                 problems.append(f"{where}: {key} is also a grid key (sweep.grid): give it in one place")
 
+    ranks, at_once = tree.get("ranks_per_trial", 1), tree.get("parallel_trials")
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        problems.append(f"sweep.ranks_per_trial must be an int >= 1, got {_desc(ranks)}")
+    if at_once is not None and (not isinstance(at_once, int) or isinstance(at_once, bool) or at_once < 1):
+        problems.append(f"sweep.parallel_trials must be an int >= 1 or null (by the devices), got {_desc(at_once)}")
+    for key in grid_keys:
+        if key.startswith("parallel."):
+            problems.append(f"sweep.grid: {key} cannot be a grid key: every trial runs on process groups of "
+                            "sweep.ranks_per_trial started once; set it in sweep.overrides")
+
     if problems:
         raise ConfigError(problems)
     return SweepSpec(tasks=tuple(tasks), grid=grid, output_dir=output_dir, restarts=restarts, first_seed=first_seed,
                      data_root=data_root, overrides=tuple(common),
-                     task_overrides={t: tuple(i) for t, i in per_task.items()})
+                     task_overrides={t: tuple(i) for t, i in per_task.items()}, ranks_per_trial=ranks,
+                     parallel_trials=at_once)
