@@ -158,7 +158,8 @@ def test_two_trials_at_once_give_the_table_of_one_after_another(data, straight, 
     spans = []
     for slot in (0, 1):
         log = (out / "logs" / f"slot-{slot}.log").read_text()
-        ran = [line.split("trial ")[1].split(":")[0] for line in log.splitlines() if line.startswith("trial ")]
+        ran = [line.split("trial ")[1].split(":")[0] for line in log.splitlines()
+               if line.startswith("trial ") and line.endswith(": done")]
         assert len(ran) == 8, log[-2000:]
         started = [time.mktime(time.strptime((out / t / "trial.log").read_text()[:19], "%Y-%m-%d %H:%M:%S"))
                    for t in ran]  # the trial log's first line: "trial ...: starting"
@@ -195,6 +196,37 @@ def test_a_killed_sweep_relaunched_reruns_only_unfinished_trials(data, straight,
         assert files_of(d) == before, d  # not run again
     assert len(trial_dirs(out)) == 16
     assert table_numbers(out) == table_numbers(straight[0])
+
+
+def test_a_trial_on_two_ranks_and_a_worker_that_dies(data, tmp_path):
+    """A slot of 2 ranks (torch.distributed.run, data parallel) runs its trials; its worker killed
+    during a trial: that trial is recorded as failed naming the slot's log, a new worker runs the rest,
+    and each worker read model.init_from once."""
+    import psutil
+
+    out = tmp_path / "sweep"
+    running = sweep(spec(data, out, grid={"train.lr": [1e-3, 3e-4]}, tasks=("rte",), restarts=2, ranks_per_trial=2),
+                    wait=False)
+    deadline = time.monotonic() + 300
+    while len(trial_dirs(out)) < 1 and time.monotonic() < deadline and running.poll() is None:
+        time.sleep(0.1)
+    workers = [p for p in psutil.Process(running.pid).children(recursive=True)
+               if "finetune.sweep.worker" in " ".join(p.cmdline()) and "torch.distributed.run" not in " ".join(p.cmdline())]
+    assert len(workers) == 2, [p.cmdline() for p in workers]  # the slot's two ranks
+    workers[1].kill()
+    stdout, stderr = running.communicate(timeout=300)
+    assert running.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    records = {str(d.relative_to(out)): json.loads((d / "trial.json").read_text()) for d in trial_dirs(out)}
+    assert len(records) == 4
+    failed = [r for r in records.values() if r["status"] == "failed"]
+    assert len(failed) == 1 and "the worker of slot 0 exited with status" in failed[0]["error"], records
+    assert "slot-0.log" in failed[0]["error"]
+    done = [t for t, r in records.items() if r["status"] == "done"]
+    assert len(done) == 3
+    for trial in done:
+        assert "TP1 x PP1 x DP2" in (out / trial / "trial.log").read_text()
+    reads = sum("kept for this worker's other trials" in (out / t / "trial.log").read_text() for t in records)
+    assert reads == 2  # the first worker's first trial, and the new worker's
 
 
 def test_a_failed_trial_is_recorded_with_its_error_and_the_others_complete(data, tmp_path):

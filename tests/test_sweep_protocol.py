@@ -95,6 +95,20 @@ def test_owned_grid_keys_are_refused_naming_key_and_why(key, why):
     assert len(problems) == 1 and key in problems[0] and why in problems[0]
 
 
+def test_parallel_keys_are_the_sweeps_and_slot_sizes_are_checked():
+    """Every trial runs on process groups started once per slot: parallel.* is set in sweep.overrides only."""
+    problems = problems_of("sweep.output_dir=o", "sweep.tasks=[rte]", "sweep.grid={parallel.zero_stage: [0, 1]}",
+                           "sweep.task_overrides.rte=[parallel.tensor_parallel=2]", "sweep.ranks_per_trial=0",
+                           "sweep.parallel_trials=two")
+    text = "\n".join(problems)
+    assert "sweep.grid: parallel.zero_stage cannot be a grid key" in text
+    assert "sweep.task_overrides.rte: parallel.tensor_parallel cannot differ by task" in text
+    assert "sweep.ranks_per_trial must be an int >= 1" in text and "sweep.parallel_trials must be an int" in text
+    spec = load_sweep_spec(None, ["sweep.output_dir=o", "sweep.tasks=[rte]", "sweep.ranks_per_trial=2",
+                                  "sweep.overrides=[parallel.tensor_parallel=2]"])
+    assert (spec.ranks_per_trial, spec.parallel_trials) == (2, None)
+
+
 def test_every_problem_reported_at_once_one_line_each():
     problems = problems_of("sweep.tasks=[mrpcc, ax]", "sweep.grid={train.lr: [], train.epochs: [two]}",
                            "sweep.restarts=0", "sweep.first_seed=x", "sweep.overrides=[train.seed=1, train.foo=1]",

@@ -290,6 +290,11 @@ def load_sweep_spec(path: str | None, overrides: Sequence[str] = ()) -> SweepSpe
         problems.append(f"sweep.ranks_per_trial must be an int >= 1, got {_desc(ranks)}")
     if at_once is not None and (not isinstance(at_once, int) or isinstance(at_once, bool) or at_once < 1):
         problems.append(f"sweep.parallel_trials must be an int >= 1 or null (by the devices), got {_desc(at_once)}")
+    for task, items in per_task.items():
+        for item in items if _is_str_list(items) else []:
+            if item.partition("=")[0].strip().startswith("parallel."):
+                problems.append(f"sweep.task_overrides.{task}: {item.partition('=')[0].strip()} cannot differ by "
+                                "task: every trial runs on process groups started once; set it in sweep.overrides")
     for key in grid_keys:
         if key.startswith("parallel."):
             problems.append(f"sweep.grid: {key} cannot be a grid key: every trial runs on process groups of "

@@ -23,7 +23,7 @@ import time
 import traceback
 from contextlib import contextmanager
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("finetune.sweep.worker")  # not __name__: run as __main__
 
 HPARAMS_RUN = "hparams"  # the subfolder of a trial's TensorBoard folder holding its HParams summary
 
@@ -81,19 +81,28 @@ def run_trial(entry: dict, parallel, checkpoints: dict) -> tuple[str, str | None
     from finetune.config import load_finetune_config
     from finetune.finetuner import read_init_from, run
     from finetune.main import task_config
-    from finetune.sweep.selection import official_score
+    from finetune.sweep.selection import SelectionError, official_score
+    from pretrain.config import ConfigError
 
     task = entry["task"]
     cfg = load_finetune_config(task_config(task), [f"task.name={task}", *entry["overrides"]])
     cfg.validate(parallel.world_size)
+    if cfg.parallel.tensor_parallel != parallel.tp_size:  # the runner starts the groups from sweep.overrides
+        raise ConfigError(f"parallel.tensor_parallel ({cfg.parallel.tensor_parallel}) differs from the sweep's "
+                          f"process groups (TP {parallel.tp_size}): set it in sweep.overrides only")
     path = cfg.model.init_from
     if path not in checkpoints:  # once per process and path
         checkpoints[path] = read_init_from(path)
+        logger.info(f"read {path}: kept for this worker's other trials")
     summary = run(cfg, parallel, checkpoints[path])
     if parallel.rank == parallel.logging_rank and cfg.train.tensorboard_dir:
         metrics = summary["best"]["metrics"]
-        write_hparams(cfg.train.tensorboard_dir, entry["record"]["point"], entry["record"]["seed"], metrics,
-                      official_score(task, metrics))
+        try:
+            score = official_score(task, metrics)
+        except SelectionError as error:  # the run finished: the table at the end names what is missing
+            logger.warning(f"trial {entry['id']}: {error}")
+            score = float("nan")
+        write_hparams(cfg.train.tensorboard_dir, entry["record"]["point"], entry["record"]["seed"], metrics, score)
     return "done", None
 
 
