@@ -14,12 +14,13 @@ from __future__ import annotations
 import builtins
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
+
+from pretrain.distributed.ports import free_port  # noqa: F401 (the tests take it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 # CUDA_VISIBLE_DEVICES as the test session found it ("" for unset: every GPU), for the GPU tier
@@ -64,10 +65,6 @@ def session_gpu_count() -> int:
     return int(done.stdout.strip().splitlines()[-1])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_or_kill(procs: list[subprocess.Popen], timeout: float) -> None:

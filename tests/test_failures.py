@@ -26,7 +26,7 @@ def launch_job(tmp_path, launcher, overrides, log_name, restarts):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     log = open(tmp_path / log_name, "w")
     return subprocess.Popen(["bash", "launcher.sh", "--launcher", launcher, "--nproc-per-node", "2", "--master-port",
-                             str(free_port()), "--max-restarts", str(restarts), "pretrain", "--config",
+                             str(free_port(span=restarts + 1)), "--max-restarts", str(restarts), "pretrain", "--config",
                              "configs/bert-tiny.yaml", *overrides],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 import _lamb_worker as W
 from _lamb_worker import assert_rel, new_state
 from distributed import wait_or_kill
+from pretrain.distributed.ports import free_port as _free_port
 from pretrain.optim import Lamb, NormLayout, Segment, build_optimizer, layout_for_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,10 +158,6 @@ def test_build_optimizer():
 
 # --- two processes ----------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Generous: on a fresh machine DeepSpeed JIT-builds its CPU shm comm op (~45 s) once.

@@ -74,6 +74,46 @@ def test_single_process_port_is_free_while_a_job_holds_29500():
     assert discover_launch_env({"MASTER_PORT": "1234"}).master_port == 1234
 
 
+
+def test_free_ports_come_from_outside_the_kernels_ephemeral_range():
+    """A port the kernel handed out (bind to 0) may go to any outgoing connection once released:
+    CI lost a job to EADDRINUSE that way. Ours come from below the ephemeral range, all `span` free."""
+    import socket
+
+    from pretrain.distributed.ports import ephemeral_range
+
+    low, high = ephemeral_range()
+    for span in (1, 3):
+        for _ in range(20):
+            port = free_port(span=span)
+            assert port + span - 1 < low or port > high, (port, low, high)
+            for k in range(span):
+                with socket.socket() as probe:
+                    probe.bind(("", port + k))
+
+
+def test_free_port_skips_ports_in_use_and_reads_the_range(tmp_path, monkeypatch):
+    import socket
+
+    from pretrain.distributed import ports
+
+    range_file = tmp_path / "ip_local_port_range"
+    range_file.write_text("20000\t60999\n")
+    assert ports.ephemeral_range(str(range_file)) == (20000, 60999)
+    assert ports.ephemeral_range(str(tmp_path / "missing")) is None
+    draws = iter(range(0, 10000))
+    monkeypatch.setattr(ports.secrets, "randbelow", lambda n: next(draws))
+    with socket.socket() as job:  # someone's store on the first candidate
+        try:
+            job.bind(("", ports.LOWEST_PORT))
+        except OSError:
+            pass  # already taken on this machine: the same situation
+        job.listen()
+        port = ports.free_port(range_file=str(range_file))
+    assert ports.LOWEST_PORT < port < 20000
+    range_file.write_text("1024 65535\n")  # no gap left: the kernel's pick
+    assert ports.free_port(range_file=str(range_file)) >= 1024
+
 def test_extensions_are_built_in_the_environment_unless_the_user_chose(tmp_path):
     environ = {}
     prepare_extensions_dir(environ)

@@ -21,10 +21,11 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+
+from pretrain.distributed.ports import free_port as _free_port
 
 from .spec import SweepSpec, load_sweep_spec
 from .trials import Trial, expand, read_records, record_for, write_trial_record
@@ -43,10 +44,6 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def visible_gpus(environ) -> list[str]:

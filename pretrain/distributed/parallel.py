@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .device import backend_for, barrier, select_device
+from .ports import free_port as _free_port
 from .internals import shared_memory_comm_buffer, uses_shared_memory_comm, without_shared_memory_comm
 from ..observability.quiet import without_noise_lines
 
@@ -103,10 +104,6 @@ def discover_launch_env(environ=None) -> LaunchEnv:
     return LaunchEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), port, "single")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class DeepSpeedMPU:

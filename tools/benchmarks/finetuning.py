@@ -28,11 +28,12 @@ import argparse
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from pretrain.distributed.ports import free_port as _free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SIDES = ("ours-fixed", "ours", "hf-fixed", "hf-dynamic")
@@ -68,10 +69,6 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_ours(args, fixed: bool) -> dict:

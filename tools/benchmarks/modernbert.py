@@ -25,11 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from pretrain.distributed.ports import free_port as _free_port
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 8000
@@ -144,10 +145,6 @@ def speed(args, cfgs: dict) -> dict:
                    "real_share_of_computed": v["real"] / v["computed"]} for name, v in totals.items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 PARALLEL = None

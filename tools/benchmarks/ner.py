@@ -75,16 +75,13 @@ def write_inputs(root: str, model: str, words: int, seed: int = 0) -> None:
 
 def one_rank_world():
     import logging
-    import socket
 
     from deepspeed.utils import logger as ds_logger
 
     from pretrain.distributed.parallel import discover_launch_env, init_parallel
+    from pretrain.distributed.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     ds_logger.setLevel(logging.WARNING)
     launch = discover_launch_env()
     launch.export_to(os.environ)

@@ -24,11 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from pretrain.distributed.ports import free_port as _free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WINDOWS = (32, 64, 128)
@@ -122,10 +123,6 @@ def speed(args, cfgs: dict) -> dict:
                    "real_share_of_computed": v["real_tokens"] / v["computed_tokens"]} for name, v in totals.items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 PARALLEL = None

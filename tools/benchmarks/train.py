@@ -55,13 +55,14 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from pretrain.distributed.ports import free_port as _free_port  # the other benchmarks import it from here
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = {"base": (REPO / "configs" / "bert-base.yaml", 8), "mini": (REPO / "configs" / "bert-mini.yaml", 16)}
@@ -191,10 +192,6 @@ def child_peak(args) -> dict:
             "device": str(device)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_ours(args) -> dict:
