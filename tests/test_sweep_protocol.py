@@ -481,3 +481,49 @@ def test_squad_and_swag_predictions_copied(tmp_path):
     assert (out / "squad/submission/SQuAD.json").read_text() == '{"q": "a"}'
     b = write_bundle([select("swag", [swag])], str(tmp_path / "out2"))
     assert b.zip_path is None and len(b.copied) == 2
+
+
+# ----------------------------------------------------------------------------- sweep.json
+
+def test_a_relaunch_keeps_the_fixed_settings_and_may_grow_the_grid(tmp_path):
+    from finetune.sweep.manifest import MANIFEST, claim
+
+    out = tmp_path / "sweep"
+    first = spec_of("sweep.tasks=[rte]", "sweep.grid={train.lr: [1e-5]}", "sweep.overrides=[model.init_from=a]",
+                    output_dir=str(out))
+    claim(first)
+    stored = json.loads((out / MANIFEST).read_text())
+    assert stored["overrides"] == ["model.init_from=a"] and stored["grid"] == {"train.lr": [1e-5]}
+    (out / "rte").mkdir()  # trials ran
+    claim(first)  # the same command again
+    grown = spec_of("sweep.tasks=[rte, mrpc]", "sweep.grid={train.lr: [1e-5, 2e-5]}", "sweep.restarts=3",
+                    "sweep.parallel_trials=2", "sweep.overrides=[model.init_from=a]", output_dir=str(out))
+    claim(grown)  # more trials, more slots: the finished ones still answer the same question
+    assert json.loads((out / MANIFEST).read_text())["restarts"] == 3
+    for changed, key in ((["sweep.overrides=[model.init_from=b]"], "sweep.overrides"),
+                         (["sweep.overrides=[model.init_from=a]", "sweep.first_seed=7"], "sweep.first_seed"),
+                         (["sweep.overrides=[model.init_from=a]", "sweep.task_overrides={rte: [train.epochs=2]}"],
+                          "sweep.task_overrides")):
+        with pytest.raises(ConfigError) as e:
+            claim(spec_of("sweep.tasks=[rte]", "sweep.grid={train.lr: [1e-5]}", *changed, output_dir=str(out)))
+        assert "other settings" in e.value.problems[0] and [p for p in e.value.problems[1:] if key in p], e.value.problems
+        assert len(e.value.problems) == 2, e.value.problems  # only what changed is named
+
+
+def test_a_foreign_or_damaged_directory_is_refused_before_anything_is_written(tmp_path):
+    from finetune.sweep.manifest import MANIFEST, claim
+    from finetune.sweep.runner import run_sweep
+
+    out = tmp_path / "mine"
+    (out / "rte").mkdir(parents=True)
+    (out / "notes.txt").write_text("keep me")
+    spec = spec_of("sweep.tasks=[rte]", output_dir=str(out))
+    with pytest.raises(ConfigError, match=r"not empty \(notes.txt, rte\) and holds no sweep.json"):
+        run_sweep(spec)
+    assert sorted(p.name for p in out.rglob("*")) == ["notes.txt", "rte"]
+    (out / "notes.txt").unlink()
+    (out / "rte").rmdir()
+    claim(spec)  # an empty directory is fine
+    (out / MANIFEST).write_text("{trunc")
+    with pytest.raises(ConfigError, match="sweep.json: unreadable"):
+        claim(spec)

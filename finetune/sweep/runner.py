@@ -7,7 +7,9 @@ its own devices (CUDA_VISIBLE_DEVICES), on the CPU the cores are shared out (OMP
 trials still to run are dealt to the slots in order, round robin, so a sweep is reproducible.
 
 Relaunching the same command goes on where a killed sweep stopped: a trial with a trial.json (done or
-failed) is not run again and its files are not touched; a trial without one reruns from scratch.
+failed) is not run again and its files are not touched; a trial without one reruns from scratch. The
+directory's sweep.json (manifest.py) refuses a relaunch whose fixed settings changed, and a first
+launch into a directory that holds other files.
 SIGTERM or Ctrl-C stops the workers and exits 143 / 130 with the count of finished trials. A worker
 that dies records its current trial as failed and a new one takes the slot's remaining trials. At the
 end: results.md / .csv / .json (Table 1's layout), glue_submission.zip when the selected runs predicted
@@ -27,6 +29,7 @@ import time
 
 from pretrain.distributed.ports import free_port as _free_port
 
+from .manifest import claim
 from .spec import SweepSpec, load_sweep_spec
 from .trials import Trial, expand, read_records, record_for, write_trial_record
 
@@ -201,6 +204,7 @@ def run_sweep(spec: SweepSpec, environ=os.environ) -> dict:
     from .selection import select_all
     from .table import markdown, write_results
 
+    claim(spec)  # before anything is written: a foreign or changed directory is refused
     trials = expand(spec)
     left = refuse_invalid(spec, [t for t, r in read_records(spec, trials) if r is None])
     envs = slot_environments(spec, environ)
