@@ -38,10 +38,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-import yaml
-
 from pretrain.config import ConfigError, load_sections
-from pretrain.config.typed_yaml import _read_yaml, _yaml_load, check_tree
+from pretrain.config.typed_yaml import _read_yaml, check_tree, split_override
 
 from ..config import SECTIONS
 from ..tasks import GLUE, TASK_NAMES
@@ -185,16 +183,11 @@ def _frozen(value: Any) -> Any:
 
 def _apply_overrides(tree: dict, overrides: Sequence[str], problems: list[str]) -> None:
     for item in overrides:
-        key, sep, text = item.partition("=")
-        parts = key.strip().split(".")
-        if not sep or len(parts) < 2 or parts[0] != "sweep" or not all(parts):
-            problems.append(f"command line: malformed override {item!r}; expected sweep.KEY=value")
+        parsed = split_override(item, lambda parts: len(parts) >= 2 and parts[0] == "sweep", "sweep.KEY=value")
+        if isinstance(parsed, str):
+            problems.append(parsed)
             continue
-        try:
-            value = _yaml_load(text)
-        except yaml.YAMLError as e:
-            problems.append(f"command line: override {item!r}: value is not valid YAML: {' '.join(str(e).split())}")
-            continue
+        parts, value = parsed
         name, rest = parts[1], ".".join(parts[2:])
         if rest and name in ("grid", "task_overrides"):
             current = tree.get(name)

@@ -190,25 +190,31 @@ def _load_tree(path: str, stack: tuple[str, ...], problems: list[str], sections:
     return deep_merge(merged, clean)
 
 
+def split_override(item: str, valid_key, expected: str) -> tuple[list[str], Any] | str:
+    """One dotted ``KEY=value`` override of the command line: (the key's parts, the value read as
+    YAML), or the problem's line. `valid_key(parts)` says whether the key has the expected shape,
+    `expected` shows it (``section.field=value``)."""
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts) or not valid_key(parts):
+        return f"command line: malformed override {item!r}; expected {expected}"
+    try:
+        return parts, _yaml_load(text)
+    except yaml.YAMLError as e:
+        return f"command line: override {item!r}: value is not valid YAML: {' '.join(str(e).split())}"
+
+
 def _parse_overrides(overrides: Sequence[str], problems: list[str], sections: dict[str, type],
                      moved: dict[str, str] | None = None) -> dict:
-    source = "command line"
     tree: dict[str, dict[str, Any]] = {}
     for item in overrides:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        parts = key.split(".")
-        if not sep or len(parts) != 2 or not all(parts):
-            problems.append(f"{source}: malformed override {item!r}; expected section.field=value")
+        parsed = split_override(item, lambda parts: len(parts) == 2, "section.field=value")
+        if isinstance(parsed, str):
+            problems.append(parsed)
             continue
-        try:
-            value = _yaml_load(text)
-        except yaml.YAMLError as e:
-            problems.append(f"{source}: override {item!r}: value is not valid YAML: {e}")
-            continue
-        section, name = parts
+        (section, name), value = parsed
         tree.setdefault(section, {})[name] = value  # later overrides win
-    clean, check_problems = check_tree(tree, source, sections, moved)
+    clean, check_problems = check_tree(tree, "command line", sections, moved)
     problems.extend(check_problems)
     return clean
 
