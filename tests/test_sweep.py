@@ -7,7 +7,8 @@ sentence 2 repeat sentence 1; SST-2's: does the sentence hold w0), a 2 x 2 grid 
 - two trials at once (two slots, each its own worker process) give the table of one after another;
 - SIGTERM, then SIGKILL, of a running sweep: relaunched, the finished trials are not run again (their
   files unchanged) and the table equals the uninterrupted sweep's;
-- a grid point with a bad value fails with its one-line error; the others complete.
+- a grid point with a bad value fails with its one-line error; the others complete;
+- a slot of 2 ranks; its worker killed: the trial is recorded as failed, and --retry-failed runs it again.
 """
 import hashlib
 import json
@@ -227,6 +228,17 @@ def test_a_trial_on_two_ranks_and_a_worker_that_dies(data, tmp_path):
         assert "TP1 x PP1 x DP2" in (out / trial / "trial.log").read_text()
     reads = sum("kept for this worker's other trials" in (out / t / "trial.log").read_text() for t in records)
     assert reads == 2  # the first worker's first trial, and the new worker's
+
+    # --retry-failed runs the killed trial again, and only it
+    killed = next(t for t, r in records.items() if r["status"] == "failed")
+    before = {t: files_of(out / t) for t in done}
+    again = sweep(spec(data, out, grid={"train.lr": [1e-3, 3e-4]}, tasks=("rte",), restarts=2, ranks_per_trial=2),
+                  "--retry-failed")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"--retry-failed: 1 failed trial(s) run again: {killed}" in again.stderr + again.stdout
+    assert json.loads((out / killed / "trial.json").read_text())["status"] == "done"
+    assert {t: files_of(out / t) for t in done} == before
+    assert json.loads((out / "results.json").read_text())["tasks"][0]["failed"] == 0
 
 
 def test_a_failed_trial_is_recorded_with_its_error_and_the_others_complete(data, tmp_path):

@@ -1,5 +1,6 @@
 """The fine-tuning protocol layer (finetune/sweep): spec, trial expansion, records, selection,
-the Table 1 results and the GLUE bundle. Pure and fast: no processes, no torch."""
+the Table 1 results and the GLUE bundle, sweep.json and the lock, the queue's claims and a dead
+worker's bookkeeping. Fast: no training; the queue's tests start one-line processes as workers."""
 from __future__ import annotations
 
 import csv
@@ -527,3 +528,83 @@ def test_a_foreign_or_damaged_directory_is_refused_before_anything_is_written(tm
     (out / MANIFEST).write_text("{trunc")
     with pytest.raises(ConfigError, match="sweep.json: unreadable"):
         claim(spec)
+
+
+def test_one_sweep_at_a_time_in_a_directory(tmp_path):
+    from finetune.sweep.manifest import sole_sweep
+
+    with sole_sweep(str(tmp_path / "s")):
+        with pytest.raises(ConfigError, match=r"another sweep runs there \(pid \d+ on "):
+            with sole_sweep(str(tmp_path / "s")):
+                pass
+    with sole_sweep(str(tmp_path / "s")):  # released when the first ended
+        pass
+
+
+# ----------------------------------------------------------------------------- the queue
+
+class _Rank0:
+    rank = 0
+
+
+def test_each_queued_trial_is_claimed_by_one_slot(tmp_path, monkeypatch):
+    from finetune.sweep import worker
+    from finetune.sweep.runner import Queue
+    from pretrain.distributed import device
+
+    monkeypatch.setattr(device, "all_gather_object", lambda obj, group=None: [obj])  # a world of one
+    spec = spec_of("sweep.tasks=[rte]", "sweep.grid={train.lr: [1e-5, 2e-5, 3e-5]}", output_dir=str(tmp_path / "s"))
+    queue = Queue(spec, expand(spec))
+    assert [e["id"] for e in json.loads(open(queue.path).read())["trials"]] == [t.id for t in expand(spec)]
+    assert all(os.path.isdir(t.output_dir(spec)) for t in expand(spec))  # trial.log has a home
+    assert worker.claim(queue.claims, 1, 0, 1, _Rank0())
+    assert not worker.claim(queue.claims, 1, 1, 1, _Rank0())  # slot 1 finds it taken
+    assert worker.claim(queue.claims, 0, 1, 2, _Rank0())
+    assert [queue.claimed_by(k) for k in range(3)] == [(1, 2), (0, 1), None] and queue.unclaimed() == 1
+    assert sorted(os.listdir(queue.claims)) == ["0", "1"]  # no drafts left behind
+    Queue(spec, expand(spec)[2:])  # a relaunch starts a fresh queue
+    assert os.listdir(os.path.join(spec.output_dir, ".slots", "claims")) == []
+
+
+def _ended(code: int):
+    """A worker process that ended with `code` (negative: killed by that signal)."""
+    body = f"import os; os.kill(os.getpid(), {-code})" if code < 0 else f"raise SystemExit({code})"
+    proc = subprocess.Popen([sys.executable, "-c", body])
+    proc.wait()
+    return proc
+
+
+def test_a_dead_worker_fails_its_trial_and_is_replaced_unless_it_took_none(tmp_path, monkeypatch):
+    from finetune.sweep.runner import Queue, Slot
+
+    spec = spec_of("sweep.tasks=[rte]", "sweep.grid={train.lr: [1e-5, 2e-5, 3e-5]}", output_dir=str(tmp_path / "s"))
+    trials = expand(spec)
+    queue = Queue(spec, trials)
+    starts = []
+    monkeypatch.setattr(Slot, "start", lambda self: starts.append(self.index))
+    slot = Slot(0, spec, {}, queue)
+    slot.attempt = 1
+
+    def claim(position, who, attempt):
+        with open(os.path.join(queue.claims, str(position)), "w") as f:
+            f.write(f"{who} {attempt}\n")
+
+    claim(0, 0, 1)  # done by slot 0
+    write_trial_record(trials[0].output_dir(spec), record_for(trials[0], "done"))
+    with open(os.path.join(trials[0].output_dir(spec), "metrics.json"), "w") as f:
+        json.dump({"best": {"metrics": {"accuracy": 0.5}}}, f)
+    claim(1, 0, 1)  # running when the worker died
+    slot.process = _ended(-9)
+    assert slot.poll() is False and starts == [0]  # a new worker for the rest
+    failed = read_trial_record(trials[1].output_dir(spec))
+    assert failed.status == "failed" and "the worker of slot 0 exited with status -9" in failed.error
+    assert "slot-0.log" in failed.error
+    assert json.loads(open(os.path.join(trials[0].output_dir(spec), "trial.json")).read())["status"] == "done"
+
+    slot.attempt = 2
+    slot.process = _ended(1)  # the new worker dies before taking anything: the slot closes
+    assert slot.poll() is True and starts == [0]
+    assert read_trial_record(trials[2].output_dir(spec)) is None  # left for a relaunch
+    claim(2, 0, 3)
+    slot.attempt, slot.process = 3, _ended(0)
+    assert slot.poll() is True  # nothing left to take

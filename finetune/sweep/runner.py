@@ -2,12 +2,14 @@
 protocol in one command (spec.py: tasks x grid x random restarts; selection.py; table.py; bundle.py).
 
 The runner starts `parallel_trials` slots, each a worker process group of `ranks_per_trial` ranks
-(worker.py) that runs its share of the trials one after another in-process: on GPUs each slot has
-its own devices (CUDA_VISIBLE_DEVICES), on the CPU the cores are shared out (OMP_NUM_THREADS). The
-trials still to run are dealt to the slots in order, round robin, so a sweep is reproducible.
+(worker.py) that takes trials from the sweep's queue and runs them one after another in-process:
+on GPUs each slot has its own devices (CUDA_VISIBLE_DEVICES), on the CPU the cores are shared out
+(OMP_NUM_THREADS). The queue holds the trials still to run in the sweep's order; a slot that
+finishes a trial takes the next one nobody has taken, so short and long trials even out.
 
 Relaunching the same command goes on where a killed sweep stopped: a trial with a trial.json (done or
-failed) is not run again and its files are not touched; a trial without one reruns from scratch. The
+failed) is not run again and its files are not touched; a trial without one reruns from scratch
+(--retry-failed: the failed ones too). The
 directory's sweep.json (manifest.py) refuses a relaunch whose fixed settings changed, and a first
 launch into a directory that holds other files.
 SIGTERM or Ctrl-C stops the workers and exits 143 / 130 with the count of finished trials. A worker
@@ -22,6 +24,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,13 +32,13 @@ import time
 
 from pretrain.distributed.ports import free_port as _free_port
 
-from .manifest import claim
+from .manifest import claim, sole_sweep
 from .spec import SweepSpec, load_sweep_spec
-from .trials import Trial, expand, read_records, record_for, write_trial_record
+from .trials import TRIAL_FILE, Trial, expand, read_records, record_for, write_trial_record
 
 logger = logging.getLogger(__name__)
 
-SLOTS_DIR = ".slots"  # the slot files the workers read, under output_dir
+SLOTS_DIR = ".slots"  # under output_dir: the queue the workers read, and their claims
 POLL_SECONDS = 0.5
 
 
@@ -43,6 +46,9 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m finetune sweep", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="the sweep's YAML (section `sweep`)")
+    parser.add_argument("--retry-failed", action="store_true",
+                        help="run the trials recorded as failed again (a worker killed by the OOM killer, a lost "
+                             "node); without it a relaunch reruns only the trials that never ended")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sweep.restarts=5 sweep.grid=paper")
     return parser.parse_args(argv)
 
@@ -85,60 +91,86 @@ def trial_entry(spec: SweepSpec, trial: Trial) -> dict:
     return {"id": trial.id, "task": trial.task, "directory": out, "overrides": overrides, "record": record}
 
 
-class Slot:
-    """One worker process group and the trials it was given."""
+class Queue:
+    """The trials still to run, in the sweep's order, as the workers read them (QUEUE_FILE), and
+    the claims by which each is taken by one slot (worker.py)."""
 
-    def __init__(self, index: int, spec: SweepSpec, env: dict[str, str], trials: list[Trial]):
-        self.index, self.spec, self.env, self.trials = index, spec, env, trials
+    def __init__(self, spec: SweepSpec, trials: list[Trial]):
+        self.spec, self.trials = spec, trials
+        slots_dir = os.path.join(spec.output_dir, SLOTS_DIR)
+        shutil.rmtree(slots_dir, ignore_errors=True)  # a previous launch's (its workers ended with it)
+        self.claims = os.path.join(slots_dir, "claims")
+        os.makedirs(self.claims)
+        for trial in trials:
+            os.makedirs(trial.output_dir(spec), exist_ok=True)
+        self.path = os.path.join(slots_dir, "queue.json")
+        with open(self.path, "w", encoding="utf-8") as f:
+            json.dump({"tensor_parallel": _tensor_parallel(spec), "claims": self.claims,
+                       "trials": [trial_entry(spec, t) for t in trials]}, f, indent=1)
+
+    def claimed_by(self, position: int) -> tuple[int, int] | None:
+        """(slot, attempt) of the worker that took the trial at `position`, None while nobody has."""
+        try:
+            with open(os.path.join(self.claims, str(position)), encoding="utf-8") as f:
+                slot, attempt = f.read().split()
+        except (FileNotFoundError, ValueError):  # not taken, or being written
+            return None
+        return int(slot), int(attempt)
+
+    def unclaimed(self) -> int:
+        return sum(self.claimed_by(k) is None for k in range(len(self.trials)))
+
+
+class Slot:
+    """One worker process group, taking trials from the queue until none is left."""
+
+    def __init__(self, index: int, spec: SweepSpec, env: dict[str, str], queue: Queue):
+        self.index, self.spec, self.env, self.queue = index, spec, env, queue
         self.process: subprocess.Popen | None = None
         self.attempt = 0
         self.log_path = os.path.join(spec.output_dir, "logs", f"slot-{index}.log")
 
-    def unfinished(self) -> list[Trial]:
-        return [t for t, r in read_records(self.spec, self.trials) if r is None]
-
-    def start(self, trials: list[Trial]) -> None:
+    def start(self) -> None:
         self.attempt += 1
-        slot_file = os.path.join(self.spec.output_dir, SLOTS_DIR, f"slot-{self.index}-{self.attempt}.json")
-        os.makedirs(os.path.dirname(slot_file), exist_ok=True)
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
-        for trial in trials:
-            os.makedirs(trial.output_dir(self.spec), exist_ok=True)
-        tensor_parallel = _tensor_parallel(self.spec)
-        with open(slot_file, "w", encoding="utf-8") as f:
-            json.dump({"tensor_parallel": tensor_parallel,
-                       "trials": [trial_entry(self.spec, t) for t in trials]}, f, indent=1)
         port, ranks = _free_port(), self.spec.ranks_per_trial
         env = dict(os.environ, **self.env, PYTHONUNBUFFERED="1")
+        worker = ["-m", "finetune.sweep.worker", self.queue.path, str(self.index), str(self.attempt)]
         if ranks == 1:
             env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            command = [sys.executable, "-m", "finetune.sweep.worker", slot_file]
+            command = [sys.executable, *worker]
         else:
             command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                       "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "finetune.sweep.worker", slot_file]
+                       "--master-addr", "127.0.0.1", "--master-port", str(port), *worker]
         log = open(self.log_path, "a", encoding="utf-8")
         self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                         preexec_fn=_end_with_the_runner)
         log.close()
-        logger.info(f"slot {self.index}: {len(trials)} trial(s) on {ranks} rank(s) "
+        logger.info(f"slot {self.index}: worker {self.attempt} on {ranks} rank(s) "
                     f"({', '.join(f'{k}={v}' for k, v in self.env.items() if v)}); log {self.log_path}")
 
     def poll(self) -> bool:
-        """Whether the slot is done (its worker ended and every trial it had is recorded)."""
+        """Whether the slot is done: its worker ended with nothing left to take, or ended without
+        taking a trial (it would again: the slot is closed, its log says why)."""
         if self.process is None or self.process.poll() is None:
             return self.process is None
-        status, left = self.process.returncode, self.unfinished()
-        self.process = None
-        if not left:
+        status, self.process = self.process.returncode, None
+        taken = [(k, trial) for k, trial in enumerate(self.queue.trials)
+                 if (self.queue.claimed_by(k) or (None,))[0] == self.index]
+        this_attempt = [trial for k, trial in taken if self.queue.claimed_by(k)[1] == self.attempt]
+        for trial in [t for t, r in read_records(self.spec, [t for _, t in taken]) if r is None]:
+            # the one it was running when it died
+            error = f"the worker of slot {self.index} exited with status {status} during this trial (see {self.log_path})"
+            write_trial_record(trial.output_dir(self.spec), record_for(trial, "failed", error))
+            logger.warning(f"trial {trial.id}: failed: {error}")
+        if status == 0 or not self.queue.unclaimed():
             return True
-        died_on = left[0]  # trials run in order: the first unrecorded one is the one it was running
-        error = f"the worker of slot {self.index} exited with status {status} during this trial (see {self.log_path})"
-        write_trial_record(died_on.output_dir(self.spec), record_for(died_on, "failed", error))
-        logger.warning(f"trial {died_on.id}: failed: {error}")
-        if left[1:]:
-            self.start(left[1:])
-            return False
-        return True
+        if not this_attempt:
+            logger.error(f"slot {self.index}: its worker exited with status {status} before taking a trial (see "
+                         f"{self.log_path}); the slot is closed")
+            return True
+        self.start()
+        return False
 
     def stop(self, signum: int) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -197,20 +229,38 @@ def refuse_invalid(spec: SweepSpec, trials: list[Trial]) -> list[Trial]:
     return valid
 
 
-def run_sweep(spec: SweepSpec, environ=os.environ) -> dict:
-    """Run what is left of the sweep, then select, tabulate and bundle. {"finished", "planned",
-    "interrupted": signal name or None, "selections"}."""
+def forget_failed(spec: SweepSpec, trials: list[Trial]) -> int:
+    """Remove the trial.json of every failed trial, so that it runs again; how many."""
+    failed = [t for t, r in read_records(spec, trials) if r is not None and r.status == "failed"]
+    for trial in failed:
+        os.remove(os.path.join(trial.output_dir(spec), TRIAL_FILE))
+    if failed:
+        logger.info(f"--retry-failed: {len(failed)} failed trial(s) run again: {', '.join(t.id for t in failed)}")
+    return len(failed)
+
+
+def run_sweep(spec: SweepSpec, environ=os.environ, retry_failed: bool = False) -> dict:
+    """Run what is left of the sweep (with retry_failed, the failed trials too), then select,
+    tabulate and bundle. {"finished", "planned", "interrupted": signal name or None, "selections"}."""
+    with sole_sweep(spec.output_dir):
+        claim(spec)  # before anything is written: a foreign or changed directory is refused
+        return _run_claimed(spec, environ, retry_failed)
+
+
+def _run_claimed(spec: SweepSpec, environ, retry_failed: bool) -> dict:
     from .bundle import write_bundle
     from .selection import select_all
     from .table import markdown, write_results
 
-    claim(spec)  # before anything is written: a foreign or changed directory is refused
     trials = expand(spec)
+    if retry_failed:
+        forget_failed(spec, trials)
     left = refuse_invalid(spec, [t for t, r in read_records(spec, trials) if r is None])
     envs = slot_environments(spec, environ)
     logger.info(f"sweep {spec.output_dir}: {len(trials)} trials ({len(trials) - len(left)} finished before), "
                 f"{len(envs)} slot(s) of {spec.ranks_per_trial} rank(s)")
-    slots = [Slot(k, spec, env, left[k::len(envs)]) for k, env in enumerate(envs)]
+    queue = Queue(spec, left)
+    slots = [Slot(k, spec, env, queue) for k, env in enumerate(envs)][:max(1, len(left))]
     stop = {"signal": None}
 
     def on_signal(signum, frame):
@@ -218,10 +268,9 @@ def run_sweep(spec: SweepSpec, environ=os.environ) -> dict:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for slot in slots:
-            if slot.trials:
-                slot.start(slot.trials)
-        running = [slot for slot in slots if slot.trials]
+        running = slots if left else []
+        for slot in running:
+            slot.start()
         while running and stop["signal"] is None:
             time.sleep(POLL_SECONDS)
             running = [slot for slot in running if not slot.poll()]
@@ -262,7 +311,7 @@ def main(argv=None) -> int:
         print(f"invalid sweep configuration ({args.config or 'command line'}):\n{error}", file=sys.stderr)
         return 2
     try:
-        outcome = run_sweep(spec)
+        outcome = run_sweep(spec, retry_failed=args.retry_failed)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -272,6 +321,11 @@ def main(argv=None) -> int:
         return 130 if outcome["interrupted"] == "SIGINT" else 143
     print(f"sweep: {outcome['finished']} of {outcome['planned']} trials finished; results in "
           f"{os.path.join(spec.output_dir, 'results.md')}")
+    if outcome["finished"] < outcome["planned"]:
+        print(f"error: {outcome['planned'] - outcome['finished']} trial(s) never ran: every slot's worker ended "
+              f"before taking them (see {os.path.join(spec.output_dir, 'logs')}); run the same command again "
+              f"to go on with them", file=sys.stderr)
+        return 1
     failures = [error for s in outcome["selections"] for _, error in s.failed]
     if failures and not any(s.best for s in outcome["selections"]):
         print(f"error: every trial failed; the first: {failures[0]}", file=sys.stderr)

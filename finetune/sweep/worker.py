@@ -1,10 +1,15 @@
-"""One slot of a sweep: a process group that runs its trials one after another, in-process.
+"""One slot of a sweep: a process group that takes trials from the sweep's queue and runs them one
+after another, in-process.
 
-`python -m finetune.sweep.worker SLOT_FILE`, started by the runner (runner.py) as one process, or
-under torch.distributed.run for a slot of several ranks. SLOT_FILE (JSON) lists the slot's trials,
-each {"id", "task", "directory", "overrides", "record": {...}}, in order. The process group, the
-imports and model.init_from (read once per distinct path) serve every trial; each trial gets its
-own config (validated as `python -m finetune` validates it), engine and output directory.
+`python -m finetune.sweep.worker QUEUE_FILE SLOT ATTEMPT`, started by the runner (runner.py) as one
+process, or under torch.distributed.run for a slot of several ranks. QUEUE_FILE (JSON) lists the
+trials still to run, each {"id", "task", "directory", "overrides", "record": {...}}, in the sweep's
+order, and the claims directory the slots share: a worker takes the next trial by creating its claim
+file (`<claims>/<position>`, holding "SLOT ATTEMPT", linked into place: one link wins), so that every trial is taken by
+one slot, and a slot that finishes early takes more. On several ranks rank 0 claims and tells the
+others. The process group, the imports and model.init_from (read once per distinct path) serve
+every trial; each trial gets its own config (validated as `python -m finetune` validates it), engine
+and output directory.
 
 A trial that fails (a bad config value, bad data, any exception) is recorded as failed with its
 one-line error (trial.json, written by the logging rank after the trial's outputs) and the worker goes
@@ -18,6 +23,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import sys
 import time
 import traceback
@@ -106,11 +112,33 @@ def run_trial(entry: dict, parallel, checkpoints: dict) -> tuple[str, str | None
     return "done", None
 
 
-def run_slot(trials: list[dict], parallel) -> None:
+def claim(claims_dir: str, position: int, slot: int, attempt: int, parallel) -> bool:
+    """Whether this slot takes the queue's trial at `position`: rank 0 creates its claim file unless
+    another slot did, and every rank of the slot learns the answer."""
+    from pretrain.distributed.device import all_gather_object
+
+    taken = False
+    if parallel.rank == 0:  # the claim appears whole or not at all: written aside, then linked
+        draft = os.path.join(claims_dir, f".{position}.{slot}.{attempt}")
+        with open(draft, "w", encoding="utf-8") as f:
+            f.write(f"{slot} {attempt}\n")
+        try:
+            os.link(draft, os.path.join(claims_dir, str(position)))
+            taken = True
+        except FileExistsError:
+            pass
+        finally:
+            os.remove(draft)
+    return all_gather_object(taken)[0]
+
+
+def run_slot(queue: dict, slot: int, attempt: int, parallel) -> None:
     from finetune.sweep.trials import TrialRecord, write_trial_record
 
     checkpoints: dict = {}
-    for entry in trials:
+    for position, entry in enumerate(queue["trials"]):
+        if not claim(queue["claims"], position, slot, attempt, parallel):
+            continue
         started = time.perf_counter()
         with trial_log(f"{entry['directory']}/trial.log", parallel):
             logger.info(f"trial {entry['id']}: starting ({parallel.world_size} rank(s))")
@@ -134,9 +162,10 @@ def main(argv=None) -> int:
 
     hide_library_warnings()
     argv = sys.argv[1:] if argv is None else argv
-    with open(argv[0], encoding="utf-8") as f:
-        slot = json.load(f)
-    return run_distributed(lambda parallel: run_slot(slot["trials"], parallel), slot["tensor_parallel"])
+    queue_file, slot, attempt = argv[0], int(argv[1]), int(argv[2])
+    with open(queue_file, encoding="utf-8") as f:
+        queue = json.load(f)
+    return run_distributed(lambda parallel: run_slot(queue, slot, attempt, parallel), queue["tensor_parallel"])
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 `python -m finetune TASK` process per trial, on the same trials.
 
 usage: python tools/benchmarks/sweep.py [--work-dir DIR] [--train 400] [--dev 100] [--points 4] [--restarts 2]
-                                        [--json OUT]
+                                        [--uneven] [--json OUT]
 
 The task: an RTE-layout sentence-pair file (does sentence 2 repeat sentence 1, the tests' task) of
 --train and --dev pairs; the model: the tests' tiny BERT (2 layers, hidden 64), randomly initialised,
@@ -12,6 +12,12 @@ the other; each side's wall time from its first process's start to its last one'
 own seconds (from trial.json on the sweep's side), and the ratio. What the sweep saves is the work
 done once per worker instead of once per trial: interpreter, torch/DeepSpeed imports, the process
 group, reading model.init_from and tokenizing the task's files.
+
+--uneven measures the queue instead: two slots, a grid of 2 learning rates x epochs [6, 1], so that
+dealing the trials round robin in the sweep's order would give one slot both 6-epoch trials. It
+prints the sweep's wall time, each slot's busy time (the sum of its trials' seconds, the slots read
+from the claims), and what round robin would have cost on the same trials' seconds: the busier
+round-robin slot's sum plus the same start-up.
 """
 from __future__ import annotations
 
@@ -55,6 +61,44 @@ def repeat_task(root: Path, train: int, dev: int) -> dict[str, Path]:
     return files
 
 
+def uneven(args) -> int:
+    root = Path(args.work_dir or tempfile.mkdtemp(prefix="sweep-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    hf, files = tiny_bert(root), repeat_task(root, args.train, args.dev)
+    common = [f"model.init_from={hf}", "task.max_seq_length=12", "model.hidden_dropout=0", "model.attention_dropout=0",
+              f"task.train_file={files['train']}", f"task.dev_files=[{files['dev']}]"]
+    out = root / "uneven"
+    config = root / "uneven.yaml"
+    config.write_text(json.dumps({"sweep": {"tasks": ["rte"], "grid": {"train.lr": [1e-3, 5e-4], "train.epochs": [6, 1]},
+                                            "output_dir": str(out), "overrides": common, "parallel_trials": 2}}))
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "finetune", "sweep", "--config", str(config)], cwd=REPO,
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        print(done.stdout[-3000:] + done.stderr[-3000:], file=sys.stderr)
+        return 1
+    queue = json.loads((out / ".slots" / "queue.json").read_text())["trials"]
+    seconds = [json.loads((Path(e["directory"]) / "trial.json").read_text())["seconds"] for e in queue]
+    slot_of = [int((out / ".slots" / "claims" / str(k)).read_text().split()[0]) for k in range(len(queue))]
+    busy = [sum(s for s, slot in zip(seconds, slot_of) if slot == k) for k in range(2)]
+    round_robin = [sum(seconds[k::2]) for k in range(2)]
+    startup = wall - max(busy)
+    report = {"trials": [e["id"] for e in queue], "seconds": seconds, "slot_of": slot_of, "wall_s": round(wall, 2),
+              "slot_busy_s": [round(b, 2) for b in busy], "round_robin_busy_s": [round(b, 2) for b in round_robin],
+              "round_robin_estimate_s": round(max(round_robin) + startup, 2),
+              "round_robin_over_queue": round((max(round_robin) + startup) / wall, 2)}
+    print(f"4 trials (rte, {args.train} training pairs, lr x epochs [6, 1]), 2 slots")
+    for trial, s, slot in zip(report["trials"], seconds, slot_of):
+        print(f"  {trial}: {s:6.1f} s on slot {slot}")
+    print(f"  queue: {wall:6.1f} s wall; slots busy {busy[0]:.1f} s and {busy[1]:.1f} s")
+    print(f"  round robin on the same trials: slots busy {round_robin[0]:.1f} s and {round_robin[1]:.1f} s, "
+          f"about {report['round_robin_estimate_s']:.1f} s wall ({report['round_robin_over_queue']:.2f}x the queue's)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir")
@@ -62,8 +106,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dev", type=int, default=100)
     parser.add_argument("--points", type=int, default=4)
     parser.add_argument("--restarts", type=int, default=2)
+    parser.add_argument("--uneven", action="store_true", help="two slots on trials of unequal length")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if args.uneven:
+        return uneven(args)
     root = Path(args.work_dir or tempfile.mkdtemp(prefix="sweep-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     hf, files = tiny_bert(root), repeat_task(root, args.train, args.dev)
