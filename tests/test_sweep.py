@@ -8,7 +8,8 @@ sentence 2 repeat sentence 1; SST-2's: does the sentence hold w0), a 2 x 2 grid 
 - SIGTERM, then SIGKILL, of a running sweep: relaunched, the finished trials are not run again (their
   files unchanged) and the table equals the uninterrupted sweep's;
 - a grid point with a bad value fails with its one-line error; the others complete;
-- a slot of 2 ranks; its worker killed: the trial is recorded as failed, and --retry-failed runs it again.
+- a slot of 2 ranks; its worker killed: the trial is recorded as failed, and --retry-failed runs it again;
+- SQuAD 2.0 and SWAG: selected by F1 and accuracy, their prediction and submission files copied.
 """
 import hashlib
 import json
@@ -254,3 +255,40 @@ def test_a_failed_trial_is_recorded_with_its_error_and_the_others_complete(data,
     assert rte["selected"] == "rte/warmup_ratio-0.1/restart-0" and rte["failed"] == 1
     assert rte["failed_trials"] == [{"id": "rte/warmup_ratio-1.5/restart-0", "error": bad["error"]}]
     assert "train.warmup_ratio" in (out / "results.md").read_text()
+
+
+def test_squad_and_swag_in_a_sweep_select_by_their_metric_and_copy_the_predictions(data, tmp_path):
+    """SQuAD 2.0 (F1) and SWAG (accuracy) through the sweep: each task's selected trial is the first
+    maximum of its trials' own metrics, and its prediction and submission files are copied."""
+    from test_finetune_modernbert import swag_files
+    from test_finetune_squad import marker_task
+
+    root = tmp_path / "data"
+    (root / "swag").mkdir(parents=True)
+    squad_train, squad_dev = marker_task(root / "train.json", 60, "2.0", seed=1), marker_task(root / "dev.json", 12, "2.0", seed=2)
+    out = tmp_path / "sweep"
+    config = tmp_path / "sweep.yaml"
+    config.write_text(json.dumps({"sweep": {
+        "tasks": ["squad2", "swag"], "output_dir": str(out), "grid": {"train.lr": [1e-3, 3e-4]},
+        "overrides": [f"model.init_from={data['hf']}", "model.hidden_dropout=0", "model.attention_dropout=0",
+                      "train.global_batch_size=16", "train.micro_batch_size=8", "train.epochs=1"],
+        "task_overrides": {
+            "squad2": [f"task.train_file={squad_train}", f"task.dev_files=[{squad_dev}]", f"task.test_files=[{squad_dev}]",
+                       "task.max_seq_length=24", "task.max_query_length=8", "task.doc_stride=8"],
+            "swag": [f"task.data_dir={swag_files(root / 'swag', n_train=32, n_dev=8)}", "task.max_seq_length=16"]}}}))
+    done = sweep(config)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = {t["task"]: t for t in json.loads((out / "results.json").read_text())["tasks"]}
+    for task, metric in (("squad2", "f1"), ("swag", "accuracy")):
+        trials = [f"{task}/lr-0.001/restart-0", f"{task}/lr-0.0003/restart-0"]
+        scores = [json.loads((out / t / "metrics.json").read_text())["best"]["metrics"][metric] for t in trials]
+        assert results[task]["selected"] == trials[scores.index(max(scores))], (task, scores, results[task])
+    selected = out / results["squad2"]["selected"]
+    copied = {str(p.relative_to(out / "squad2")) for p in (out / "squad2").rglob("*.json")
+              if "restart-" not in str(p.relative_to(out / "squad2"))}
+    assert {"predictions/dev/predictions.json", "predictions/dev/null_odds.json", "submission/SQuAD.json"} <= copied, copied
+    for name in copied:
+        assert (out / "squad2" / name).read_bytes() == (selected / name).read_bytes(), name
+    swag_copied = {str(p.relative_to(out / "swag")) for p in (out / "swag").glob("predictions/*.tsv")}
+    assert swag_copied == {"predictions/val.tsv"}, swag_copied
+    assert "(n=1)" in (out / "results.md").read_text() and "±" not in (out / "results.md").read_text().split("restarts |")[1]

@@ -72,7 +72,7 @@ class Selection:
     best: TrialRecord | None  # None: no finished trial
     score: float | None  # the best trial's official dev score (the metrics' own scale)
     mean: float | None  # over the finished restarts of the selected point
-    std: float | None  # sample standard deviation (n-1); 0 with one restart
+    std: float | None  # sample standard deviation (n-1); None with one restart (undefined)
     restart_scores: tuple[float, ...] = ()
     done: int = 0
     failed: tuple[tuple[str, str | None], ...] = ()  # (trial id, one-line error)
@@ -120,7 +120,7 @@ def select(task: str, records: Sequence[TrialRecord | None], planned: int | None
     score, best = min(done, key=lambda sr: (-sr[0], order[_point_key(sr[1].point)], sr[1].restart))
     same = sorted((r.restart, s) for s, r in done if _point_key(r.point) == _point_key(best.point))
     scores = tuple(s for _, s in same)
-    std = statistics.stdev(scores) if len(scores) > 1 else 0.0
+    std = statistics.stdev(scores) if len(scores) > 1 else None
     return Selection(task, metric, best, score, statistics.fmean(scores), std, scores, len(done), failed, planned,
                      dict(best.metrics or {}))
 

@@ -112,6 +112,8 @@ def _mean_std(s: Selection) -> str:
     if s.mean is None:
         return "-"
     k = _scale(s.task)
+    if s.std is None:  # one restart: no spread to report
+        return f"{fmt(k * s.mean)} (n=1)"
     return f"{fmt(k * s.mean)} ± {fmt(k * s.std)} (n={len(s.restart_scores)})"
 
 
