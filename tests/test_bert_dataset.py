@@ -222,6 +222,7 @@ def test_samples_fit_and_short_sequences_occur(corpus, vocab, tmp_path):
         assert (s["input_ids"] == vocab.sep_id).sum() + (s["masked_labels"] == vocab.sep_id).sum() == 1
 
 
+@pytest.mark.slow
 def test_same_samples_across_runs_workers_and_layouts(corpus, vocab, tmp_path):
     prefix, _ = corpus
     first = make_dataset([prefix], vocab, tmp_path, num_samples=512)
@@ -399,6 +400,7 @@ class FailingDataset(torch.utils.data.Dataset):
         return self.inner[index]
 
 
+@pytest.mark.slow
 def test_loader_process_that_raises_or_dies_names_the_samples():
     from pretrain.data.samples.batches import LoaderError
 
@@ -474,6 +476,7 @@ raise ValueError("anything else is still reported")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("process", ["plain", "loader"])
 def test_a_rank_hanging_up_on_a_loader_process_prints_no_traceback(process):
     """A Ctrl-C reaching a rank while it takes a batch's file descriptors from a loader process left

@@ -284,6 +284,7 @@ def test_preprocessing_writes_what_megatron_reads(tokenizers_by_kind, datasets, 
                             special_ids=vocab.special_ids, pad_id=vocab.pad_id) == []
 
 
+@pytest.mark.slow
 def test_a_vocabulary_past_65500_ids_writes_int32(root):
     out = root / "large"
     assert _tool("build_vocab").main(["--input", str(root / "corpus.jsonl"), "--output-dir", str(out),

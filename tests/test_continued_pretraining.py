@@ -81,6 +81,7 @@ def test_check_config_refuses_a_missing_init_from(tmp_path):
     assert seconds < 2, f"{seconds:.1f} s"
 
 
+@pytest.mark.slow
 def test_check_config_names_the_heads_a_bert_model_lacks(hf_model):
     done, _ = check_config(f"checkpoint.init_from={hf_model}", *SYNTHETIC)
     assert done.returncode == 0, done.stderr

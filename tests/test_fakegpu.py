@@ -574,6 +574,7 @@ def test_fakeccl_collectives_equal_gloo(dist_runs):
         assert col["subgroup"] is True
 
 
+@pytest.mark.slow
 def test_cpu_tensor_in_collective_fails_like_nccl(dist_runs):
     for res in dist_runs["fake"]:
         err = res["collectives"]["cpu_tensor_error"]
@@ -584,6 +585,7 @@ def test_cpu_tensor_in_collective_fails_like_nccl(dist_runs):
         assert err is not None and "only accepts tensors on fakegpu" in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
 def test_deepspeed_zero_on_fakegpu_matches_cpu(dist_runs, stage):
     for rank, (fake, cpu) in enumerate(zip(dist_runs["fake"], dist_runs["cpu"])):

@@ -163,6 +163,7 @@ def test_either_generation_of_config_keys_reads_as_the_same_model(tmp_path):
         config_from_hf({**legacy, "hidden_activation": "silu"}, "silu")
 
 
+@pytest.mark.slow
 def test_transformers_fill_mask_on_our_export_gives_our_fill_mask(tmp_path):
     """transformers' own pipeline('fill-mask'), in a fresh process, loads a directory we wrote
     (model and tokenizer) and predicts what our tools/fill_mask.py predicts from the source."""

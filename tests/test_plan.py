@@ -16,7 +16,7 @@ A100 = Hardware(gpus_per_node=8, flops={"bf16": 156e12, "fp16": 156e12, "fp32": 
                 intra_node_bandwidth=150e9, inter_node_bandwidth=25e9)
 
 
-@pytest.mark.parametrize("config", ["configs/bert-base.yaml", "configs/bert-large.yaml"])
+@pytest.mark.parametrize("config", ["configs/bert-base.yaml", pytest.param("configs/bert-large.yaml", marks=pytest.mark.slow)])
 def test_parameters_are_hugging_faces_plus_the_vocabulary_padding(config):
     """Independent reference: transformers' BertForPreTraining of the same shape holds every
     parameter ours does, less the padded vocabulary rows (embedding and decoder bias)."""

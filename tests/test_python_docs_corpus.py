@@ -2,6 +2,8 @@
 import json
 import sys
 
+import pytest
+
 from distributed import REPO
 
 sys.path.insert(0, str(REPO / "tools" / "demo"))
@@ -29,6 +31,7 @@ Short heading
         "It selects exactly one of the suites by evaluating the expressions. Short heading")
 
 
+@pytest.mark.slow
 def test_corpus_and_pair_task(tmp_path):
     out = tmp_path / "pydocs"
     assert python_docs_corpus.main(["--output-dir", str(out), "--packages", "", "--train-pairs", "500",

@@ -21,6 +21,7 @@ def pytest_run(args, env):
                           capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_netns_tests_skip_with_the_reason_and_fail_when_required():
     # Without iproute2's `ip` on the PATH namespaces cannot be made: what a machine without
     # root or iproute2 looks like. One test selected; the marker acts before its fixtures run.
@@ -61,6 +62,7 @@ def test_a_rank_selects_the_cpu():
     assert "selected cpu cpu" in outputs[0].stdout, outputs[0].stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_cpu_tiers_select_the_cpu_where_cuda_is_present(tmp_path):
     """`pytest` on a machine that reports GPUs (the stand-in above, CUDA_VISIBLE_DEVICES=0,1): the
     test process and every rank it starts still select the CPU (the session hides the GPUs before

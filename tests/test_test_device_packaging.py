@@ -39,6 +39,7 @@ def source_copy(destination):
     return destination
 
 
+@pytest.mark.slow
 def test_the_products_wheel_has_no_test_device_and_the_test_devices_wheel_has_its_source(tmp_path):
     assert not (REPO / "pretrain" / "fakegpu").exists()
     assert importlib.util.find_spec("pretrain.fakegpu") is None
@@ -90,6 +91,7 @@ sys.exit(run_command(lambda argv: None, lambda args: run_distributed(lambda para
 """
 
 
+@pytest.mark.slow
 def test_the_test_device_missing_is_one_line_and_exit_1(tmp_path):
     env = {key: value for key, value in os.environ.items()
            if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")}

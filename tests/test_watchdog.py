@@ -60,6 +60,7 @@ def test_a_timeout_of_0_starts_no_thread():
     dog.stop()
 
 
+@pytest.mark.slow
 def test_start_up_steps_and_saves_each_have_their_own_limit(tmp_path):
     """A save may rightly take longer than a step, a start-up longer still: the limit of the kind of
     phase the rank is in applies, and the dump names the setting that fired."""
