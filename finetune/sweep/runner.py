@@ -256,11 +256,11 @@ def _run_claimed(spec: SweepSpec, environ, retry_failed: bool) -> dict:
     if retry_failed:
         forget_failed(spec, trials)
     left = refuse_invalid(spec, [t for t, r in read_records(spec, trials) if r is None])
-    envs = slot_environments(spec, environ)
+    envs = slot_environments(spec, environ)[:max(1, len(left))]  # no idle slot
     logger.info(f"sweep {spec.output_dir}: {len(trials)} trials ({len(trials) - len(left)} finished before), "
                 f"{len(envs)} slot(s) of {spec.ranks_per_trial} rank(s)")
     queue = Queue(spec, left)
-    slots = [Slot(k, spec, env, queue) for k, env in enumerate(envs)][:max(1, len(left))]
+    slots = [Slot(k, spec, env, queue) for k, env in enumerate(envs)]
     stop = {"signal": None}
 
     def on_signal(signum, frame):
