@@ -9,11 +9,10 @@ finishes a trial takes the next one nobody has taken, so short and long trials e
 
 Relaunching the same command goes on where a killed sweep stopped: a trial with a trial.json (done or
 failed) is not run again and its files are not touched; a trial without one reruns from scratch
-(--retry-failed: the failed ones too). The
-directory's sweep.json (manifest.py) refuses a relaunch whose fixed settings changed, and a first
-launch into a directory that holds other files.
-SIGTERM or Ctrl-C stops the workers and exits 143 / 130 with the count of finished trials. A worker
-that dies records its current trial as failed and a new one takes the slot's remaining trials. At the
+(--retry-failed: the failed ones too). The directory's sweep.json (manifest.py) refuses a relaunch
+whose fixed settings changed, and a first launch into a directory that holds other files.
+SIGTERM or Ctrl-C stops the workers and exits 143 / 130 with the count of finished trials. When a
+worker dies, the trial it had taken is recorded as failed and a new worker takes the slot. At the
 end: results.md / .csv / .json (Table 1's layout), glue_submission.zip when the selected runs predicted
 GLUE's test files, the selected SQuAD and SWAG predictions, and every trial in TensorBoard's HParams
 view under <output_dir>/tensorboard.
@@ -51,8 +50,6 @@ def parse_args(argv):
                              "node); without it a relaunch reruns only the trials that never ended")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sweep.restarts=5 sweep.grid=paper")
     return parser.parse_args(argv)
-
-
 
 
 def visible_gpus(environ) -> list[str]:
