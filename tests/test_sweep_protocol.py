@@ -487,32 +487,32 @@ def test_squad_and_swag_predictions_copied(tmp_path):
 # ----------------------------------------------------------------------------- sweep.json
 
 def test_a_relaunch_keeps_the_fixed_settings_and_may_grow_the_grid(tmp_path):
-    from finetune.sweep.manifest import MANIFEST, claim
+    from finetune.sweep.manifest import MANIFEST, claim_directory
 
     out = tmp_path / "sweep"
     first = spec_of("sweep.tasks=[rte]", "sweep.grid={train.lr: [1e-5]}", "sweep.overrides=[model.init_from=a]",
                     output_dir=str(out))
-    claim(first)
+    claim_directory(first)
     stored = json.loads((out / MANIFEST).read_text())
     assert stored["overrides"] == ["model.init_from=a"] and stored["grid"] == {"train.lr": [1e-5]}
     (out / "rte").mkdir()  # trials ran
-    claim(first)  # the same command again
+    claim_directory(first)  # the same command again
     grown = spec_of("sweep.tasks=[rte, mrpc]", "sweep.grid={train.lr: [1e-5, 2e-5]}", "sweep.restarts=3",
                     "sweep.parallel_trials=2", "sweep.overrides=[model.init_from=a]", output_dir=str(out))
-    claim(grown)  # more trials, more slots: the finished ones still answer the same question
+    claim_directory(grown)  # more trials, more slots: the finished ones still answer the same question
     assert json.loads((out / MANIFEST).read_text())["restarts"] == 3
     for changed, key in ((["sweep.overrides=[model.init_from=b]"], "sweep.overrides"),
                          (["sweep.overrides=[model.init_from=a]", "sweep.first_seed=7"], "sweep.first_seed"),
                          (["sweep.overrides=[model.init_from=a]", "sweep.task_overrides={rte: [train.epochs=2]}"],
                           "sweep.task_overrides")):
         with pytest.raises(ConfigError) as e:
-            claim(spec_of("sweep.tasks=[rte]", "sweep.grid={train.lr: [1e-5]}", *changed, output_dir=str(out)))
+            claim_directory(spec_of("sweep.tasks=[rte]", "sweep.grid={train.lr: [1e-5]}", *changed, output_dir=str(out)))
         assert "other settings" in e.value.problems[0] and [p for p in e.value.problems[1:] if key in p], e.value.problems
         assert len(e.value.problems) == 2, e.value.problems  # only what changed is named
 
 
 def test_a_foreign_or_damaged_directory_is_refused_before_anything_is_written(tmp_path):
-    from finetune.sweep.manifest import MANIFEST, claim
+    from finetune.sweep.manifest import MANIFEST, claim_directory
     from finetune.sweep.runner import run_sweep
 
     out = tmp_path / "mine"
@@ -524,10 +524,10 @@ def test_a_foreign_or_damaged_directory_is_refused_before_anything_is_written(tm
     assert sorted(p.name for p in out.rglob("*")) == ["notes.txt", "rte"]
     (out / "notes.txt").unlink()
     (out / "rte").rmdir()
-    claim(spec)  # an empty directory is fine
+    claim_directory(spec)  # an empty directory is fine
     (out / MANIFEST).write_text("{trunc")
     with pytest.raises(ConfigError, match="sweep.json: unreadable"):
-        claim(spec)
+        claim_directory(spec)
 
 
 def test_one_sweep_at_a_time_in_a_directory(tmp_path):
@@ -539,6 +539,10 @@ def test_one_sweep_at_a_time_in_a_directory(tmp_path):
                 pass
     with sole_sweep(str(tmp_path / "s")):  # released when the first ended
         pass
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        with sole_sweep(str(tmp_path / "f")):
+            pass
 
 
 # ----------------------------------------------------------------------------- the queue
@@ -557,9 +561,9 @@ def test_each_queued_trial_is_claimed_by_one_slot(tmp_path, monkeypatch):
     queue = Queue(spec, expand(spec))
     assert [e["id"] for e in json.loads(open(queue.path).read())["trials"]] == [t.id for t in expand(spec)]
     assert all(os.path.isdir(t.output_dir(spec)) for t in expand(spec))  # trial.log has a home
-    assert worker.claim(queue.claims, 1, 0, 1, _Rank0())
-    assert not worker.claim(queue.claims, 1, 1, 1, _Rank0())  # slot 1 finds it taken
-    assert worker.claim(queue.claims, 0, 1, 2, _Rank0())
+    assert worker.claim_trial(queue.claims, 1, 0, 1, _Rank0())
+    assert not worker.claim_trial(queue.claims, 1, 1, 1, _Rank0())  # slot 1 finds it taken
+    assert worker.claim_trial(queue.claims, 0, 1, 2, _Rank0())
     assert [queue.claimed_by(k) for k in range(3)] == [(1, 2), (0, 1), None] and queue.unclaimed() == 1
     assert sorted(os.listdir(queue.claims)) == ["0", "1"]  # no drafts left behind
     Queue(spec, expand(spec)[2:])  # a relaunch starts a fresh queue

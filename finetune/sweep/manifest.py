@@ -40,7 +40,7 @@ def describe(spec: SweepSpec) -> dict:
             "grid": {key: list(values) for key, values in spec.grid}}
 
 
-def claim(spec: SweepSpec) -> None:
+def claim_directory(spec: SweepSpec) -> None:
     """Check that spec.output_dir is this sweep's (or new), then write sweep.json. A ConfigError
     naming each setting that changed, or the directory's foreign files."""
     path = os.path.join(spec.output_dir, MANIFEST)
@@ -73,6 +73,8 @@ def claim(spec: SweepSpec) -> None:
 def sole_sweep(output_dir: str):
     """Hold <output_dir>/.lock while the sweep runs (released however the runner ends); a
     ConfigError when another sweep holds it."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ConfigError(f"sweep.output_dir {output_dir} is a file, not a directory")
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, LOCK)
     existed = os.path.exists(path)

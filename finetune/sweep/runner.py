@@ -31,7 +31,7 @@ import time
 
 from pretrain.distributed.ports import free_port as _free_port
 
-from .manifest import claim, sole_sweep
+from .manifest import claim_directory, sole_sweep
 from .spec import SweepSpec, load_sweep_spec
 from .trials import TRIAL_FILE, Trial, expand, read_records, record_for, write_trial_record
 
@@ -240,7 +240,7 @@ def run_sweep(spec: SweepSpec, environ=os.environ, retry_failed: bool = False) -
     """Run what is left of the sweep (with retry_failed, the failed trials too), then select,
     tabulate and bundle. {"finished", "planned", "interrupted": signal name or None, "selections"}."""
     with sole_sweep(spec.output_dir):
-        claim(spec)  # before anything is written: a foreign or changed directory is refused
+        claim_directory(spec)  # before anything is written: a foreign or changed directory is refused
         return _run_claimed(spec, environ, retry_failed)
 
 

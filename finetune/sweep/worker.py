@@ -5,9 +5,9 @@ after another, in-process.
 process, or under torch.distributed.run for a slot of several ranks. QUEUE_FILE (JSON) lists the
 trials still to run, each {"id", "task", "directory", "overrides", "record": {...}}, in the sweep's
 order, and the claims directory the slots share: a worker takes the next trial by creating its claim
-file (`<claims>/<position>`, holding "SLOT ATTEMPT", linked into place: one link wins), so that every trial is taken by
-one slot, and a slot that finishes early takes more. On several ranks rank 0 claims and tells the
-others. The process group, the imports and model.init_from (read once per distinct path) serve
+file (`<claims>/<position>`, holding "SLOT ATTEMPT", linked into place: one link wins), so that
+every trial is taken by one slot, and a slot that finishes early takes more. On several ranks rank
+0 claims and tells the others. The process group, the imports and model.init_from (read once per distinct path) serve
 every trial; each trial gets its own config (validated as `python -m finetune` validates it), engine
 and output directory.
 
@@ -112,7 +112,7 @@ def run_trial(entry: dict, parallel, checkpoints: dict) -> tuple[str, str | None
     return "done", None
 
 
-def claim(claims_dir: str, position: int, slot: int, attempt: int, parallel) -> bool:
+def claim_trial(claims_dir: str, position: int, slot: int, attempt: int, parallel) -> bool:
     """Whether this slot takes the queue's trial at `position`: rank 0 creates its claim file unless
     another slot did, and every rank of the slot learns the answer."""
     from pretrain.distributed.device import all_gather_object
@@ -137,7 +137,7 @@ def run_slot(queue: dict, slot: int, attempt: int, parallel) -> None:
 
     checkpoints: dict = {}
     for position, entry in enumerate(queue["trials"]):
-        if not claim(queue["claims"], position, slot, attempt, parallel):
+        if not claim_trial(queue["claims"], position, slot, attempt, parallel):
             continue
         started = time.perf_counter()
         with trial_log(f"{entry['directory']}/trial.log", parallel):
