@@ -61,6 +61,19 @@ def repeat_task(root: Path, train: int, dev: int) -> dict[str, Path]:
     return files
 
 
+def timed_sweep(config: Path, sweep: dict) -> float | None:
+    """Seconds of `python -m finetune sweep` on `sweep` (written to `config`); None when it failed
+    (its output printed)."""
+    config.write_text(json.dumps({"sweep": sweep}))
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "finetune", "sweep", "--config", str(config)], cwd=REPO,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        print(done.stdout[-3000:] + done.stderr[-3000:], file=sys.stderr)
+        return None
+    return time.perf_counter() - started
+
+
 def uneven(args) -> int:
     root = Path(args.work_dir or tempfile.mkdtemp(prefix="sweep-bench-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -68,15 +81,9 @@ def uneven(args) -> int:
     common = [f"model.init_from={hf}", "task.max_seq_length=12", "model.hidden_dropout=0", "model.attention_dropout=0",
               f"task.train_file={files['train']}", f"task.dev_files=[{files['dev']}]"]
     out = root / "uneven"
-    config = root / "uneven.yaml"
-    config.write_text(json.dumps({"sweep": {"tasks": ["rte"], "grid": {"train.lr": [1e-3, 5e-4], "train.epochs": [6, 1]},
-                                            "output_dir": str(out), "overrides": common, "parallel_trials": 2}}))
-    started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "finetune", "sweep", "--config", str(config)], cwd=REPO,
-                          capture_output=True, text=True)
-    wall = time.perf_counter() - started
-    if done.returncode != 0:
-        print(done.stdout[-3000:] + done.stderr[-3000:], file=sys.stderr)
+    wall = timed_sweep(root / "uneven.yaml", {"tasks": ["rte"], "grid": {"train.lr": [1e-3, 5e-4], "train.epochs": [6, 1]},
+                                              "output_dir": str(out), "overrides": common, "parallel_trials": 2})
+    if wall is None:
         return 1
     queue = json.loads((out / ".slots" / "queue.json").read_text())["trials"]
     seconds = [json.loads((Path(e["directory"]) / "trial.json").read_text())["seconds"] for e in queue]
@@ -117,16 +124,9 @@ def main(argv=None) -> int:
     lrs = [1e-3 / (2 ** k) for k in range(args.points)]
     common = [f"model.init_from={hf}", "task.max_seq_length=12", "train.epochs=2", "model.hidden_dropout=0",
               "model.attention_dropout=0", f"task.train_file={files['train']}", f"task.dev_files=[{files['dev']}]"]
-    config = root / "sweep.yaml"
-    config.write_text(json.dumps({"sweep": {"tasks": ["rte"], "grid": {"train.lr": lrs}, "restarts": args.restarts,
-                                            "output_dir": str(root / "sweep"), "overrides": common}}))
-
-    started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "finetune", "sweep", "--config", str(config)], cwd=REPO,
-                          capture_output=True, text=True)
-    sweep_s = time.perf_counter() - started
-    if done.returncode != 0:
-        print(done.stdout[-3000:] + done.stderr[-3000:], file=sys.stderr)
+    sweep_s = timed_sweep(root / "sweep.yaml", {"tasks": ["rte"], "grid": {"train.lr": lrs}, "restarts": args.restarts,
+                                                "output_dir": str(root / "sweep"), "overrides": common})
+    if sweep_s is None:
         return 1
     records = [json.loads(p.read_text()) for p in (root / "sweep").rglob("trial.json")]
     in_trials = sum(r["seconds"] for r in records)
