@@ -22,6 +22,11 @@ REQUIRE_NETNS_ENV = "REQUIRE_NETNS"
 # (LaunchEnv.export_to); leaked into pytest's own environment they reach every later subprocess,
 # which then waits for a rank 0 that never comes.
 LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# The caller's own launch variables (a shell that exported MASTER_PORT, a job step that runs the
+# suite) are not the tests': every test that launches sets what it needs, so a verdict must not
+# depend on them. Dropped before any test or subprocess sees them.
+for _key in (*LAUNCH_KEYS, "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"):
+    os.environ.pop(_key, None)
 
 
 @pytest.fixture(autouse=True)

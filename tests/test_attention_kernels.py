@@ -285,6 +285,49 @@ def test_choose_path_avoids_a_dense_mask_at_long_rows():
             assert attention.choose_path(8192, half_window, packed) != "dense"
 
 
+def stand_in_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+    """torch.nn.attention.varlen.varlen_attn as its docstring states it, written out on the CPU:
+    [T, heads, dim] operands, sequence i the tokens [cu[i], cu[i + 1]), query t of a sequence
+    attending its keys within [t - left, t + right] (-1: unbounded)."""
+    out = torch.zeros_like(query)
+    left, right = window_size
+    for start, stop in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
+        assert stop - start <= max_q
+        q, k, v = (t[start:stop].transpose(0, 1) for t in (query, key, value))
+        index = torch.arange(stop - start)
+        offset = index[None, :] - index[:, None]  # key - query
+        allowed = ((offset >= -left) | (left < 0)) & ((offset <= right) | (right < 0))
+        scores = (q @ k.transpose(-1, -2)) * scale
+        out[start:stop] = (torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("half_window", [None, 0, 4, 40])
+def test_varlen_path_calls_the_kernel_with_each_document(monkeypatch, half_window):
+    """Our side of the CUDA varlen path on the CPU: cu_seqlens from the sample ids (a row's trailing
+    padding its own sequence), [T, heads, dim] operands, the window as (w, w), the output put back,
+    with a stand-in for the kernel that follows varlen_attn's documented contract (the kernel itself
+    runs in the GPU tier)."""
+    from pretrain.model.micro_batch import MicroBatchCache
+
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: stand_in_varlen_attn)
+    ids = packed_rows()[:3]  # documents as contiguous runs (the model's always are; row 3 has one in two runs)
+    bounds, longest = attention.document_bounds(ids)
+    assert bounds.dtype == torch.int32 and bounds[0] == 0 and bounds[-1] == ids.numel()
+    assert longest == SEQ  # row 2 is one document of the whole row
+    q, k, v = inputs(*ids.shape)
+    cache = MicroBatchCache()
+
+    def ours(*t):
+        return attention._varlen(*(x.transpose(1, 2) for x in t), ids, half_window, DIM ** -0.5, cache).transpose(1, 2)
+
+    got = forward_backward(ours, q, k, v)
+    want = forward_backward(lambda *t: reference(*t, {"sample_ids": ids}, half_window), q, k, v)
+    for label, a, b in zip(("output", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, **TOLERANCE, msg=lambda m: f"{label}: {m}")
+    assert cache.builds == 1
+
+
 def run_device_check(device_type: str, env: dict) -> dict:
     """This file as a child process checking `device_type` (it must not enable either device here)."""
     done = subprocess.run([sys.executable, os.path.abspath(__file__), device_type], cwd=REPO, env=env,
@@ -316,13 +359,23 @@ def test_every_path_on_the_cpu_test_device():
 @pytest.mark.gpu(1)
 def test_cuda_flex_attention_matches_reference():
     """FlexAttention (compiled, block mask) on CUDA against the CPU reference, forward and gradients,
-    and every CPU path run by CUDA's SDPA (the route of attention dropout there); dropout runs to
-    finite values. In a child with the session's GPUs (this process hides them)."""
+    and every CPU path run by CUDA's SDPA (the route of attention dropout there); the model's kernels
+    (packed_attention: FlexAttention fp32, varlen flash attention bf16 where torch has it) with one
+    mask build per micro-batch; dropout runs to finite values. In a child with the session's GPUs
+    (this process hides them)."""
     from distributed import child_env, gpu_env
 
     result = run_device_check("cuda", child_env(gpu_env(BERT_FAKE_GPU="0")))
     assert_close_everywhere(result, 1e-4)  # fp32 with TF32 off; the kernels' summation orders differ
     assert any(case.endswith("encoder_attention") for case in result["cases"])
+    # the model's kernels: flex in fp32 (1e-4), varlen in bf16 (its rounding, relative to the values)
+    kernels = result["kernel_cases"]
+    assert len(kernels) == (12 if result["varlen_available"] else 6), sorted(kernels)
+    for case, differences in kernels.items():
+        limit = 2e-2 if case.endswith("varlen") else 1e-4
+        assert all(d <= limit for d in differences.values()), (case, differences)
+    assert result["auto_fp32"] == "flex"
+    assert result["auto_bf16"] == ("varlen" if result["varlen_available"] else "flex")
 
 
 def _device_check(device_type: str) -> dict:
@@ -360,13 +413,44 @@ def _device_check(device_type: str) -> dict:
                 cases[f"{kind} half_window={half_window} {name}"] = {
                     label: (a.cpu() - b).abs().max().item()
                     for label, a, b in zip(("output", "dq", "dk", "dv"), ours, theirs)}
+    kernels = _cuda_kernel_cases(device, rows) if device_type == "cuda" else {}
     finite = True
     for half_window in (None, 4):
         q, k, v = (t.detach().to(device).requires_grad_() for t in inputs(4))
         out = encoder_attention(q, k, v, sample_ids=packed_rows().to(device), half_window=half_window, dropout_p=0.2)
         out.sum().backward()
         finite = finite and all(bool(torch.isfinite(t).all()) for t in (out, q.grad, k.grad, v.grad))
-    return {"device": str(out.device), "cases": cases, "dropout_finite": finite}
+    return {"device": str(out.device), "cases": cases, "dropout_finite": finite, **kernels}
+
+
+def _cuda_kernel_cases(device, rows) -> dict:
+    """The model's CUDA kernels (packed_attention, token-major, masks from a MicroBatchCache):
+    FlexAttention in fp32 and, where torch has it, varlen flash attention in bf16, each against the
+    fp32 reference; differences relative to the reference's largest value."""
+    from pretrain.model.attention import cuda_kernel, packed_attention, varlen_available
+    from pretrain.model.micro_batch import MicroBatchCache
+
+    runs = [("flex", torch.float32)] + ([("varlen", torch.bfloat16)] if varlen_available() else [])
+    out = {}
+    for kind in ("packed", "packed300"):
+        ids = rows[kind]["sample_ids"]
+        for half_window in (None, 4, 64):
+            q, k, v = inputs(*ids.shape)
+            theirs = forward_backward(lambda *t: reference(*t, {"sample_ids": ids}, half_window), q, k, v)
+            for kernel, dtype in runs:
+                cache = MicroBatchCache()
+
+                def fn(*t):  # head-major in and out, as the reference; token-major inside
+                    return packed_attention(*(x.transpose(1, 2) for x in t), ids.to(device), half_window=half_window,
+                                            cache=cache, kernel=kernel).transpose(1, 2)
+
+                ours = forward_backward(fn, *(t.detach().to(device, dtype) for t in (q, k, v)))
+                assert ours[0].dtype == dtype and cache.builds == 1  # the one mask / boundary set
+                out[f"{kind} half_window={half_window} {kernel}"] = {
+                    label: ((a.float().cpu() - b).abs().max() / b.abs().max()).item()
+                    for label, a, b in zip(("output", "dq", "dk", "dv"), ours, theirs)}
+    return {"kernel_cases": out, "varlen_available": varlen_available(),
+            "auto_bf16": cuda_kernel("auto", torch.bfloat16), "auto_fp32": cuda_kernel("auto", torch.float32)}
 
 
 if __name__ == "__main__" and sys.argv[1:2] in (["cuda"], ["fakegpu"]):

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -39,11 +38,18 @@ def hf_model(tmp_path_factory):
     return bert_model_directory(tmp_path_factory.mktemp("minilm"), SMALL_VOCAB)
 
 
-def check_config(*overrides, config="configs/continue-pretraining.yaml"):
-    started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "pretrain", "--check-config", "--world-size", "2", "--config", config,
-                           *overrides], cwd=REPO, capture_output=True, text=True, timeout=60)
-    return done, time.monotonic() - started
+def check_config(*overrides, config="configs/continue-pretraining.yaml", without_torch=False, tmp_path=None):
+    """`python -m pretrain --check-config ...`; `without_torch`: in a Python where importing torch
+    fails (a stand-in package first on the path), which is what keeps the check quick: it reads
+    configs and config.json files, never a tensor."""
+    env = dict(os.environ)
+    if without_torch:
+        stub = tmp_path / "no-torch" / "torch"
+        stub.mkdir(parents=True, exist_ok=True)
+        (stub / "__init__.py").write_text("raise ImportError('--check-config must not import torch')\n")
+        env["PYTHONPATH"] = os.pathsep.join([str(stub.parent), str(REPO), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "pretrain", "--check-config", "--world-size", "2", "--config", config,
+                           *overrides], cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
 
 
 SYNTHETIC = ["data.kind=synthetic", "data.seq_length=64", "data.max_predictions_per_seq=10"]
@@ -60,10 +66,12 @@ def test_the_model_shape_is_taken_from_init_from_unless_set(hf_model):
     assert scratch.model.hidden_size == 768  # no init_from: the defaults
 
 
-def test_check_config_refuses_a_shape_mismatch_with_the_right_key_names(hf_model):
+def test_check_config_refuses_a_shape_mismatch_with_the_right_key_names(hf_model, tmp_path):
     """configs/bert-tiny.yaml sets a shape: each key that differs from config.json is named, with
-    model.ffn_hidden_size (not the old message's model.ffn_size), in under 2 seconds."""
-    done, seconds = check_config(f"checkpoint.init_from={hf_model}", *SYNTHETIC, config="configs/bert-tiny.yaml")
+    model.ffn_hidden_size (not the old message's model.ffn_size), without importing torch (what
+    keeps the check under a couple of seconds; a wall-time bound would be the machine's verdict)."""
+    done = check_config(f"checkpoint.init_from={hf_model}", *SYNTHETIC, config="configs/bert-tiny.yaml",
+                        without_torch=True, tmp_path=tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
     (line,) = [line for line in done.stderr.splitlines() if "does not fit" in line]
     assert f"checkpoint.init_from {hf_model} does not fit this run's model ({hf_model}/config.json)" in line
@@ -71,25 +79,23 @@ def test_check_config_refuses_a_shape_mismatch_with_the_right_key_names(hf_model
                      "model.num_attention_heads: run 2, checkpoint 4", "model.ffn_hidden_size: run 512, checkpoint 96"):
         assert expected in line, line
     assert "model.ffn_size" not in done.stderr
-    assert seconds < 2, f"{seconds:.1f} s"
 
 
 def test_check_config_refuses_a_missing_init_from(tmp_path):
-    done, seconds = check_config(f"checkpoint.init_from={tmp_path}/nope", *SYNTHETIC)
-    assert done.returncode == 2
+    done = check_config(f"checkpoint.init_from={tmp_path}/nope", *SYNTHETIC, without_torch=True, tmp_path=tmp_path)
+    assert done.returncode == 2, done.stderr
     assert f"checkpoint.init_from {tmp_path}/nope does not exist" in done.stderr
-    assert seconds < 2, f"{seconds:.1f} s"
 
 
 @pytest.mark.slow
 def test_check_config_names_the_heads_a_bert_model_lacks(hf_model):
-    done, _ = check_config(f"checkpoint.init_from={hf_model}", *SYNTHETIC)
+    done = check_config(f"checkpoint.init_from={hf_model}", *SYNTHETIC)
     assert done.returncode == 0, done.stderr
     notes = [line for line in done.stdout.splitlines() if line.startswith("note: ")]
     assert len(notes) == 2, done.stdout
     assert "has no MLM head" in notes[0] and "starts from random weights" in notes[0] and "'the'" in notes[0]
     assert "has no next-sentence head" in notes[1] and "data.segment_pairs=none" in notes[1]
-    done, _ = check_config(f"checkpoint.init_from={hf_model}", *SYNTHETIC, "data.segment_pairs=none")
+    done = check_config(f"checkpoint.init_from={hf_model}", *SYNTHETIC, "data.segment_pairs=none")
     assert [line for line in done.stdout.splitlines() if line.startswith("note: ")] == [notes[0]]
 
 

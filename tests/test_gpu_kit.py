@@ -33,13 +33,29 @@ def parse(argv):
 
 
 def test_runs_are_measured_padded_and_hf_first_then_packed_then_the_rest():
-    args = parse(["--models", "large,base", "--seqs", "128,512", "--variants", bench.DEFAULT_VARIANTS])
+    args = parse(["--models", "large,base", "--seqs", "128,512"])
     ids = [job["id"] for job in bench.job_list(args)]
     assert ids[:6] == ["large-s128-ours-zero1", "large-s128-hf", "large-s128-ours-packed",
                        "large-s512-ours-zero1", "large-s512-hf", "large-s512-ours-packed"]
     assert ids[12:14] == ["large-s128-ours-zero0", "large-s128-ours-adamw"]
     assert len(ids) == 20
     assert {job["batch"] for job in bench.job_list(args) if job["seq"] == 512} == {32}  # NVIDIA's batches
+
+
+def test_by_default_modernbert_base_comes_first_at_its_shapes():
+    """The kit's default: ModernBERT-base (the product's first measure) before BERT, at 1024 x 64 and
+    8192 x 8, packed first; its four runs at each shape, the BERT ones at NVIDIA's."""
+    jobs = bench.job_list(parse([]))
+    assert [j["id"] for j in jobs[:8]] == [f"modernbert-base-s{s}-{v}" for s in (1024, 8192)
+                                           for v in ("ours-packed", "ours-zero1", "hf", "hf-sparse")]
+    assert {(j["seq"], j["batch"]) for j in jobs if j["model"] == "modernbert-base"} == {(1024, 64), (8192, 8)}
+    assert {(j["seq"], j["batch"]) for j in jobs if j["model"] == "large"} == {(128, 256), (512, 32)}
+    assert not [j for j in jobs if j["model"] != "modernbert-base" and j["variant"] == "hf-sparse"]
+    # one --variants list serves both families: each takes the runs it has
+    mixed = bench.job_list(parse(["--models", "modernbert-tiny,tiny", "--batch", "32:8",
+                                  "--variants", "ours-zero1,hf-sparse,ours-adamw"]))
+    assert [j["id"] for j in mixed] == ["modernbert-tiny-s32-ours-zero1", "modernbert-tiny-s32-hf-sparse",
+                                        "tiny-s32-ours-zero1", "tiny-s32-ours-adamw"]
 
 
 def test_a_spent_budget_records_every_run_as_not_run():
@@ -62,6 +78,33 @@ def test_comparisons_against_hf_and_nvidia():
     assert row["nvidia_dle_a100_sequences_per_s"] == 574 and row["nvidia_dle_batch"] == 256
     assert row["ours_zero1_over_nvidia_a100"] == pytest.approx(2.0)
     assert row["ours_adamw_over_hf"] is None  # not measured: no ratio made up
+
+
+def test_modernbert_comparisons_are_per_real_token():
+    args = parse(["--models", "modernbert-base", "--seqs", "1024"])
+    measured = {"ours-packed": 400e3, "ours-zero1": 380e3, "hf": 80e3, "hf-sparse": 100e3}
+    results = {f"modernbert-base-s1024-{v}": {"status": "ok", "measured": {"sequences_per_s": 1.0,
+                                                                             "real_tokens_per_s": t}}
+               for v, t in measured.items()}
+    [row] = bench.comparisons(bench.job_list(args), results)
+    assert row["padded_over_packed_real_tokens"] == pytest.approx(0.95)
+    assert row["hf_over_ours_packed_real_tokens"] == pytest.approx(0.2)
+    assert row["hf_sparse_over_ours_packed_real_tokens"] == pytest.approx(0.25)
+    assert "nvidia_dle_a100_sequences_per_s" not in row
+
+
+def test_useful_flops_count_attention_per_document():
+    """MFU's numerator: a packed row of two 512-token documents is less work than one of 1,024 tokens
+    (its global attention is two 512^2 blocks, not 1024^2), and a padded row counts its real tokens."""
+    from pretrain.config import load_config
+    from pretrain.model.flops import document_training_flops, encoder_forward_flops
+
+    m = load_config(str(REPO / "configs" / "modernbert-base.yaml"), []).model
+    one, two = (document_training_flops(m, lengths, 0, m.vocab_size, False) for lengths in ([1024], [512, 512]))
+    assert one == pytest.approx(3 * encoder_forward_flops(m, 1024))
+    assert two == pytest.approx(6 * encoder_forward_flops(m, 512)) and two < one
+    global_layers = sum(m.is_global_layer(i) for i in range(m.num_layers))
+    assert one - two == pytest.approx(3 * global_layers * 4 * m.hidden_size * (1024**2 - 2 * 512**2), rel=0.05)
 
 
 def test_bad_arguments_are_named():
@@ -137,8 +180,8 @@ def test_the_kit_is_prepared_installed_and_run_on_the_cpu_test_device(tmp_path):
     stand_in_image(image, (kit / "image-packages.txt").read_text().split())
 
     env = dict(os.environ, BERT_FAKE_GPU="1", GPU_CHECK_PYTHON=str(image / "bin" / "python"),
-               GPU_CHECK_BENCH_ARGS="--models tiny --seqs 32 --batch 32:8 --precision fp32 --steps 2 --warmup 1 "
-                                    "--variants ours-zero1,hf,ours-packed")
+               GPU_CHECK_BENCH_ARGS="--models modernbert-tiny,tiny --seqs 32 --batch 32:8 --precision fp32 "
+                                    "--steps 2 --warmup 1 --variants ours-zero1,hf,ours-packed,hf-sparse")
     env.pop("PYTHONPATH", None)
     done = subprocess.run(["bash", str(kit / "check.sh"), str(kit), str(out)], cwd=tmp_path, capture_output=True,
                           text=True, timeout=1200, env=env)
@@ -146,7 +189,9 @@ def test_the_kit_is_prepared_installed_and_run_on_the_cpu_test_device(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert summary.splitlines()[0].startswith("gpu-check: install: ok (torch ") and "(image, " in summary
     assert "gpu-check: GPU tier: ok: 1 passed, 0 failed, 0 errors, 1 skipped" in summary
-    assert "gpu-check: benchmark: ok: 3 ok, 0 failed, 0 not run" in summary and "all parts passed" in summary
+    assert "gpu-check: benchmark: ok: 7 ok, 0 failed, 0 not run" in summary and "all parts passed" in summary
+    assert "  modernbert-tiny seq 32 B8 real tok/s: ours packed " in summary  # the figures a reader wants first
+    assert summary.index("gpu-check: benchmark:") < summary.index("gpu-check: GPU tier:")  # the bench runs first
     assert summary.strip() in done.stdout.strip() or all(line in done.stdout for line in summary.splitlines())
 
     cases = ET.parse(out / "gpu-tier.xml").getroot().iter("testcase")
@@ -157,13 +202,23 @@ def test_the_kit_is_prepared_installed_and_run_on_the_cpu_test_device(tmp_path):
     report = json.loads((out / "bench.json").read_text())
     assert report["schema"] == bench.SCHEMA and report["device"]["type"] == "fakegpu"
     assert report["calibration"]["gemm_tflops"] > 0 and report["calibration"]["copy_gb_per_s"] > 0
-    runs = {run["variant"]: run for run in report["runs"]}
-    assert {v: r["status"] for v, r in runs.items()} == {"ours-zero1": "ok", "hf": "ok", "ours-packed": "ok"}
-    for run in runs.values():
+    assert {r["id"]: r["status"] for r in report["runs"]} == {
+        **{f"modernbert-tiny-s32-{v}": "ok" for v in ("ours-packed", "ours-zero1", "hf", "hf-sparse")},
+        **{f"tiny-s32-{v}": "ok" for v in ("ours-zero1", "hf", "ours-packed")}}
+    for run in report["runs"]:
         measured = run["measured"]
         assert measured["parameter_device"] == "fakegpu:0"
         assert measured["sequences_per_s"] > 0 and 0 < measured["real_token_share"] <= 1
         assert measured["peak_memory_gib"] > 0  # the device's allocator, as CUDA's reports it
+        assert measured["min_step_s"] <= measured["step_s"] <= measured["max_step_s"]
+        # a count after each step: the warmup's, the 2 timed, the profiled one
+        assert measured["first_timed_step_after_s"] > 0 and len(measured["compiled_graphs_per_step"]) == 4
+        profile = measured["profile"]  # one more step, its time by kind of work
+        assert profile["groups_ms"]["gemm"] > 0 and profile["total_ms"] > 0, profile
+    modern = {run["variant"]: run["measured"] for run in report["runs"] if run["model"] == "modernbert-tiny"}
+    assert modern["ours-zero1"]["real_token_share"] == 1.0  # padded rows in, real tokens computed
+    assert modern["hf"]["real_token_share"] < 1.0  # transformers computes the padding
+    runs = {run["variant"]: run for run in report["runs"] if run["model"] == "tiny"}
     assert runs["ours-packed"]["measured"]["real_token_share"] > runs["ours-zero1"]["measured"]["real_token_share"]
     planned = runs["ours-zero1"]["planned"]
     assert planned["step_s"] > 0 and planned["memory_gib"] > 0

@@ -33,7 +33,7 @@ SEQ512 = ["data.seq_length=512", "model.max_position_embeddings=512", "data.max_
 # one-sided (the plan never below the measurement).
 MODERN = ["model.architecture=modernbert", "data.segment_pairs=none", "model.ffn_hidden_size=96",
           "model.global_attn_every_n_layers=2", "model.local_attention=8", "model.layernorm_epsilon=1e-5",
-          "data.short_seq_prob=0"]
+          "data.short_seq_prob=0", "data.synthetic_min_fraction=1.0"]
 MODERN_SPELLED_TOLERANCE = 0.05
 
 

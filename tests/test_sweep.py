@@ -157,16 +157,20 @@ def test_two_trials_at_once_give_the_table_of_one_after_another(data, straight, 
     done = sweep(spec(data, out, parallel_trials=2))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert table_numbers(out) == table_numbers(straight[0])
-    spans = []
+    spans, everything = [], []
     for slot in (0, 1):
         log = (out / "logs" / f"slot-{slot}.log").read_text()
         ran = [line.split("trial ")[1].split(":")[0] for line in log.splitlines()
                if line.startswith("trial ") and line.endswith(": done")]
-        assert len(ran) == 8, log[-2000:]
+        # how the queue shares the trials is the machine's business; that both slots took some is
+        # what running two at once means
+        assert ran, log[-2000:]
+        everything += ran
         started = [time.mktime(time.strptime((out / t / "trial.log").read_text()[:19], "%Y-%m-%d %H:%M:%S"))
                    for t in ran]  # the trial log's first line: "trial ...: starting"
         ended = [os.path.getmtime(out / t / "trial.json") for t in ran]
         spans.append((min(started), max(ended)))
+    assert sorted(everything) == sorted(str(d.relative_to(out)) for d in trial_dirs(out)), everything  # each once
     (a0, a1), (b0, b1) = spans
     assert a0 < b1 and b0 < a1, spans  # the two slots ran side by side
 

@@ -12,10 +12,13 @@ heads; K; V], ours per head [q; k; v]; its Wi rows are [input; gate], ours inter
 """
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from ..config import Config, ConfigError
 from .errors import CheckpointError
+
+if TYPE_CHECKING:  # the config half of this module is read by the torch-free pre-start checks
+    import torch
 
 MODEL_TYPE = "modernbert"
 PRETRAINING_ARCHITECTURES = ("ModernBertForMaskedLM", "ModernBertModel")

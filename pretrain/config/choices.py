@@ -19,3 +19,5 @@ SPIKE_POLICIES = ("off", "log", "skip", "rollback")  # resilience.spike_policy
 # ModernBERT (pre-LN, rotary positions, GeGLU, alternating local/global attention, MLM only)
 ARCHITECTURES = ("bert", "modernbert")
 CLASSIFIER_POOLING = ("cls", "mean")  # model.classifier_pooling (ModernBERT sequence heads)
+ATTENTION_KERNELS = ("auto", "varlen", "flex")  # model.attention_kernel (ModernBERT on CUDA)
+COMPILE_CHOICES = ("auto", "true", "false")  # model.compile

@@ -47,11 +47,12 @@ def build_deepspeed_config(cfg: Config, world_size: int) -> dict:
     accum = cfg.grad_accum_steps(world_size)
     ds = deepspeed_settings(t.global_batch_size, t.micro_batch_size, accum, cfg.optimizer.clip(),
                             cfg.parallel.zero_stage, t.precision, cfg.fp16.deepspeed_block(), t.grad_accum_dtype)
-    if cfg.data.packing:
-        # Packed micro-batches have as many rows as their samples fill: the pipeline engine then
-        # exchanges shapes per micro-batch (dynamic_shape), but its TP-partitioned activations
-        # and gradients keep the first micro-batch's shape for good (PipelineEngine's
-        # pipe_partition_*_meta_cache). Send them whole between stages instead.
+    if cfg.shapes_vary:
+        # Packed micro-batches have as many rows as their samples fill, and ModernBERT's as many
+        # tokens as are real: the pipeline engine then exchanges shapes per micro-batch
+        # (dynamic_shape), but its TP-partitioned activations and gradients keep the first
+        # micro-batch's shape for good (PipelineEngine's pipe_partition_*_meta_cache). Send them
+        # whole between stages instead.
         ds["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
 
     if t.deepspeed_config is None:
@@ -80,9 +81,9 @@ def build_deepspeed_config(cfg: Config, world_size: int) -> dict:
           for path in (("data_types", "grad_accum_dtype"), ("communication_data_type",)) if t.precision == "bf16"],
         (("zero_allow_untested_optimizer",), "the trainer's required true (LAMB/AdamW are client optimizers)",
          None),
-        *[(("pipeline", key), "data.packing=true (packed micro-batches change shape; DeepSpeed's partitioned "
-           "pipeline activations cannot)", "data.packing") for key in ("pipe_partitioned", "grad_partitioned")
-          if cfg.data.packing],
+        *[(("pipeline", key), "data.packing=true or model.architecture=modernbert (their micro-batches change "
+           "shape; DeepSpeed's partitioned pipeline activations cannot)", None)
+          for key in ("pipe_partitioned", "grad_partitioned") if cfg.shapes_vary],
     ]
     problems: list[str] = []
     for block, ours in (("optimizer", "optimizer.*"), ("scheduler", "scheduler.*")):

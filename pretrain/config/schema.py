@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .choices import (ARCHITECTURES, CLASSIFIER_POOLING, DATA_KINDS, DECAYS, MASKING_MODES, OPTIMIZERS, PARAMETER_KINDS, PRECISIONS, RECOMPUTE,
+from .choices import (ARCHITECTURES, ATTENTION_KERNELS, CLASSIFIER_POOLING, COMPILE_CHOICES, DATA_KINDS, DECAYS, MASKING_MODES, OPTIMIZERS, PARAMETER_KINDS, PRECISIONS, RECOMPUTE,
                       SEGMENT_PAIRS, SPIKE_POLICIES)
 from .precision import precision_problems
 from .typed_yaml import ConfigError, check_tree, load_sections
@@ -50,6 +50,14 @@ class ModelConfig:
     mlp_bias: bool = False
     classifier_bias: bool = False
     classifier_pooling: str = "cls"
+    # ModernBERT's attention kernel on CUDA (without attention dropout): "varlen" torch's
+    # variable-length flash attention (torch >= 2.10, bf16/fp16), "flex" FlexAttention with a block
+    # mask, "auto" varlen where it can run, flex otherwise (docs/performance.md has the measurements)
+    attention_kernel: str = "auto"
+    # ModernBERT's element-wise work (rotary, residual + LayerNorm, GeGLU) and the MLM loss as
+    # compiled fused kernels (torch.compile, dynamic shapes: one compilation per run): "auto" on
+    # CUDA, "true" anywhere torch compiles (the CPU too, with a C++ compiler), "false" eager
+    compile: str = "auto"
 
     @property
     def modern(self) -> bool:
@@ -85,6 +93,8 @@ class ModelConfig:
         _one_of(p, "model.recompute", self.recompute, RECOMPUTE)
         _one_of(p, "model.architecture", self.architecture, ARCHITECTURES)
         _one_of(p, "model.classifier_pooling", self.classifier_pooling, CLASSIFIER_POOLING)
+        _one_of(p, "model.attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
+        _one_of(p, "model.compile", self.compile, COMPILE_CHOICES)
         if self.modern:
             for name in ("global_attn_every_n_layers", "global_rope_theta", "local_rope_theta"):
                 _positive(p, f"model.{name}", getattr(self, name))
@@ -693,6 +703,12 @@ class Config:
         """Whether the model has the pooler and the next-sentence (or sentence-order) classifier:
         not with data.segment_pairs none, whose samples are single segments."""
         return self.data.segment_pairs != "none"
+
+    @property
+    def shapes_vary(self) -> bool:
+        """Whether the activations' shapes change between micro-batches: packed rows (as many as
+        the samples fill) and ModernBERT (which computes each micro-batch's real tokens only)."""
+        return self.data.packing or self.model.modern
 
     def data_parallel_size(self, world_size: int) -> int:
         problem = _world_size_problem(self, world_size)

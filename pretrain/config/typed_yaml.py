@@ -69,6 +69,10 @@ def _coerce(value: Any, tp: Any) -> Any:
         return value
     if tp in (str, bool) and isinstance(value, tp):
         return value
+    if tp is str and isinstance(value, bool):
+        # YAML reads an unquoted true/false as a boolean; a text field (a choice such as
+        # model.compile: auto | true | false) meant the word, which its choice check then validates
+        return "true" if value else "false"
     raise _WrongType
 
 

@@ -34,9 +34,17 @@ Attention dropout: off CUDA, each path spells its softmax out and draws the keep
 `layers.dropout` (SDPA's CPU dropout has its own draw); the probabilities then exist in full,
 [block, block + 2 half_window] per block on the banded path, [seq, keys] on the global ones.
 
-On CUDA without attention dropout: FlexAttention with a BlockMask built from the same rule
-(`_flex_attention`), compiled; checked only by the GPU tier (tests/test_attention_kernels.py).
-With dropout, CUDA takes the paths above with SDPA's own dropout.
+The model (modernbert.py) computes real tokens only, so it calls `packed_attention` with one
+packed row per micro-batch, token-major. Each path's masks and plans (the dense and banded masks,
+the documents' gather plan) are a function of the mask tensor alone: with a `MicroBatchCache` they
+are built once per micro-batch and shared by every layer and recomputation.
+
+On CUDA without attention dropout, one of two kernels (model.attention_kernel, `cuda_kernel`):
+torch's variable-length flash attention (`varlen_attn`: each document a sequence of cu_seqlens,
+the window as (half_window, half_window); bf16/fp16, torch >= 2.10), or FlexAttention with a
+BlockMask of the same rule, compiled with dynamic shapes, the BlockMask built once per micro-batch
+and window. Checked only by the GPU tier (tests/test_attention_kernels.py). With dropout, CUDA
+takes the paths above with SDPA's own dropout.
 """
 from __future__ import annotations
 
@@ -45,8 +53,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ..config.choices import ATTENTION_KERNELS
 from .cpu_bf16 import upcast_bf16
 from .layers import dropout as _dropout
+from .micro_batch import MicroBatchCache
 
 # Query block of the banded path. Measured (tools/benchmarks/attention.py, BERT-tiny width,
 # half_window 64, 8,192 tokens): 64 and 128 equally fast at every length, 128 with less memory
@@ -61,13 +71,14 @@ PATHS = ("dense", "padded_global", "banded", "documents")
 
 
 def encoder_attention(query, key, value, *, padding_mask=None, sample_ids=None, half_window=None, dropout_p=0.0,
-                      scale=None) -> torch.Tensor:
+                      scale=None, cache: MicroBatchCache | None = None) -> torch.Tensor:
     """softmax(q k^T scale + mask) v over [batch, heads, seq, head_dim] (already rotary-embedded),
     the context in the same shape and dtype; see the module docstring for which key each query
     may attend. Exactly one of `padding_mask` / `sample_ids` ([batch, seq] integers); half_window
     None for a global layer; dropout on the probabilities when dropout_p > 0 (on CPU `layers.dropout`
     draws the keep mask from the default generator, so the RNG tracker's forks govern it); scale
-    defaults to head_dim ** -0.5."""
+    defaults to head_dim ** -0.5. With `cache`, the masks and plans derived from the mask tensor are
+    built once per micro-batch and shared by every layer that passes the same tensor (micro_batch.py)."""
     if (padding_mask is None) == (sample_ids is None):
         raise ValueError("encoder_attention takes exactly one of padding_mask and sample_ids")
     if half_window is not None and half_window < 0:
@@ -79,15 +90,15 @@ def encoder_attention(query, key, value, *, padding_mask=None, sample_ids=None, 
         # layers.self_attention does, and hand back bf16
         return encoder_attention(query.float(), key.float(), value.float(), padding_mask=padding_mask,
                                  sample_ids=sample_ids, half_window=half_window, dropout_p=dropout_p,
-                                 scale=scale).to(query.dtype)
+                                 scale=scale, cache=cache).to(query.dtype)
     seq = query.shape[2]
     if half_window is not None and half_window >= seq - 1:
         half_window = None  # the window holds the whole row: the same as global attention
     if query.device.type == "cuda" and dropout_p == 0.0:
-        return _flex_attention(query, key, value, padding_mask, sample_ids, half_window, scale)
+        return _flex_attention(query, key, value, padding_mask, sample_ids, half_window, scale, cache)
     path = choose_path(seq, half_window, packed=sample_ids is not None)
     return run_path(path, query, key, value, padding_mask=padding_mask, sample_ids=sample_ids,
-                    half_window=half_window, dropout_p=dropout_p, scale=scale)
+                    half_window=half_window, dropout_p=dropout_p, scale=scale, cache=cache)
 
 
 def choose_path(seq: int, half_window: int | None, packed: bool) -> str:
@@ -105,14 +116,18 @@ def choose_path(seq: int, half_window: int | None, packed: bool) -> str:
 
 
 def run_path(path: str, query, key, value, *, padding_mask=None, sample_ids=None, half_window=None, dropout_p=0.0,
-             scale=None, block: int | None = None) -> torch.Tensor:
+             scale=None, block: int | None = None, cache: MicroBatchCache | None = None) -> torch.Tensor:
     """One named path (the benchmark and the tests call each; encoder_attention calls the chosen);
-    `block`: the banded path's query block (default BAND_BLOCK)."""
+    `block`: the banded path's query block (default BAND_BLOCK); `cache`: see encoder_attention."""
     if scale is None:
         scale = query.shape[-1] ** -0.5
+    mask = padding_mask if sample_ids is None else sample_ids
     if path == "dense":
-        allowed = _dense_allowed(padding_mask, sample_ids, half_window, query.shape[2])[:, None]
-        bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, float("-inf"))
+        def dense_bias():
+            allowed = _dense_allowed(padding_mask, sample_ids, half_window, query.shape[2])[:, None]
+            return torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed,
+                                                                                                    float("-inf"))
+        bias = _shared(cache, mask, ("dense", half_window, query.dtype), dense_bias)
         return _attend(query, key, value, bias, dropout_p, scale)
     if path == "padded_global":
         if padding_mask is None or half_window is not None:
@@ -121,12 +136,18 @@ def run_path(path: str, query, key, value, *, padding_mask=None, sample_ids=None
     if path == "banded":
         if half_window is None:
             raise ValueError("the banded path is for local layers (half_window set)")
-        return _banded(query, key, value, padding_mask, sample_ids, half_window, dropout_p, scale, block)
+        return _banded(query, key, value, padding_mask, sample_ids, half_window, dropout_p, scale, block, cache)
     if path == "documents":
         if sample_ids is None or half_window is not None:
             raise ValueError("the documents path is for global layers of packed rows")
-        return _documents(query, key, value, sample_ids, dropout_p, scale)
+        plan = _shared(cache, sample_ids, "documents", lambda: _document_plan(sample_ids))
+        return _documents(query, key, value, plan, dropout_p, scale)
     raise ValueError(f"unknown attention path {path!r}: one of {', '.join(PATHS)}")
+
+
+def _shared(cache: MicroBatchCache | None, mask: torch.Tensor, name, build):
+    """build(), or the value the cache holds for this micro-batch's `mask` and `name`."""
+    return build() if cache is None else cache.get(mask, name, build)
 
 
 def _attend(query, key, value, mask, dropout_p: float, scale: float) -> torch.Tensor:
@@ -196,7 +217,7 @@ def _padded_global(query, key, value, padding_mask, dropout_p: float, scale: flo
 
 
 def _banded(query, key, value, padding_mask, sample_ids, half_window: int, dropout_p: float, scale: float,
-            block: int | None = None) -> torch.Tensor:
+            block: int | None = None, cache: MicroBatchCache | None = None) -> torch.Tensor:
     """Local attention by query blocks: block n (queries [nC, nC + C)) attends the keys
     [nC - w, nC + C + w) only, an unfold view of the keys padded by w on both sides. Query c of
     the block sits at nC + c and band entry j at nC - w + j: their distance j - w - c is within
@@ -210,23 +231,15 @@ def _banded(query, key, value, padding_mask, sample_ids, half_window: int, dropo
     q = (F.pad(query, (0, 0, 0, tail)) if tail else query).reshape(batch, heads, blocks, block, dim)
     k = F.pad(key, (0, 0, w, tail + w)).unfold(2, width, block)  # [batch, heads, blocks, dim, width], a view
     v = F.pad(value, (0, 0, w, tail + w)).unfold(2, width, block)
-    near = _near(block, width, w, w, device)
-    if sample_ids is not None:
-        # alignment padding gets number -1: it meets only itself (the extra queries attend their own
-        # zero key and are cut off), never a real document or the row's padding
-        key_ids = F.pad(sample_ids, (w, tail + w), value=-1).unfold(1, width, block)
-        query_ids = F.pad(sample_ids, (0, tail), value=-1).view(batch, blocks, block)
-        allowed = (query_ids[..., :, None] == key_ids[..., None, :]) & near
-    else:
-        real = F.pad(padding_mask != 0, (w, tail + w), value=False)
-        isolated = (_reach_count(real, w) == 0)[:, w:w + blocks * block].view(batch, blocks, block)
-        diagonal = _near(block, width, w, 0, device)  # key j is query c itself
-        allowed = (real.unfold(1, width, block)[..., None, :] & near) | (isolated[..., :, None] & diagonal)
+    mask = padding_mask if sample_ids is None else sample_ids
     # allowed: [batch, blocks, block, width], the same for every head
+    allowed = _shared(cache, mask, ("banded", w, block),
+                      lambda: _banded_allowed(padding_mask, sample_ids, w, block, blocks, tail))
     if dropout_p == 0.0 or device.type == "cuda":
         # SDPA takes 4-d operands: (row, block) pairs as its batch, so that one additive mask per
         # pair serves all heads (a broadcast, not a copy per head)
-        bias = torch.zeros(allowed.shape, dtype=query.dtype, device=device).masked_fill_(~allowed, float("-inf"))
+        bias = _shared(cache, mask, ("banded-bias", w, block, query.dtype), lambda: torch.zeros(
+            allowed.shape, dtype=query.dtype, device=device).masked_fill_(~allowed, float("-inf")))
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2).reshape(batch * blocks, heads, block, dim),
             k.permute(0, 2, 1, 4, 3).reshape(batch * blocks, heads, width, dim),
@@ -240,6 +253,23 @@ def _banded(query, key, value, padding_mask, sample_ids, half_window: int, dropo
     return out.reshape(batch, heads, blocks * block, dim)[:, :, :seq]
 
 
+def _banded_allowed(padding_mask, sample_ids, w: int, block: int, blocks: int, tail: int) -> torch.Tensor:
+    """The banded path's [batch, blocks, block, block + 2w] mask: who in a query block sees whom in its band."""
+    mask = padding_mask if sample_ids is None else sample_ids
+    batch, device, width = mask.shape[0], mask.device, block + 2 * w
+    near = _near(block, width, w, w, device)
+    if sample_ids is not None:
+        # alignment padding gets number -1: it meets only itself (the extra queries attend their own
+        # zero key and are cut off), never a real document or the row's padding
+        key_ids = F.pad(sample_ids, (w, tail + w), value=-1).unfold(1, width, block)
+        query_ids = F.pad(sample_ids, (0, tail), value=-1).view(batch, blocks, block)
+        return (query_ids[..., :, None] == key_ids[..., None, :]) & near
+    real = F.pad(padding_mask != 0, (w, tail + w), value=False)
+    isolated = (_reach_count(real, w) == 0)[:, w:w + blocks * block].view(batch, blocks, block)
+    diagonal = _near(block, width, w, 0, device)  # key j is query c itself
+    return (real.unfold(1, width, block)[..., None, :] & near) | (isolated[..., :, None] & diagonal)
+
+
 def _ladder(length: int) -> int:
     """The bucket a document of `length` tokens is padded to: the next of 8, 12, 16, 24, 32, 48, ..."""
     size = 8
@@ -248,15 +278,11 @@ def _ladder(length: int) -> int:
     return size
 
 
-def _documents(query, key, value, sample_ids, dropout_p: float, scale: float) -> torch.Tensor:
-    """Global attention of packed rows, one document at a time, the documents of a bucket batched:
-    the tokens of each (row, number) are gathered in order into slots of the bucket's length (the
-    spare slots masked as keys, their outputs dropped), attended, and put back. One index_select
-    per operand and one for the output, whatever the number of buckets: each one's backward
-    zero-fills its whole source, and index_select's (index_add) is several times faster on the CPU
-    than advanced indexing's (index_put with accumulation). Documents need not be contiguous."""
-    batch, heads, seq, dim = query.shape
-    device = query.device
+def _document_plan(sample_ids: torch.Tensor) -> dict:
+    """Which token goes to which slot of which bucket on the documents path (a function of the
+    sample ids alone: built once per micro-batch with a cache)."""
+    batch, seq = sample_ids.shape
+    device = sample_ids.device
     span = int(sample_ids.max()) + 1
     document = (torch.arange(batch, device=device)[:, None] * span + sample_ids).reshape(-1)
     order = torch.argsort(document, stable=True)  # tokens grouped by document, in position order
@@ -275,52 +301,163 @@ def _documents(query, key, value, sample_ids, dropout_p: float, scale: float) ->
         sources.append(source.reshape(-1))
         valids.append(valid.reshape(-1))
     source, valid = torch.cat(sources), torch.cat(valids)
-    slots = [count * size for count, size, _ in plans]
-    gathered = [t.transpose(1, 2).reshape(batch * seq, heads, dim).index_select(0, source).split(slots)
-                for t in (query, key, value)]
-    outputs = []
-    for (count, size, valid_slots), q, k, v in zip(plans, *gathered):
-        q, k, v = (t.view(count, size, heads, dim).transpose(1, 2) for t in (q, k, v))
-        bias = torch.zeros(valid_slots.shape, dtype=query.dtype, device=device)
-        bias = bias.masked_fill_(~valid_slots, float("-inf"))[:, None, None, :]
-        outputs.append(_attend(q, k, v, bias, dropout_p, scale).transpose(1, 2).reshape(count * size, heads, dim))
     slot_of_token = torch.empty(batch * seq, dtype=torch.long, device=device)
     slot_of_token[source[valid]] = valid.nonzero().squeeze(1)
-    return torch.cat(outputs).index_select(0, slot_of_token).view(batch, seq, heads, dim).transpose(1, 2)
+    return {"buckets": plans, "source": source, "slot_of_token": slot_of_token, "biases": {}}
+
+
+def _documents(query, key, value, plan: dict, dropout_p: float, scale: float) -> torch.Tensor:
+    """Global attention of packed rows, one document at a time, the documents of a bucket batched
+    (`plan`: _document_plan's): the tokens of each (row, number) are gathered in order into slots
+    of the bucket's length (the spare slots masked as keys, their outputs dropped), attended, and
+    put back. One index_select per operand and one for the output, whatever the number of buckets:
+    each one's backward zero-fills its whole source, and index_select's (index_add) is several
+    times faster on the CPU than advanced indexing's (index_put with accumulation). Documents need
+    not be contiguous."""
+    batch, heads, seq, dim = query.shape
+    device = query.device
+    slots = [count * size for count, size, _ in plan["buckets"]]
+    gathered = [t.transpose(1, 2).reshape(batch * seq, heads, dim).index_select(0, plan["source"]).split(slots)
+                for t in (query, key, value)]
+    biases = plan["biases"].setdefault(query.dtype, {})
+    outputs = []
+    for (count, size, valid_slots), q, k, v in zip(plan["buckets"], *gathered):
+        q, k, v = (t.view(count, size, heads, dim).transpose(1, 2) for t in (q, k, v))
+        if size not in biases:
+            bias = torch.zeros(valid_slots.shape, dtype=query.dtype, device=device)
+            biases[size] = bias.masked_fill_(~valid_slots, float("-inf"))[:, None, None, :]
+        outputs.append(_attend(q, k, v, biases[size], dropout_p, scale).transpose(1, 2).reshape(count * size, heads, dim))
+    return torch.cat(outputs).index_select(0, plan["slot_of_token"]).view(batch, seq, heads, dim).transpose(1, 2)
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA: FlexAttention with a block mask (GPU tier; not runnable on the development machines)
+# CUDA kernels (GPU tier; not runnable on the development machines)
+
+KERNELS = ATTENTION_KERNELS
+
+
+def varlen_available() -> bool:
+    """Whether this torch has variable-length flash attention with a window (torch >= 2.10's
+    torch.nn.attention.varlen.varlen_attn taking window_size)."""
+    return _varlen_attn() is not None
+
+
+@functools.cache
+def _varlen_attn():
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
+
+
+def cuda_kernel(requested: str, dtype: torch.dtype) -> str:
+    """The kernel packed attention runs on CUDA without dropout: `requested` ("auto": varlen where
+    torch has it and the dtype is one flash attention takes, FlexAttention otherwise). An explicit
+    "varlen" that cannot run is an error, not a silent fallback."""
+    if requested not in KERNELS:
+        raise ValueError(f"unknown attention kernel {requested!r}: one of {', '.join(KERNELS)}")
+    varlen_ok = varlen_available() and dtype in (torch.bfloat16, torch.float16)
+    if requested == "varlen" and not varlen_ok:
+        why = ("this torch has no torch.nn.attention.varlen.varlen_attn with window_size (torch >= 2.10)"
+               if not varlen_available() else f"flash attention takes bf16 or fp16, not {dtype}")
+        raise ValueError(f"model.attention_kernel=varlen cannot run: {why}")
+    if requested == "flex" or not varlen_ok:
+        return "flex"
+    return "varlen"
+
+
+def packed_attention(query, key, value, sample_ids, *, half_window=None, dropout_p=0.0, scale=None,
+                     cache: MicroBatchCache | None = None, kernel: str = "auto") -> torch.Tensor:
+    """encoder_attention for the model's packed rows, token-major: query, key and value [rows, seq,
+    heads, head_dim] (the projection's layout, rotary applied), the context in the same layout. On
+    CUDA without dropout one of the `KERNELS` (`cuda_kernel`) with its per-micro-batch inputs from
+    `cache`; elsewhere the paths above, head-major."""
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    seq = query.shape[1]
+    if half_window is not None and half_window >= seq - 1:
+        half_window = None
+    if query.device.type == "cuda" and dropout_p == 0.0:
+        if cuda_kernel(kernel, query.dtype) == "varlen":
+            return _varlen(query, key, value, sample_ids, half_window, scale, cache)
+        heads_major = [t.transpose(1, 2) for t in (query, key, value)]
+        return _flex_attention(*heads_major, None, sample_ids, half_window, scale, cache).transpose(1, 2)
+    out = encoder_attention(*(t.transpose(1, 2) for t in (query, key, value)), sample_ids=sample_ids,
+                            half_window=half_window, dropout_p=dropout_p, scale=scale, cache=cache)
+    return out.transpose(1, 2)
+
+
+def document_bounds(sample_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens [documents + 1] int32, the longest document) of packed rows: a document is a run
+    of equal sample ids within a row (a row's trailing padding is one too: padding attends padding
+    only, as the other paths have it), so documents must be contiguous, as the model's always are
+    (unpadding.py). One host read (the longest length)."""
+    rows, seq = sample_ids.shape
+    flat = sample_ids.reshape(-1)
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1]
+    starts.view(rows, seq)[:, 0] = True
+    begin = starts.nonzero().squeeze(1)
+    bounds = torch.cat([begin, begin.new_full((1,), flat.numel())])
+    return bounds.to(torch.int32), int((bounds[1:] - bounds[:-1]).max())
+
+
+def _varlen(query, key, value, sample_ids, half_window, scale, cache) -> torch.Tensor:
+    """torch's variable-length flash attention over the documents of the flattened rows; a window
+    of half_window keys on either side ((left, right) = (w, w)) within the document."""
+    rows, seq, heads, dim = query.shape
+    bounds, longest = _shared(cache, sample_ids, "document-bounds", lambda: document_bounds(sample_ids))
+    window = (-1, -1) if half_window is None else (half_window, half_window)
+    flat = [t.reshape(rows * seq, heads, dim) for t in (query, key, value)]
+    out = _varlen_attn()(*flat, bounds, bounds, longest, longest, scale=scale, window_size=window)
+    return out.view(rows, seq, heads, dim)
 
 
 @functools.cache
 def _compiled_flex():
-    """flex_attention and create_block_mask, compiled once per process: uncompiled, flex_attention
-    runs a reference that materialises the scores, and create_block_mask the dense mask."""
+    """flex_attention and create_block_mask, compiled once per process with dynamic shapes (the
+    rows' length varies between micro-batches: one compilation serves them all). Uncompiled,
+    flex_attention runs a reference that materialises the scores, and create_block_mask the dense mask."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    return torch.compile(flex_attention), torch.compile(create_block_mask)
+    return torch.compile(flex_attention, dynamic=True), torch.compile(create_block_mask, dynamic=True)
 
 
-def _flex_attention(query, key, value, padding_mask, sample_ids, half_window, scale) -> torch.Tensor:
+def _flex_attention(query, key, value, padding_mask, sample_ids, half_window, scale,
+                    cache: MicroBatchCache | None = None) -> torch.Tensor:
     """The module docstring's rule as a FlexAttention mask_mod; the BlockMask lets the kernel skip
-    the blocks no query of a block may see (other documents, outside the window). Without a window
-    the distance bound is the row's length, which holds everywhere: one mask_mod per row kind.
-    A mask_mod made anew per call is fine: torch compares them by code and captured values."""
-    flex, block_mask_of = _compiled_flex()
-    batch, _, seq, _ = query.shape
-    reach = seq if half_window is None else half_window
+    the blocks no query of a block may see (other documents, outside the window), built once per
+    micro-batch and window with `cache`. Without a window the distance bound is the row's length,
+    which holds everywhere: one mask_mod per row kind."""
+    flex, _ = _compiled_flex()
+    mask = padding_mask if sample_ids is None else sample_ids
+    block_mask = _shared(cache, mask, ("flex", half_window),
+                         lambda: _block_mask(padding_mask, sample_ids, half_window, query.shape[2], query.device))
+    return flex(query, key, value, block_mask=block_mask, scale=scale)
+
+
+def _block_mask(padding_mask, sample_ids, half_window, seq: int, device):
+    """The BlockMask of the rule. No captured number changes with the row's length (global layers
+    have no distance term), so the compiled builder and kernel are not specialised to one length."""
+    _, block_mask_of = _compiled_flex()
+    mask = padding_mask if sample_ids is None else sample_ids
     if sample_ids is not None:
         ids = sample_ids.to(torch.int32)
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (ids[b, q_idx] == ids[b, kv_idx]) & ((q_idx - kv_idx).abs() <= reach)
+        if half_window is None:
+            def mask_mod(b, h, q_idx, kv_idx):
+                return ids[b, q_idx] == ids[b, kv_idx]
+        else:
+            def mask_mod(b, h, q_idx, kv_idx):
+                return (ids[b, q_idx] == ids[b, kv_idx]) & ((q_idx - kv_idx).abs() <= half_window)
     else:
         real = padding_mask != 0
         isolated = _reach_count(real, half_window) == 0
+        reach = seq if half_window is None else half_window
 
         def mask_mod(b, h, q_idx, kv_idx):
             return (real[b, kv_idx] & ((q_idx - kv_idx).abs() <= reach)) | (isolated[b, q_idx] & (q_idx == kv_idx))
 
-    block_mask = block_mask_of(mask_mod, batch, None, seq, seq, device=query.device)
-    return flex(query, key, value, block_mask=block_mask, scale=scale)
+    return block_mask_of(mask_mod, mask.shape[0], None, seq, seq, device=device)

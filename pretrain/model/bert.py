@@ -27,11 +27,13 @@ from .layers import (
     WordEmbedding,
     decode_tokens,
     megatron_config,
-    vocab_parallel_cross_entropy,
 )
+from .cross_entropy import vocab_parallel_cross_entropy
+from .fused import compile_enabled
 from .modernbert import EmbeddingNorm, ModernLayer, ModernMlmHead, modern_stage_specs
 from .names import EMBEDDING_NAMES, TIED_EMBEDDING_KEY, logical_parameters, spec_modules
 from .rng import RngTracker
+from .unpadding import repad
 
 def stage_specs(model_cfg, padded_vocab_size: int, params_dtype: torch.dtype, rng: RngTracker, tp_group,
                 binary_head: bool = True) -> list:
@@ -119,12 +121,13 @@ class SequentialBert(nn.Module):
     def hidden_states(self, inputs) -> list[torch.Tensor]:
         """The embeddings' output and every transformer layer's ([batch, seq, hidden] each), as
         Hugging Face's output_hidden_states gives them (ModernBERT: the last after final_norm,
-        as its last_hidden_state)."""
-        states = []
+        as its last_hidden_state; it computes real tokens only, so its states are zero at the
+        padding, as transformers' unpadded FlashAttention path gives them)."""
+        states, real = [], inputs[2]  # the padding mask, or packed rows' sample ids
         for step in self._steps:
             if isinstance(step, ModernMlmHead):
                 states[-1] = step.final_norm(states[-1])
-                return states
+                return [repad(state, real) for state in states]
             if isinstance(step, PretrainingHeads):
                 return states
             inputs = step(inputs)
@@ -146,10 +149,10 @@ class SequentialBert(nn.Module):
 
 
 def build_model(model_cfg, padded_vocab_size, params_dtype, rng, tp_group, pipeline_topology=None,
-                loss_fn=None, binary_head: bool = True, packed: bool = False) -> nn.Module:
-    """`packed`: batches will be packed (data.packing): a micro-batch's row count follows its
-    samples' lengths, so the pipeline engine exchanges the activations' shapes every micro-batch
-    (DeepSpeed's dynamic_shape) instead of once."""
+                loss_fn=None, binary_head: bool = True, shapes_vary: bool = False) -> nn.Module:
+    """`shapes_vary` (Config.shapes_vary: packed batches, whose row count follows their samples'
+    lengths, or ModernBERT, which computes real tokens only): the pipeline engine exchanges the
+    activations' shapes every micro-batch (DeepSpeed's dynamic_shape) instead of once."""
     specs = stage_specs(model_cfg, padded_vocab_size, params_dtype, rng, tp_group, binary_head)
     if pipeline_topology is None or pipeline_topology.get_dim("pipe") == 1:
         return SequentialBert(specs)
@@ -159,7 +162,7 @@ def build_model(model_cfg, padded_vocab_size, params_dtype, rng, tp_group, pipel
         loss_fn=loss_fn,
         partition_method="type:ModernLayer" if model_cfg.modern else "type:TransformerLayer",
         activation_checkpoint_interval=0,  # TransformerLayer checkpoints itself, with our RNG streams
-        dynamic_shape=packed,
+        dynamic_shape=shapes_vary,
     )
 
 
@@ -245,9 +248,10 @@ class PretrainingLoss:
 
     METRICS = ("lm_loss_sum", "mlm_count", "mlm_correct", "nsp_loss_sum", "nsp_count", "nsp_correct")
 
-    def __init__(self, tp_group, tp_rank: int):
+    def __init__(self, tp_group, tp_rank: int, compile: str = "false"):
         self.tp_group = tp_group
         self.tp_rank = tp_rank
+        self.compile = compile  # model.compile: the cross entropy's sweeps as compiled kernels
         self._sums = None  # stays on the model's device: no host sync per micro-batch
         self._lm_scale = None  # micro-batches per global batch / its masked tokens, for one step
         self._nsp_scale = None  # micro-batches per global batch / its samples, for one step
@@ -273,10 +277,10 @@ class PretrainingLoss:
         with torch.no_grad():
             predicted = vocab_parallel_argmax(mlm_logits, self.tp_group, self.tp_rank)
             mlm_correct = ((predicted == masked_labels).float() * weights).sum()
-        # megatron's cross entropy overwrites fp32 logits in place: work on a copy, so that the
-        # logits stay what the model output (the pipeline engine returns them from eval_batch)
-        fp32_logits = mlm_logits.float() if mlm_logits.dtype != torch.float32 else mlm_logits.clone()
-        per_token = vocab_parallel_cross_entropy(fp32_logits, masked_labels, self.tp_group)
+        # the logits as the model output them (no fp32 copy; they stay unchanged: the pipeline
+        # engine returns them from eval_batch)
+        per_token = vocab_parallel_cross_entropy(mlm_logits, masked_labels, self.tp_group,
+                                                 compile_enabled(self.compile, mlm_logits.device.type))
         count = weights.sum()
         lm_sum = (per_token * weights).sum()
         lm_loss = lm_sum * self._lm_scale if self._lm_scale is not None else lm_sum / count.clamp(min=1.0)

@@ -64,3 +64,15 @@ def model_flops_per_sample(cfg) -> float:
     """Training FLOPs one sample needs (matmuls only). Recomputation for activation
     checkpointing is not counted (it is overhead, not model work)."""
     return encoder_flops_per_row(cfg) + head_flops_per_sample(cfg)
+
+
+def document_training_flops(model_cfg, lengths, masked_tokens: int, vocab_size: int, binary_head: bool) -> float:
+    """Training FLOPs of the real work of a batch whose documents (samples: what attends only
+    itself, padded or packed) have `lengths` tokens and `masked_tokens` predictions in all: every
+    layer over each document's tokens, its attention within the document (a global layer's query
+    over the document's keys, a windowed one's over at most local_attention + 1 of them), the heads
+    per sample and per masked token. Padding and cross-document pairs are no part of it, so
+    this is what MFU divides whatever a side computes."""
+    encoder = sum(encoder_forward_flops(model_cfg, int(n)) for n in lengths)
+    pooler = pooler_forward_flops(model_cfg) * len(lengths) if binary_head else 0.0
+    return 3.0 * (encoder + pooler + masked_tokens * mlm_forward_flops(model_cfg, vocab_size))

@@ -33,13 +33,10 @@ from __future__ import annotations
 
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import ModelParallelConfig, tensor_parallel
-from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from torch import nn
 
-from ..distributed.device import all_reduce
 from ..distributed.internals import CpuGemmOverride
 from .cpu_bf16 import upcast_bf16
 from .rng import RngTracker, checkpoint_with_rng
@@ -211,45 +208,6 @@ class WordEmbedding(nn.Module):
 def decode_tokens(module: WordEmbedding, inputs):
     """forward_fn of the last stage's tied word embedding (pipeline mode)."""
     return module(inputs, decode=True)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """megatron-core's vocabulary-parallel cross entropy (its public VocabParallelCrossEntropy
-    steps) over an explicit TP group: megatron's own autograd function reads the group from its
-    global parallel_state."""
-
-    @staticmethod
-    def forward(ctx, logits, target, tp_group):
-        steps = VocabParallelCrossEntropy
-        sharded = tp_group is not None and dist.get_world_size(tp_group) > 1
-        logits, logits_max = steps.calculate_logits_max(logits)
-        if sharded:
-            all_reduce(logits_max, tp_group, op="max")
-        start = dist.get_rank(tp_group) * logits.shape[-1] if sharded else 0  # every rank holds an equal slice
-        target_mask, masked_target_1d, predicted, sum_exp, exp_logits = steps.calculate_predicted_logits(
-            logits, target, logits_max, start, start + logits.shape[-1])
-        if sharded:
-            all_reduce(predicted, tp_group)
-            all_reduce(sum_exp, tp_group)
-        softmax, loss = steps.calculate_cross_entropy_loss(exp_logits, predicted, sum_exp)
-        ctx.save_for_backward(softmax, target_mask, masked_target_1d)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        steps = VocabParallelCrossEntropy
-        softmax, target_mask, masked_target_1d = ctx.saved_tensors
-        grad_2d, arange_1d, softmax_update, grad_input = steps.prepare_gradient_calculation_operands(
-            softmax, target_mask)
-        grad = steps.calculate_gradients(grad_2d, arange_1d, masked_target_1d, softmax_update, grad_input,
-                                         grad_output)
-        return grad, None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group) -> torch.Tensor:
-    """Per-token cross entropy when each rank of `tp_group` holds a slice of the vocabulary
-    (logits [..., vocab / TP], fp32; overwritten in place, as megatron's)."""
-    return _VocabParallelCrossEntropy.apply(logits, target, tp_group)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:

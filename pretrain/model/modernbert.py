@@ -12,18 +12,21 @@ token embedding, with a bias.
 The stage sequence mirrors BERT's MLM-only one (bert.py), so pipeline cutting, tied weights and
 checkpoint files work alike:
 
-  input batch       (input_ids, token_type_ids, padding_mask, masked_positions)
-  TokenEmbedding    (word_vectors, token_type_ids, padding_mask, masked_positions)
-  EmbeddingNorm     (hidden, padding_mask, masked_positions)
-  ModernLayer       (hidden, padding_mask, masked_positions)                         x num_layers
+  input batch       (input_ids, token_type_ids, padding_mask, masked_positions), or packed rows'
+                    (input_ids, token_type_ids, sample_ids, masked_positions, position_ids, cls_positions)
+  TokenEmbedding    (word_vectors, token_type_ids, ...the rest as it came)
+  EmbeddingNorm     (hidden, sample_ids, masked_positions, cls_positions, position_ids)
+  ModernLayer       the same five                                                    x num_layers
   ModernMlmHead     (mlm_hidden, None)            final_norm at the masked positions only
   TokenEmbedding    (mlm_logits_without_bias, None)                                  tied decoder
   DecoderBias       (mlm_logits, None)
 
-Packed rows (data.packing) carry (input_ids, token_type_ids, sample_ids, masked_positions,
-position_ids, cls_positions) in, and (hidden, sample_ids, masked_positions, cls_positions,
-position_ids) between layers: rotary positions restart at every sample, and attention (global or
-windowed) never crosses a sample. Token types are read past, never embedded.
+EmbeddingNorm computes on real tokens only from there on: padded rows and packed rows (data.packing)
+alike become one row [1, T] of the micro-batch's T real tokens (unpadding.py), each with its sample
+id (a padded row is one sample), its position (rotary positions restart at every sample) and the
+masked and [CLS] positions as flat indices into the T; attention (global or windowed) never crosses
+a sample. What every layer derives from the micro-batch (rotary tables, masks) is built once
+(micro_batch.py); the element-wise work is fused.py's. Token types are read past, never embedded.
 
 Parameter layout that differs from transformers (checkpoint/modernbert_hf.py converts): Wqkv
 rows are per head [q; k; v] (megatron's fused QKV) and Wi rows interleave the GeGLU halves
@@ -55,8 +58,11 @@ from .layers import (
     layer_norm,
 )
 from ..distributed.internals import GemmOperandsOverride
-from .attention import encoder_attention
+from .attention import packed_attention
+from .fused import layer_kernels
+from .micro_batch import MicroBatchCache
 from .rng import RngTracker, checkpoint_with_rng
+from .unpadding import unpad_packed, unpad_padded
 
 
 class TokenEmbedding(WordEmbedding):
@@ -68,7 +74,9 @@ class DecoderBias(MlmOutputBias):
 
 
 class EmbeddingNorm(nn.Module):
-    """LayerNorm and dropout of the token vectors (a replicated region)."""
+    """The micro-batch's real tokens as one row (unpadding.py: padded and packed rows alike), then
+    LayerNorm and dropout of their vectors (a replicated region). Every layer after it computes on
+    real tokens only."""
 
     def __init__(self, model_cfg, params_dtype: torch.dtype):
         super().__init__()
@@ -76,11 +84,14 @@ class EmbeddingNorm(nn.Module):
         self.dropout = Dropout(model_cfg.hidden_dropout)
 
     def forward(self, inputs):
-        if len(inputs) == 6:  # packed
+        if len(inputs) == 6:  # packed rows
             word_vectors, _token_types, sample_ids, masked_positions, position_ids, cls_positions = inputs
-            return self.dropout(self.norm(word_vectors)), sample_ids, masked_positions, cls_positions, position_ids
-        word_vectors, _token_types, padding_mask, masked_positions = inputs
-        return self.dropout(self.norm(word_vectors)), padding_mask, masked_positions
+            tokens = unpad_packed(word_vectors, sample_ids, masked_positions, position_ids, cls_positions)
+        else:
+            word_vectors, _token_types, padding_mask, masked_positions = inputs
+            tokens = unpad_padded(word_vectors, padding_mask, masked_positions)
+        return (self.dropout(self.norm(tokens.hidden)), tokens.sample_ids, tokens.masked_positions,
+                tokens.cls_positions, tokens.position_ids)
 
 
 def _geglu_halves(tensor: torch.Tensor) -> torch.Tensor:
@@ -99,34 +110,31 @@ class GegluInput(GemmOperandsOverride, ColumnParallelLinear):
 
 
 def rotary_tables(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos and sin [rows, 1, seq, head_dim] of the rotary angles at `position_ids` ([rows, seq]),
-    computed in fp32 and rounded to `dtype`, as transformers' ModernBertRotaryEmbedding."""
+    """cos and sin [rows, seq, 1, head_dim] of the rotary angles at `position_ids` ([rows, seq]),
+    computed in fp32 and rounded to `dtype`, as transformers' ModernBertRotaryEmbedding (token-major:
+    they broadcast over the heads of [rows, seq, heads, head_dim]; fused.rotate applies them)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=position_ids.device) / head_dim))
     freqs = position_ids[..., None].float() * inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)[:, None]
+    angles = torch.cat((freqs, freqs), dim=-1)[:, :, None]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [rows, heads, seq, head_dim] turned by the angles, in fp32 (transformers' apply_rotary_pos_emb)."""
-    x32 = x.float()
-    return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
-
-
 class ModernLayer(nn.Module):
-    """Pre-LN encoder layer: rotary attention (global or windowed) on this rank's heads, then the
-    GeGLU MLP split column/row over TP."""
+    """Pre-LN encoder layer on the micro-batch's real tokens (EmbeddingNorm's one row): rotary
+    attention (global or windowed, within each sample) on this rank's heads, then the GeGLU MLP
+    split column/row over TP. The rotary tables and the attention masks come from `cache`, built
+    once per micro-batch for all layers (micro_batch.py); the element-wise work between the matrix
+    products runs as fused.py's groups (compiled per model.compile)."""
 
-    def __init__(self, layer_index: int, model_cfg, mp_config: ModelParallelConfig, rng: RngTracker, tp_group):
+    def __init__(self, layer_index: int, model_cfg, mp_config: ModelParallelConfig, rng: RngTracker, tp_group,
+                 cache: MicroBatchCache | None = None):
         super().__init__()
         self.layer_index = layer_index
         self.rng = rng
+        self.cache = cache if cache is not None else MicroBatchCache()
         self.recompute = model_cfg.recompute
+        self.attention_kernel = model_cfg.attention_kernel
+        self.compile = model_cfg.compile
         hidden, tp = model_cfg.hidden_size, mp_config.tensor_model_parallel_size
         self.local_heads = model_cfg.num_attention_heads // tp
         self.head_dim = hidden // model_cfg.num_attention_heads
@@ -155,42 +163,42 @@ class ModernLayer(nn.Module):
         self.attention_out_dropout = Dropout(model_cfg.attention_dropout)  # transformers' attn.out_drop
         self.mlp_dropout = model_cfg.hidden_dropout
 
-    def _layer(self, hidden, mask, position_ids, packed: bool) -> torch.Tensor:
+    def _layer(self, hidden, sample_ids, position_ids) -> torch.Tensor:
         rows, seq, _ = hidden.shape
+        kernels = layer_kernels(self.compile, hidden.device.type)
         normed = self.attn_norm(hidden) if self.attn_norm is not None else hidden
         qkv = self.attn_qkv(normed)[0].view(rows, seq, self.local_heads, 3, self.head_dim)
-        query, key, value = (t.transpose(1, 2) for t in qkv.unbind(3))
-        if position_ids is None:
-            position_ids = torch.arange(seq, device=hidden.device)[None]
-        cos, sin = rotary_tables(position_ids, self.head_dim, self.rope_theta, hidden.dtype)
-        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        query, key, value = qkv.unbind(3)  # [rows, seq, heads, head_dim] each
+        cos, sin = self.cache.get(sample_ids, ("rotary", self.rope_theta, hidden.dtype), lambda: rotary_tables(
+            position_ids, self.head_dim, self.rope_theta, hidden.dtype))
+        query, key = kernels.rotate_query_key(query, key, cos, sin)
         if self.recompute == "selective" and self.training and torch.is_grad_enabled():
-            context = checkpoint_with_rng(self._attention_core, self.rng, query, key, value, mask, packed)
+            context = checkpoint_with_rng(self._attention_core, self.rng, query, key, value, sample_ids)
         else:
-            context = self._attention_core(query, key, value, mask, packed)
-        context = context.transpose(1, 2).reshape(rows, seq, self.local_heads * self.head_dim)
-        hidden = hidden + self.attention_out_dropout(self.attn_out(context)[0])
-        inputs, gates = self.mlp_in(self.mlp_norm(hidden))[0].chunk(2, dim=-1)
-        gated = F.gelu(inputs) * gates
+            context = self._attention_core(query, key, value, sample_ids)
+        context = context.reshape(rows, seq, self.local_heads * self.head_dim)
+        attended = self.attention_out_dropout(self.attn_out(context)[0])
+        norm = self.mlp_norm
+        hidden, normed = kernels.add_norm(hidden, attended, norm.weight, norm.bias, norm.eps)
+        gated = kernels.geglu(self.mlp_in(normed)[0])
         with self.rng.fork():  # this rank's slice of the MLP width: a TP-rank-specific stream
             gated = dropout(gated, self.mlp_dropout, self.training)
         return hidden + self.mlp_out(gated)[0]
 
-    def _attention_core(self, query, key, value, mask, packed: bool) -> torch.Tensor:
+    def _attention_core(self, query, key, value, sample_ids) -> torch.Tensor:
         dropout_p = self.attention_dropout if self.training else 0.0
-        masks = {"sample_ids": mask} if packed else {"padding_mask": mask}
         with self.rng.fork():  # this rank's heads: a TP-rank-specific dropout stream
-            return encoder_attention(query, key, value, **masks, half_window=self.half_window, dropout_p=dropout_p)
+            return packed_attention(query, key, value, sample_ids, half_window=self.half_window, dropout_p=dropout_p,
+                                    cache=self.cache, kernel=self.attention_kernel)
 
     def forward(self, inputs):
-        packed = len(inputs) == 5  # (hidden, sample_ids, masked_positions, cls_positions, position_ids)
-        hidden, mask, *rest = inputs
-        position_ids = rest[-1] if packed else None
+        # (hidden, sample_ids, masked_positions, cls_positions, position_ids): EmbeddingNorm's one row
+        hidden, sample_ids, masked_positions, cls_positions, position_ids = inputs
         if self.recompute == "full" and self.training and torch.is_grad_enabled():
-            hidden = checkpoint_with_rng(self._layer, self.rng, hidden, mask, position_ids, packed)
+            hidden = checkpoint_with_rng(self._layer, self.rng, hidden, sample_ids, position_ids)
         else:
-            hidden = self._layer(hidden, mask, position_ids, packed)
-        return hidden, mask, *rest
+            hidden = self._layer(hidden, sample_ids, position_ids)
+        return hidden, sample_ids, masked_positions, cls_positions, position_ids
 
 
 class ModernMlmHead(nn.Module):
@@ -206,14 +214,9 @@ class ModernMlmHead(nn.Module):
         self.classifier_pooling = model_cfg.classifier_pooling  # read by sequence-level fine-tuning
 
     def forward(self, inputs):
-        if len(inputs) == 5:  # packed: flat positions into the [rows * seq] tokens
-            hidden, _sample_ids, masked_positions, _cls_positions, _position_ids = inputs
-            tokens = hidden.reshape(-1, hidden.shape[-1])
-            masked_hidden = tokens[masked_positions.reshape(-1)].view(*masked_positions.shape, -1)
-        else:
-            hidden, _padding_mask, masked_positions = inputs
-            index = masked_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-            masked_hidden = torch.gather(hidden, 1, index)
+        hidden, _sample_ids, masked_positions, _cls_positions, _position_ids = inputs  # flat positions
+        tokens = hidden.reshape(-1, hidden.shape[-1])
+        masked_hidden = tokens.index_select(0, masked_positions.reshape(-1)).view(*masked_positions.shape, -1)
         return self.transform(self.final_norm(masked_hidden)), None
 
     def transform(self, normed: torch.Tensor) -> torch.Tensor:
@@ -227,10 +230,11 @@ def modern_stage_specs(model_cfg, padded_vocab_size: int, mp_config: ModelParall
     dtype = mp_config.params_dtype
     token = partial(TiedLayerSpec, TIED_EMBEDDING_KEY, TokenEmbedding, padded_vocab_size, model_cfg.hidden_size,
                     mp_config, tp_group, tied_weight_attr=["weight"])
+    cache = MicroBatchCache()  # one per model (per stage in a pipeline): its layers share the micro-batch's masks
     return [
         token(),  # no forward_fn on the first use: see bert.stage_specs
         LayerSpec(EmbeddingNorm, model_cfg, dtype),
-        *[LayerSpec(ModernLayer, i, model_cfg, mp_config, rng, tp_group) for i in range(model_cfg.num_layers)],
+        *[LayerSpec(ModernLayer, i, model_cfg, mp_config, rng, tp_group, cache) for i in range(model_cfg.num_layers)],
         LayerSpec(ModernMlmHead, model_cfg, dtype),
         token(forward_fn=decode_tokens),
         LayerSpec(DecoderBias, model_cfg.vocab_size, padded_vocab_size, mp_config, tp_group),

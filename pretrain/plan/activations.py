@@ -31,34 +31,43 @@ full recomputation keeps each layer's input and, once per stage, the padding mas
 Embeddings (first stage): the ids 16N (+N of the TP lookup's mask), positions 8s, LayerNorm
 input and statistics, a dropout mask. Heads and loss (last stage): the last layer's output and
 the masked positions (the gather), the MLM transform's tensors at P rows, the vocabulary bias
-mask V_t, the vocabulary-parallel cross entropy's fp32 softmax 4*P*V_t and its index tensors,
-NSP's pooled tanh and log-softmax.
+mask V_t, the vocabulary-parallel cross entropy's logits B*P*V_t (its input, kept as they are), two
+fp32 numbers per row and its index tensors, NSP's pooled tanh and log-softmax.
 
-ModernBERT (pretrain/model/modernbert.py; d head size, the same names otherwise), per layer:
+ModernBERT (pretrain/model/modernbert.py; d head size, the same names otherwise) computes one
+row of the micro-batch's real tokens; the plan takes N = b*s (full rows: an upper bound, padding is
+never computed). Per layer:
     input B*N*h (layer 0 has no attn_norm: its QKV linear saves it) | attn_norm's statistics and
-    output 2*S*N + B*N*h (layers > 0) | rotary cos and sin 2*B*s*d (one [1, s, d] pair a layer) |
-    attention core and context (below) | attn.out_drop's mask Ma*N*h (attention_dropout) |
-    mlp_norm's input and statistics B*N*h + 2*S*N | Wi reordered to [inputs; gates], a weight-sized
-    copy 2*B*h*f_t | Wi's input B*N*h, its output 2*B*N*f_t (GELU's input and the gates are views
-    of it) | GELU's output B*N*f_t | the MLP dropout's mask M*N*f_t | mlp.Wo's input B*N*f_t
-The core by attention.py's path (choose_path; keys: the plan takes s, an upper bound of the
-padded_global path's keys, cut after the batch's last real token; W bytes of what it attends in,
-4 on the CPU's fp32 bf16 route, B otherwise):
-    padded_global / dense, attention dropout (spelled out): Q, K, V 3*W*N*h_t, fp32 softmax, keep
-        mask and dropped probabilities (4 + 2W)*b*a_t*s*keys, context B*N*h_t (a copy)
-    padded_global / dense, SDPA's CPU flash kernel: the mask W*b*keys (dense: W*b*s^2), Q and K
-        2*W*N*h_t, V a view of the fused QKV output, kept whole 3*B*N*h_t (fp32 route: a copy
-        4*N*h_t), logsumexp 4*b*a_t*s, output W*N*h_t (the context a view; fp32 route: + B*N*h_t)
-    banded (blocks of C=128 queries, width C + 2*half_window, s_p = blocks*C): Q W*b*a_t*s_p*d, K and
-        V bands 2*W*b*a_t*blocks*width*d; spelled: the window mask b*blocks*C*width (bool), softmax,
-        keep mask, dropped probabilities (4 + 2W)*a_t*b*blocks*C*width, context B*N*h_t; flash:
-        the mask W*b*blocks*C*width, logsumexp 4*b*a_t*s_p, output W*b*s_p*h_t (the context a view
-        when s = s_p)
-    cuda without dropout (FlexAttention; an estimate, not measured): Q, K, the QKV output, its
-        output, logsumexp, a context copy
-Selective recomputation keeps the checkpoint's inputs (Q, K, the QKV output 5*B*N*h_t), the
-context B*N*h_t and, once per stage, the padding mask 8N; full as BERT's. Embeddings: the input
-ids 8N (+N), LayerNorm input and statistics, a dropout mask. Heads: as BERT's MLM (no NSP) plus
+    output 2*S*N + B*N*h (layers > 0) | attention core and context (below) | attn.out_drop's mask
+    Ma*N*h (attention_dropout) | mlp_norm's input and statistics B*N*h + 2*S*N | Wi reordered to
+    [inputs; gates], a weight-sized copy 2*B*h*f_t | Wi's input B*N*h, its output 2*B*N*f_t (GELU's
+    input and the gates are views of it) | GELU's output B*N*f_t | the MLP dropout's mask M*N*f_t |
+    mlp.Wo's input B*N*f_t
+The core by attention.py's path for one packed row of N tokens (choose_path; W bytes of what it
+attends in, 4 on the CPU's fp32 bf16 route, B otherwise; V a view of the fused QKV output, kept
+whole 3*B*N*h_t, or on the fp32 route a copy 4*N*h_t):
+    dense, attention dropout (spelled out): Q, K 2*W*N*h_t, V, fp32 softmax, keep mask and dropped
+        probabilities (4 + 2W)*a_t*N^2, context B*N*h_t (a copy)
+    dense, SDPA's CPU flash kernel: Q and K 2*W*N*h_t, V, logsumexp 4*a_t*N, output W*N*h_t (the
+        context a view; fp32 route: + B*N*h_t)
+    banded (blocks of C=128 queries, width C + 2w, N_p = blocks*C): spelled: Q W*a_t*N_p*d, K and V
+        band copies 2*W*a_t*blocks*width*d, the window mask blocks*C*width (bool, negated per
+        layer), softmax, keep mask, dropped probabilities (4 + 2W)*a_t*blocks*C*width, context
+        B*N*h_t; flash: Q, K and V (views of the keys padded by w on both sides) 2*W*a_t*(N_p + 2w)*d,
+        logsumexp 4*a_t*N_p, output W*N_p*h_t (the context a view when N = N_p)
+    documents (global layers of more than 256 tokens; L slots: each document padded up its
+        bucket): spelled: gathered Q, K, V 3*W*L*h_t, softmax, keep mask, dropped (4 + 2W)*a_t*L*size,
+        context B*N*h_t; flash: gathered Q, K, V, output 4*W*L*h_t, logsumexp 4*a_t*L, context B*N*h_t
+    cuda without dropout (varlen flash attention or FlexAttention; an estimate, not measured): Q,
+        K, the QKV output, its output, logsumexp, a context copy
+Once per stage and micro-batch, what the layers share (pretrain/model/micro_batch.py's cache, one
+storage for all): rotary cos and sin 2*B*N*d per base; without attention dropout the mask SDPA keeps
+(dense W*N^2, banded W*N_p*width) and the documents' mask W*L; the documents' gather and scatter
+indices 8L + 8N. Selective recomputation keeps the checkpoint's inputs (Q, K, the QKV output
+5*B*N*h_t), the context B*N*h_t and, once per stage, the rotary tables and sample ids 8N; full keeps
+each layer's input and, once per stage, the sample ids and positions 16N. Embeddings: the input ids
+8N (+N), the real tokens' indices 8(N+1), LayerNorm input and statistics, a dropout mask. Heads: as
+BERT's MLM (no NSP) without the last layer's output (index_select keeps only its index), plus
 final_norm's input and statistics at P rows B*P*h + 2*S*P.
 
 Derived from the saved tensors of each op (their autograd formulas; CUDA's SDPA from torch's
@@ -113,70 +122,120 @@ def _attention_core(k: Kernels, b: int, s: int, n: int, h_t: int, a_t: int, B: i
     return qkv_extra + wide * b * s + wide * n * h_t + 4 * b * a_t * s
 
 
-def modern_attention_path(cfg, index: int) -> str:
-    """The path pretrain/model/attention.py's encoder_attention takes for layer `index` of
-    unpacked rows off CUDA (choose_path): "padded_global", "dense" or "banded"."""
+def modern_attention_path(cfg, index: int, tokens: int) -> str:
+    """The path pretrain/model/attention.py takes for layer `index` off CUDA: the model attends one
+    packed row of the micro-batch's `tokens` real tokens (choose_path): "dense", "banded" or
+    "documents"."""
     from ..model.attention import choose_path
 
-    m, s = cfg.model, cfg.data.seq_length
+    m = cfg.model
     half_window = None if m.is_global_layer(index) else m.local_attention // 2
-    if half_window is not None and half_window >= s - 1:
+    if half_window is not None and half_window >= tokens - 1:
         half_window = None  # the window holds the whole row
-    return choose_path(s, half_window, packed=False)
+    return choose_path(tokens, half_window, packed=True)
 
 
-def _modern_core(cfg, k: Kernels, index: int, b: int, s: int, h_t: int, a_t: int, B: int) -> int:
-    """ModernBERT's attention core beyond the layer's input and norm (none recomputed): what its
-    path saves from the rotary Q and K on, and the context the output projection saves."""
+def _documents_slots(cfg, micro: int) -> int:
+    """Gathered slots of the documents path for `micro` full rows: each row one document, padded
+    up its length's bucket (attention._ladder)."""
+    from ..model.attention import _ladder
+
+    return micro * _ladder(cfg.data.seq_length)
+
+
+def _modern_core(cfg, k: Kernels, index: int, micro: int, h_t: int, a_t: int, B: int) -> int:
+    """ModernBERT's attention core beyond the layer's input and norm (none recomputed), one packed
+    row of n = micro x seq_length tokens: what its path saves from the rotary Q and K on, and the
+    context the output projection saves. The masks and plans the layers share (the cache's) are
+    counted once per stage (_modern_shared)."""
     from ..model.attention import BAND_BLOCK
 
     m = cfg.model
-    n, d = b * s, h_t // a_t
+    n, d = micro * cfg.data.seq_length, h_t // a_t
     spelled = m.attention_dropout > 0
     if k.attention == "efficient" and not spelled:
-        # CUDA's FlexAttention (compiled; not measured here, the GPU tier's): Q and K, V a view of
-        # the fused QKV output (all of it), its output and logsumexp, the context a copy
-        return 2 * B * n * h_t + 3 * B * n * h_t + B * n * h_t + 4 * b * a_t * _ceil(s, 128) + B * n * h_t
+        # CUDA (varlen flash attention or FlexAttention; an estimate, not measured here): Q and K,
+        # V a view of the fused QKV output (all of it), its output and logsumexp, the context a copy
+        return 2 * B * n * h_t + 3 * B * n * h_t + B * n * h_t + 4 * a_t * _ceil(n, 128) + B * n * h_t
     W = 4 if k.upcast_bf16 else B  # the fp32 route attends on fp32 copies of Q, K, V
-    path = modern_attention_path(cfg, index)
+    path = modern_attention_path(cfg, index, n)
+    value = 4 * n * h_t if k.upcast_bf16 else 3 * B * n * h_t  # V: a view of the fused QKV output, or a copy
     if path == "banded":
         w = m.local_attention // 2
-        blocks, width = -(-s // BAND_BLOCK), BAND_BLOCK + 2 * w
+        blocks, width = -(-n // BAND_BLOCK), BAND_BLOCK + 2 * w
         padded = blocks * BAND_BLOCK
-        band = b * a_t * blocks * width * d  # the key (value) band of every block, a copy
-        scores = b * blocks * BAND_BLOCK * width  # per head
-        if spelled:  # Q (or its padded copy), K band, the window mask (bool, all heads), fp32 softmax,
-            # keep mask and dropped probabilities, V band, the context (a copy of the sliced output)
-            return (W * b * a_t * padded * d + 2 * W * band + scores + (4 + 2 * W) * a_t * scores
-                    + B * n * h_t)
-        # SDPA's CPU flash kernel on (row, block) batches: the additive mask (one per block, all
-        # heads), Q blocks, K and V bands, logsumexp, its output (the context: a view when s is a
-        # whole number of blocks)
-        context = 0 if (padded == s or b == 1) and not k.upcast_bf16 else B * n * h_t  # the fp32 route: a bf16 copy
-        return (W * scores + W * b * a_t * padded * d + 2 * W * band + 4 * b * a_t * padded
-                + W * b * padded * h_t + context)
-    # padded_global (keys cut after the batch's last real token: data-dependent, at most s; the
-    # plan takes s, the peak) and dense (the [b, 1, s, s] mask)
-    keys = s
-    if spelled:  # Q, K (a copy of the cut keys, or the rotary output), fp32 softmax, keep mask and
-        # dropped probabilities, V (a contiguous copy), the context (a copy)
-        return 3 * W * n * h_t + (4 + 2 * W) * b * a_t * s * keys + B * n * h_t
-    bias = W * b * keys if path == "padded_global" else W * b * s * s
-    # SDPA's CPU flash kernel: the mask, Q and K, V (a view of the fused QKV output, which it keeps
-    # whole; on the fp32 route a copy), logsumexp, its output (the context: a view, [b, s, heads, d];
-    # on the fp32 route the bf16 copy of the output, which the output projection saves)
-    value = 4 * n * h_t if k.upcast_bf16 else 3 * B * n * h_t
+        band = a_t * blocks * width * d  # the key (value) band of every block, a copy
+        scores = blocks * BAND_BLOCK * width  # per head
+        if spelled:  # Q (or its padded copy), K band, the window mask (bool, all heads; negated per layer),
+            # fp32 softmax, keep mask and dropped probabilities, V band, the context (a copy)
+            return W * a_t * padded * d + 2 * W * band + scores + (4 + 2 * W) * a_t * scores + B * n * h_t
+        # SDPA's CPU flash kernel on the blocks: Q blocks, K and V (their bands are views of the keys
+        # padded by the window on both sides: one row), logsumexp, its output (the context: a view
+        # when n is a whole number of blocks and nothing was upcast)
+        context = 0 if padded == n and not k.upcast_bf16 else B * n * h_t
+        keys = a_t * (padded + 2 * w) * d
+        return W * a_t * padded * d + 2 * W * keys + 4 * a_t * padded + W * padded * h_t + context
+    if path == "documents":
+        slots = _documents_slots(cfg, micro)
+        if spelled:  # per bucket Q, K, V copies, fp32 softmax, keep mask, dropped probabilities; the context
+            size = slots // micro  # every document in one bucket (full rows)
+            return 3 * W * slots * h_t + (4 + 2 * W) * a_t * slots * size + B * n * h_t
+        # SDPA's CPU flash kernel per bucket: the gathered Q, K, V, its output, logsumexp; the
+        # context (the gathered-back output) a copy
+        return 3 * W * slots * h_t + W * slots * h_t + 4 * a_t * slots + B * n * h_t
+    # dense: the [n, n] mask over the whole row
+    if spelled:  # Q, K (the rotary outputs or fp32 copies), fp32 softmax, keep mask and dropped
+        # probabilities, V (a view of the fused QKV output, or an fp32 copy), the context (a copy)
+        return 2 * W * n * h_t + value + (4 + 2 * W) * a_t * n * n + B * n * h_t
+    # SDPA's CPU flash kernel: Q and K, V, logsumexp, its output (the context a view; the fp32
+    # route: the bf16 copy of the output, which the output projection saves)
     context = B * n * h_t if k.upcast_bf16 else 0
-    return bias + 2 * W * n * h_t + value + 4 * b * a_t * s + W * n * h_t + context
+    return 2 * W * n * h_t + value + 4 * a_t * n + W * n * h_t + context
+
+
+def _modern_shared(cfg, tp: int, micro: int, precision: str, k: Kernels, layers: range) -> int:
+    """What the layers of a stage (`layers`: their numbers) share per micro-batch, one storage each
+    (pretrain/model/micro_batch.py): the rotary cos and sin of each base, and per layer kind the
+    mask SDPA keeps (the dense and banded paths without attention dropout) or the documents path's
+    gather indices; with recomputation the checkpoints' sample ids (and positions)."""
+    from ..model.attention import BAND_BLOCK
+
+    m = cfg.model
+    B = 2 if precision in ("bf16", "fp16") else 4
+    W = 4 if k.upcast_bf16 else B
+    n, d = micro * cfg.data.seq_length, m.hidden_size // m.num_attention_heads
+    if not layers:
+        return 0
+    if m.recompute == "full":
+        return 16 * n  # sample ids and positions, the checkpoints' inputs
+    kinds = {m.is_global_layer(i) for i in layers}
+    total = 2 * B * n * d * len(kinds)  # cos and sin [1, n, 1, d] per rotary base
+    if m.recompute == "selective":
+        return total + 8 * n  # the sample ids, an input of every checkpointed core
+    if k.attention == "efficient" and m.attention_dropout == 0:
+        return total  # CUDA: a BlockMask or document boundaries, small (an estimate)
+    spelled = m.attention_dropout > 0
+    for kind in kinds:
+        index = next(i for i in layers if m.is_global_layer(i) == kind)
+        path = modern_attention_path(cfg, index, n)
+        if path == "documents":
+            slots = _documents_slots(cfg, micro)
+            total += 8 * slots + 8 * n + (0 if spelled else W * slots)  # gather, scatter-back indices; masks
+        elif path == "banded" and not spelled:
+            w = m.local_attention // 2
+            total += W * -(-n // BAND_BLOCK) * BAND_BLOCK * (BAND_BLOCK + 2 * w)
+        elif path == "dense" and not spelled:
+            total += W * n * n
+    return total
 
 
 def _modern_layer_bytes(cfg, tp: int, micro: int, precision: str, kernels: Kernels, index: int) -> int:
-    """One ModernLayer (pretrain/model/modernbert.py), one micro-batch of unpacked rows."""
+    """One ModernLayer (pretrain/model/modernbert.py), one micro-batch: n = micro x seq_length real
+    tokens in one row (full rows: an upper bound, padding is never computed)."""
     m = cfg.model
     B = 2 if precision in ("bf16", "fp16") else 4
     b, s, h = micro, cfg.data.seq_length, m.hidden_size
     n, h_t, f_t, a_t = b * s, h // tp, m.ffn_size // tp, m.num_attention_heads // tp
-    d = h // m.num_attention_heads
     M = 0 if m.hidden_dropout == 0 else (kernels.mask_bytes or B)  # the MLP's dropout (on [N, f_t])
     Ma = 0 if m.attention_dropout == 0 else (kernels.mask_bytes or B)  # attn.out_drop's (on [N, h])
     S = kernels.stat_bytes or B
@@ -184,7 +243,6 @@ def _modern_layer_bytes(cfg, tp: int, micro: int, precision: str, kernels: Kerne
     if m.recompute == "full":
         return layer_input
     attn_norm = B * n * h + 2 * S * n if index > 0 else 0  # its statistics, and its output (the QKV linear's input)
-    rotary = 2 * B * s * d  # cos and sin [1, 1, s, d] in the model's dtype (rows share them)
     mlp = (B * n * h + 2 * S * n  # mlp_norm's input and statistics
            + 2 * B * h * f_t  # Wi reordered [inputs; gates]: a copy of the weight, saved by the GEMM
            + B * n * h  # Wi's input (mlp_norm's output)
@@ -193,11 +251,11 @@ def _modern_layer_bytes(cfg, tp: int, micro: int, precision: str, kernels: Kerne
            + M * n * f_t + B * n * f_t)  # the dropout's mask, mlp.Wo's input
     if m.recompute == "selective":
         # the checkpoint's inputs: rotary Q and K, V (a view of the fused QKV output, kept whole);
-        # the padding mask once per stage (stage_activation_bytes); the context
+        # the sample ids once per stage (_modern_shared); the context
         core = 2 * B * n * h_t + 3 * B * n * h_t + B * n * h_t
     else:
-        core = _modern_core(cfg, kernels, index, b, s, h_t, a_t, B)
-    return layer_input + attn_norm + rotary + core + Ma * n * h + mlp
+        core = _modern_core(cfg, kernels, index, b, h_t, a_t, B)
+    return layer_input + attn_norm + core + Ma * n * h + mlp
 
 
 def layer_bytes(cfg, tp: int, micro: int, precision: str, kernels: Kernels, index: int | None = None) -> int:
@@ -234,8 +292,9 @@ def embedding_bytes(cfg, tp: int, micro: int, precision: str, kernels: Kernels) 
     n = b * s
     M = 0 if m.hidden_dropout == 0 else (kernels.mask_bytes or B)
     S = kernels.stat_bytes or B
-    if m.modern:  # the input ids only (no token types, no positions), the TP lookup's range mask
-        return 8 * n + (n if tp > 1 else 0) + B * n * h + 2 * S * n + M * n * h
+    if m.modern:  # the input ids only (no token types, no positions), the TP lookup's range mask, the
+        # real tokens' indices (unpadding: one spare slot), LayerNorm's input and statistics, the dropout's mask
+        return 8 * n + (n if tp > 1 else 0) + 8 * (n + 1) + B * n * h + 2 * S * n + M * n * h
     ids = 16 * n + (n if tp > 1 else 0)  # input and token-type ids (int64); the TP lookup's range mask
     return ids + 8 * s + B * n * h + 2 * S * n + M * n * h
 
@@ -248,12 +307,16 @@ def heads_bytes(cfg, tp: int, micro: int, precision: str, kernels: Kernels) -> i
     n, p = b * s, b * cfg.data.max_predictions()
     S = kernels.stat_bytes or B
     v_t = m.padded_vocab_size(tp) // tp
-    heads = 8 * p + B * n * h  # the gather's index and input (the last layer's output)
-    if m.modern:  # final_norm's input and statistics at P rows, then the transform as BERT's
-        heads += B * p * h + 2 * S * p
+    if m.modern:  # index_select at the masked positions keeps its index only; final_norm's input
+        # and statistics at P rows, then the transform as BERT's
+        heads = 8 * p + B * p * h + 2 * S * p
+    else:
+        heads = 8 * p + B * n * h  # the gather's index and input (the last layer's output)
     heads += 4 * B * p * h + 2 * S * p  # MLM transform: dense input, GELU input, LayerNorm input/output, stats
     heads += v_t  # MlmOutputBias.is_padding (bool)
-    loss = 4 * p * v_t + p + 8 * p  # cross entropy: fp32 softmax, target mask, targets
+    # cross entropy (pretrain/model/cross_entropy.py): the logits as the model output them, each
+    # row's fp32 maximum and sum of exponentials, the local targets and whether they are in range
+    loss = B * p * v_t + 8 * p + 8 * p + p
     loss += 4 * p + 4  # masked weights, the scale
     if cfg.binary_head:
         heads += B * b * h  # pooled tanh
@@ -278,7 +341,10 @@ def stage_activation_bytes(cfg, tp: int, stage: int, stages: int, layers: int, f
                         for i in range(first_layer, first_layer + layers))
     else:
         per_micro = layers * layer_bytes(cfg, tp, micro, precision, kernels)
-    if m.recompute == "full" or (m.modern and m.recompute == "selective" and layers):
+    if m.modern:
+        first_layer = stage * layers if first_layer is None else first_layer
+        per_micro += _modern_shared(cfg, tp, micro, precision, kernels, range(first_layer, first_layer + layers))
+    elif m.recompute == "full":
         per_micro += 8 * micro * cfg.data.seq_length  # the padding mask, one storage for every layer
     if first:
         per_micro += embedding_bytes(cfg, tp, micro, precision, kernels)

@@ -71,7 +71,7 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
     def make_model():
         model = build_model(cfg.model, padded_vocab, torch.float32, tracker, par.tp_group,
                             pipeline_topology=par.topology if pipelined else None, loss_fn=loss_fn,
-                            binary_head=cfg.binary_head, packed=cfg.data.packing)
+                            binary_head=cfg.binary_head, shapes_vary=cfg.shapes_vary)
         init_weights(model, cfg.model, cfg.train.seed, par.tp_rank, par.tp_size)
         return model
 

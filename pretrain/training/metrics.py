@@ -14,16 +14,17 @@ from ..model.bert import PretrainingLoss
 TOKEN_COUNTS = ("real_tokens", "computed_tokens")
 
 
-def token_counts(micro_batch_inputs: list[tuple], like: torch.Tensor) -> torch.Tensor:
+def token_counts(micro_batch_inputs: list[tuple], like: torch.Tensor, unpadded: bool = False) -> torch.Tensor:
     """TOKEN_COUNTS of one step's micro-batches (float64 on `like`'s device, no host sync): real
     tokens (not padding; the padding mask and the packed sample ids are 0 there) and computed
-    ones (rows x seq_length: what the layers ran on). Zeros on ranks that drew nothing."""
+    ones (what the layers ran on: rows x seq_length, or the real tokens alone where the model is
+    `unpadded`, as ModernBERT is). Zeros on ranks that drew nothing."""
     real = torch.zeros((), dtype=torch.float64, device=like.device)
     computed = 0
     for inputs in micro_batch_inputs:
         real = real + (inputs[2] != 0).sum()
         computed += inputs[0].numel()
-    return torch.stack([real, torch.full_like(real, computed)])
+    return torch.stack([real, real if unpadded else torch.full_like(real, computed)])
 
 
 def reduce_metrics(parallel: Parallel, sums: list[torch.Tensor], grad_norms: list = ()) -> list[dict]:

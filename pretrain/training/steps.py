@@ -92,7 +92,8 @@ class StepRunner:
         # a skipped step's gradients had no finite norm (whatever the engine kept from before)
         grad_norm = float("inf") if outcome.skipped else self.engine.get_global_grad_norm()
         sums = self.loss_fn.drain(p.device)
-        return StepResult(torch.cat([sums, token_counts([inputs for inputs, _ in micro_batches], sums)]),
+        return StepResult(torch.cat([sums, token_counts([inputs for inputs, _ in micro_batches], sums,
+                                                              unpadded=self.cfg.model.modern)]),
                           grad_norm, outcome)
 
     def _scaler_can_lower(self, scale: float) -> bool:

@@ -65,7 +65,7 @@ class Trainer:
         logger.info(f"{device.describe(parallel)}, ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}")
         self.tracker = RngTracker(parallel.device)
         seed_streams(self.tracker, cfg.train.seed, parallel.tp_rank, parallel.pp_rank, parallel.dp_rank)
-        self.loss_fn = PretrainingLoss(parallel.tp_group, parallel.tp_rank)
+        self.loss_fn = PretrainingLoss(parallel.tp_group, parallel.tp_rank, cfg.model.compile)
         built = build_pretraining_engine(cfg, parallel, self.tracker, self.loss_fn)
         self.engine, self.model = built.engine, built.model
         accumulation, reduction = internals.gradient_dtypes(self.engine)

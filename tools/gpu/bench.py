@@ -1,12 +1,30 @@
 """GPU pretraining throughput on one device: our trainer against Hugging Face's BertForPreTraining
-on the same batches, with the planner's prediction beside every measured figure.
+and ModernBertForMaskedLM on the same batches, with the planner's prediction beside every padded
+BERT figure.
 
-usage: python tools/gpu/bench.py [--models large,base] [--seqs 128,512] [--batch 128:256,512:32]
-                                 [--variants ours-zero1,hf,ours-packed,ours-zero0,ours-adamw]
+usage: python tools/gpu/bench.py [--models modernbert-base,large,base] [--seqs 128,512] [--batch 128:256,512:32]
+                                 [--variants ours-zero1,hf,ours-packed,hf-sparse,ours-zero0,ours-adamw]
                                  [--precision bf16] [--steps 5] [--warmup 2] [--min-fraction 0.1]
-                                 [--budget-s 300] [--json OUT]
+                                 [--profile | --no-profile] [--budget-s 300] [--json OUT]
 
-What is measured, per model (configs/bert-<model>.yaml) and sequence length, one micro-batch per
+Models: BERT sizes (tiny ... large: configs/bert-<model>.yaml) and ModernBERT (modernbert-tiny,
+-base, -large: configs/<model>.yaml). Without --seqs/--batch each family takes its peers'
+shapes: BERT seq 128 x 256 and 512 x 32 (NVIDIA's), ModernBERT 1024 x 64 and 8192 x 8.
+
+ModernBERT, per model and sequence length (AdamW at ZeRO-1 on every side, lr 1e-4, 30% masking as
+its recipe, dropout as the config has it, model.compile and model.attention_kernel at their "auto"):
+- ours-zero1: padded rows in, computed as real tokens only (the model unpads them);
+- ours-packed: data.packing (the step's samples share rows);
+- hf: transformers' ModernBertForMaskedLM with SDPA, fp32 weights under bf16 autocast, torch's fused
+  AdamW, sparse_prediction false (its decoder over every token, as the published configs);
+- hf-sparse: the same with sparse_prediction true (its decoder at the masked positions only, as ours).
+Beside the BERT figures each ModernBERT run reports the time to its first timed step (model
+construction, compilation and the warmup steps), torch's compile counters (graphs compiled before
+and during the timed steps: a recompilation shows as more graphs), step time min/median/max, and
+(--profile, on by default) one more step under torch's profiler, its device time grouped into
+matrix products, attention, element-wise, optimizer and copies.
+
+BERT, per model and sequence length, one micro-batch per
 step (global = micro batch, no accumulation, constant LR, dropout as the config has it):
 - ours-zero1: our Trainer's step (forward, loss, DeepSpeed backward and step: gradient clipping,
   the layout-exact LAMB, the one-collective metric reduction), bf16 = DeepSpeed's bf16 (bf16
@@ -20,8 +38,10 @@ Every side steps the same samples: our synthetic pretraining data with lengths d
 from --min-fraction x seq to seq (so the padded sides compute padding and the packed side does
 not), drawn before timing. Figures: sequences/s, real (non-padding) tokens/s, computed tokens/s,
 model FLOP/s as MFU against the bf16 GEMM peak measured on this device up front (the best
-n^3 torch.mm), peak device memory (torch's allocator), each the median of --steps timed steps
-after --warmup. The planner's prediction (pretrain/plan: step time from the measured GEMM peak x
+n^3 torch.mm) and against the card's datasheet (dense bf16), peak device memory (torch's allocator),
+each the median of --steps timed steps after --warmup. Model FLOPs are the real work
+(pretrain/model/flops.py document_training_flops: each sample's tokens, attention within the sample,
+the heads at the masked positions), the same count for every side whatever it computes. The planner's prediction (pretrain/plan: step time from the measured GEMM peak x
 its default efficiency and the measured copy bandwidth; memory of the rank) stands beside each
 padded run (the planner models padded rows, not packing).
 
@@ -49,16 +69,26 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # tools.benchmarks.train (the HF model and batch helpers), configs/
 
-MODELS = ("tiny", "mini", "small", "medium", "base", "large")
-VARIANTS = ("ours-zero1", "hf", "ours-packed", "ours-zero0", "ours-adamw")
-DEFAULT_VARIANTS = "ours-zero1,hf,ours-packed,ours-zero0,ours-adamw"
+BERT_MODELS = ("tiny", "mini", "small", "medium", "base", "large")
+MODERN_MODELS = ("modernbert-tiny", "modernbert-base", "modernbert-large")
+MODELS = BERT_MODELS + MODERN_MODELS
+VARIANTS = ("ours-zero1", "hf", "ours-packed", "hf-sparse", "ours-zero0", "ours-adamw")
+# each family's runs in the order measured (the budget cuts from the end)
+FAMILY_VARIANTS = {"bert": ("ours-zero1", "hf", "ours-packed", "ours-zero0", "ours-adamw"),
+                   "modernbert": ("ours-packed", "ours-zero1", "hf", "hf-sparse")}
+FAMILY_SHAPES = {"bert": "128:256,512:32", "modernbert": "1024:64,8192:8"}  # SEQ:BATCH
+DEFAULT_MODELS = "modernbert-base,large,base"
+MODERN_MASKING = 0.3  # ModernBERT's recipe (Warner et al. 2024): 30% of tokens predicted
+# dense bf16 TFLOP/s of the datasheets (without sparsity), by a name the device's contains
+DATASHEET_BF16_TFLOPS = {"H200": 989.4, "H100 SXM": 989.4, "H100 80GB HBM3": 989.4, "H100 PCIe": 756.0,
+                         "H100 NVL": 835.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
 # NVIDIA DeepLearningExamples PyTorch BERT-large pretraining, A100 80 GB, AMP, LAMB: sequences/s per GPU
 NVIDIA_DLE_A100_BERT_LARGE = {"128": 574, "512": 207}
 NVIDIA_DLE_BATCH = {"128": 256, "512": 32}
 MLPERF_V3_H100_PACKED = 970
 ADAMW_LR = 1e-4  # BERT's AdamW learning rate (Devlin et al.)
 PLAN_EFFICIENCY = 0.7  # tools/plan.py's default share of the GEMM peak
-SCHEMA = "bert-pretrain/gpu-bench/1"
+SCHEMA = "bert-pretrain/gpu-bench/2"
 GiB = 2**30
 
 
@@ -70,11 +100,14 @@ def synchronize(device) -> None:
     device_synchronize(device)
 
 
-def timed(fn, device, warmup: int, steps: int) -> list[float]:
-    """`warmup` untimed calls, then the durations of `steps` calls, each until the device is done."""
+def timed(fn, device, warmup: int, steps: int, on_warm=None) -> list[float]:
+    """`warmup` untimed calls, then the durations of `steps` calls, each until the device is done;
+    `on_warm()` is called between the two (when the device finished the warmup)."""
     for _ in range(warmup):
         fn()
     synchronize(device)
+    if on_warm is not None:
+        on_warm()
     times = []
     for _ in range(steps):
         started = time.perf_counter()
@@ -105,30 +138,44 @@ def calibrate(device, precision: str) -> dict:
             "copy_gb_per_s": 2 * elements * 4 / copy / 1e9}
 
 
+def family(model: str) -> str:
+    return "modernbert" if model in MODERN_MODELS else "bert"
+
+
+def config_path(model: str) -> Path:
+    return REPO / "configs" / (f"{model}.yaml" if family(model) == "modernbert" else f"bert-{model}.yaml")
+
+
 def run_config(job: dict, settings: dict):
     """Our Config of a run: one micro-batch per step, constant LR, nothing saved or evaluated."""
     from pretrain.config import load_config
 
     seq, batch = job["seq"], job["batch"]
     variant = job["variant"]
+    modern = family(job["model"]) == "modernbert"
+    adamw = modern or variant in ("ours-adamw", "hf")
     overrides = [
         f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}",
-        f"train.precision={settings['precision']}", f"train.train_steps={settings['warmup'] + settings['steps']}",
+        f"train.precision={settings['precision']}", f"train.train_steps={settings['warmup'] + settings['steps'] + 1}",
         "eval.interval=0", "checkpoint.save_interval=0", "checkpoint.save_dir=null", "checkpoint.load_dir=null",
         "logging.tensorboard_dir=null", "scheduler.warmup_steps=0", "scheduler.decay=constant",
         "parallel.tensor_parallel=1", "parallel.pipeline_parallel=1",
         f"parallel.zero_stage={0 if variant == 'ours-zero0' else 1}",
-        f"optimizer.name={'adamw' if variant in ('ours-adamw', 'hf') else 'lamb'}",
+        f"optimizer.name={'adamw' if adamw else 'lamb'}",
         f"data.seq_length={seq}", f"data.synthetic_min_fraction={settings['min_fraction']}",
         f"data.packing={'true' if variant == 'ours-packed' else 'false'}",
-        # Google BERT: 20 predictions at 128, 80 at 512 (~0.15 x seq, rounded up)
-        f"data.max_predictions_per_seq={-(-seq * 15 // 100)}",
     ]
-    if variant in ("ours-adamw", "hf"):
-        overrides.append(f"optimizer.lr={ADAMW_LR}")  # the configs' LR is LAMB's, which diverges under AdamW
+    if modern:
+        overrides += [f"data.masked_lm_prob={MODERN_MASKING}",
+                      f"data.max_predictions_per_seq={-(-seq * int(MODERN_MASKING * 100) // 100)}",
+                      f"model.max_position_embeddings={max(seq, 512)}"]
+    else:  # Google BERT: 20 predictions at 128, 80 at 512 (~0.15 x seq, rounded up)
+        overrides.append(f"data.max_predictions_per_seq={-(-seq * 15 // 100)}")
+    if adamw:
+        overrides.append(f"optimizer.lr={ADAMW_LR}")  # the BERT configs' LR is LAMB's, which diverges under AdamW
     if variant == "ours-zero0" and settings["precision"] == "bf16":
         overrides.append("train.grad_accum_dtype=bf16")  # fp32 accumulation needs ZeRO >= 1
-    cfg = load_config(str(REPO / "configs" / f"bert-{job['model']}.yaml"), overrides)
+    cfg = load_config(str(config_path(job["model"])), overrides)
     cfg.validate(world_size=1)
     return cfg
 
@@ -147,17 +194,44 @@ def draw_batches(cfg, count: int, device, packed: bool) -> list:
     return drawn
 
 
+def batch_work(batch) -> dict:
+    """What a micro-batch holds to be computed: its samples' lengths (a padded row's real tokens, a
+    packed row's runs of one sample id) and its masked tokens."""
+    import torch
+
+    inputs, labels = batch
+    if len(inputs) == 6:  # packed rows: a sample is a run of one sample id
+        ids = inputs[2].cpu()
+        lengths = torch.bincount(ids.reshape(-1))[1:]
+        lengths = lengths[lengths > 0]
+    else:
+        lengths = (inputs[2] != 0).sum(1).cpu()
+    return {"lengths": [int(n) for n in lengths], "masked": int((labels[1] > 0).sum())}
+
+
 def measure_ours(job: dict, settings: dict, parallel) -> dict:
+    from pretrain.model.fused import compile_counters
     from pretrain.training.trainer import Trainer
 
+    started = time.perf_counter()
+    graphs_before = compile_counters()["unique_graphs"]
     cfg = run_config(job, settings)
     trainer = Trainer(cfg, parallel)
     count = settings["warmup"] + settings["steps"]
-    batches = iter(draw_batches(cfg, count, parallel.device, packed=cfg.data.packing))
-    metrics = []
-    times = timed(lambda: metrics.append(trainer.train_step(batches)), parallel.device, settings["warmup"],
-                  settings["steps"])
-    timed_metrics = metrics[settings["warmup"]:]
+    drawn = draw_batches(cfg, count + 1, parallel.device, packed=cfg.data.packing)
+    work = [batch_work(b) for b in drawn]
+    batches = iter(drawn)
+    metrics, graphs = [], []
+
+    def step():
+        metrics.append(trainer.train_step(batches))
+        graphs.append(compile_counters()["unique_graphs"] - graphs_before)
+
+    warm = []
+    times = timed(step, parallel.device, settings["warmup"], settings["steps"],
+                  on_warm=lambda: warm.append(time.perf_counter() - started))
+    profile = profile_step(step, parallel.device) if settings["profile"] else None
+    timed_metrics = metrics[settings["warmup"]:settings["warmup"] + settings["steps"]]
     where = str(next(trainer.model.parameters()).device)
     dtype = str(next(trainer.model.parameters()).dtype)
     trainer.close_loaders()
@@ -165,6 +239,8 @@ def measure_ours(job: dict, settings: dict, parallel) -> dict:
     return {"times": times, "losses": [m["loss"] for m in metrics],
             "real_tokens": [m["real_tokens"] for m in timed_metrics],
             "computed_tokens": [m["computed_tokens"] for m in timed_metrics],
+            "work": work[settings["warmup"]:count], "first_timed_step_after_s": warm[0],
+            "compiled_graphs_per_step": graphs, "profile": profile,
             "parameter_device": where, "parameter_dtype": dtype}, cfg
 
 
@@ -173,7 +249,8 @@ def hf_optimizer(model, cfg, device):
     import torch
 
     o = cfg.optimizer
-    excluded = {"bias": lambda n: n.endswith("bias"), "layernorm": lambda n: "LayerNorm" in n}
+    excluded = {"bias": lambda n: n.endswith("bias"),  # BERT's LayerNorm, ModernBERT's *norm modules
+                "layernorm": lambda n: "LayerNorm" in n or n.split(".")[-2].endswith("norm")}
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         kinds = {kind for kind, match in excluded.items() if match(name)}
@@ -183,29 +260,116 @@ def hf_optimizer(model, cfg, device):
                              fused=device.type == "cuda", foreach=None if device.type == "cuda" else False)
 
 
+def hf_modern_model(cfg, sparse: bool):
+    """transformers' ModernBertForMaskedLM (SDPA) with our config's shapes and dropout."""
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    m = cfg.model
+    return ModernBertForMaskedLM(ModernBertConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads, intermediate_size=m.ffn_size,
+        max_position_embeddings=m.max_position_embeddings, global_attn_every_n_layers=m.global_attn_every_n_layers,
+        local_attention=m.local_attention, global_rope_theta=m.global_rope_theta, local_rope_theta=m.local_rope_theta,
+        norm_eps=m.layernorm_epsilon, embedding_dropout=m.hidden_dropout, mlp_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout, sparse_prediction=sparse, pad_token_id=0,
+        attn_implementation="sdpa"))
+
+
+def hf_modern_batch(inputs, labels) -> dict:
+    """Our padded (inputs, labels) micro-batch as ModernBertForMaskedLM's keyword arguments."""
+    import torch
+
+    input_ids, _types, padding_mask, masked_positions = inputs
+    masked_labels, masked_weights, _ = labels
+    mlm_labels = torch.full_like(input_ids, -100)
+    rows, slots = torch.nonzero(masked_weights > 0, as_tuple=True)
+    mlm_labels[rows, masked_positions[rows, slots]] = masked_labels[rows, slots]
+    return dict(input_ids=input_ids, attention_mask=padding_mask, labels=mlm_labels)
+
+
 def measure_hf(job: dict, settings: dict, parallel) -> dict:
     import torch
 
+    from pretrain.model.fused import compile_counters
     from tools.benchmarks.train import hf_batch, hf_model, hf_step
 
+    started = time.perf_counter()
+    graphs_before = compile_counters()["unique_graphs"]
     cfg = run_config(job, settings)
     device = parallel.device
     torch.manual_seed(cfg.train.seed)
-    model = hf_model(cfg).to(device).train()
+    modern = family(job["model"]) == "modernbert"
+    model = (hf_modern_model(cfg, job["variant"] == "hf-sparse") if modern else hf_model(cfg)).to(device).train()
     optimizer = hf_optimizer(model, cfg, device)
     count = settings["warmup"] + settings["steps"]
-    drawn = draw_batches(cfg, count, device, packed=False)
+    drawn = draw_batches(cfg, count + 1, device, packed=False)
+    work = [batch_work(b) for b in drawn]
     real = [int(inputs[2].sum()) for inputs, _ in drawn]
-    batches = iter([hf_batch(*b) for b in drawn])
+    batches = iter([(hf_modern_batch if modern else hf_batch)(*b) for b in drawn])
     del drawn
-    losses = []
-    step = hf_step(model, optimizer, batches, device, settings["precision"], cfg.optimizer.clip(), losses)
-    times = timed(step, device, settings["warmup"], settings["steps"])
+    losses, graphs = [], []
+    hf_one_step = hf_step(model, optimizer, batches, device, settings["precision"], cfg.optimizer.clip(), losses)
+
+    def step():
+        hf_one_step()
+        graphs.append(compile_counters()["unique_graphs"] - graphs_before)
+
+    warm = []
+    times = timed(step, device, settings["warmup"], settings["steps"],
+                  on_warm=lambda: warm.append(time.perf_counter() - started))
+    profile = profile_step(step, device) if settings["profile"] else None
     where, dtype = str(next(model.parameters()).device), str(next(model.parameters()).dtype)
     del model, optimizer
-    return {"times": times, "losses": [float(x) for x in losses], "real_tokens": real[settings["warmup"]:],
+    return {"times": times, "losses": [float(x) for x in losses], "real_tokens": real[settings["warmup"]:count],
             "computed_tokens": [job["batch"] * job["seq"]] * settings["steps"],
+            "work": work[settings["warmup"]:count], "first_timed_step_after_s": warm[0],
+            "compiled_graphs_per_step": graphs, "profile": profile,
             "parameter_device": where, "parameter_dtype": dtype}, cfg
+
+
+# What a profiled step's kernels are, by name (CUDA kernels; on the CPU test device, aten ops).
+# The first group that matches takes a kernel; what none matches is "other".
+PROFILE_GROUPS = (
+    ("attention", r"flash|fmha|attention|flex|sdpa|_efficient_attention|varlen|softmax"),
+    ("gemm", r"gemm|cutlass|cublas|nvjet|xmma|s\d+gemm|aten::(mm|addmm|bmm|matmul|linear|baddbmm)$"),
+    ("optimizer", r"multi_tensor|adam|lamb|foreach|_fused_"),
+    ("copies", r"memcpy|memset|copy|cat_|catarray|aten::(copy_|cat|contiguous|clone|to|_to_copy|index_select|gather|scatter)"),
+    ("element-wise", r"elementwise|vectorized|triton|layer_norm|layernorm|gelu|reduce|unrolled|aten::"),
+)
+
+
+def profile_step(step, device) -> dict:
+    """One more step under torch's profiler: its device time (CUDA kernels) or, off CUDA, its
+    operators' own CPU time, summed by PROFILE_GROUPS (milliseconds), with the top kernels."""
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        synchronize(device)
+    groups = {name: 0.0 for name, _ in PROFILE_GROUPS} | {"other": 0.0}
+    kernels = []
+    for event in prof.key_averages():
+        if cuda:
+            us = getattr(event, "self_device_time_total", 0.0) or getattr(event, "self_cuda_time_total", 0.0)
+            if getattr(event, "device_type", None) is not None and "CUDA" not in str(event.device_type):
+                continue
+        else:
+            us = event.self_cpu_time_total
+            if not event.key.startswith("aten::"):
+                continue
+        if us <= 0:
+            continue
+        name = event.key.lower()
+        group = next((g for g, pattern in PROFILE_GROUPS if re.search(pattern, name)), "other")
+        groups[group] += us / 1e3
+        kernels.append((us / 1e3, group, event.key[:120]))
+    kernels.sort(reverse=True)
+    return {"kind": "device time" if cuda else "operators' own CPU time", "total_ms": sum(groups.values()),
+            "groups_ms": groups, "top": [{"ms": ms, "group": g, "name": n} for ms, g, n in kernels[:15]]}
 
 
 def planned(cfg, device_type: str, calibration: dict | None) -> dict:
@@ -231,21 +395,32 @@ def planned(cfg, device_type: str, calibration: dict | None) -> dict:
 
 
 def summarize(job: dict, raw: dict, cfg, calibration: dict | None) -> dict:
-    from pretrain.model.flops import encoder_flops_per_row, head_flops_per_sample
+    from pretrain.model.flops import document_training_flops
 
     step = statistics.median(raw["times"])
     real = statistics.median(raw["real_tokens"])
     computed = statistics.median(raw["computed_tokens"])
-    rows = computed / job["seq"]
-    flops = encoder_flops_per_row(cfg) * rows + head_flops_per_sample(cfg) * job["batch"]
-    out = {"step_s": step, "min_step_s": min(raw["times"]), "sequences_per_s": job["batch"] / step,
-           "real_tokens_per_s": real / step,
+    flops = statistics.median(document_training_flops(cfg.model, w["lengths"], w["masked"], cfg.model.vocab_size,
+                                                      cfg.binary_head) for w in raw["work"])
+    graphs = raw["compiled_graphs_per_step"]
+    out = {"step_s": step, "min_step_s": min(raw["times"]), "max_step_s": max(raw["times"]),
+           "sequences_per_s": job["batch"] / step, "real_tokens_per_s": real / step,
            "computed_tokens_per_s": computed / step, "real_token_share": real / computed,
-           "model_tflops": flops / step / 1e12, **{k: raw[k] for k in ("times", "losses", "parameter_device",
-                                                                       "parameter_dtype")}}
+           "model_tflops": flops / step / 1e12, "first_timed_step_after_s": raw["first_timed_step_after_s"],
+           # torch's compile counters: graphs compiled by the end of each step (warmup steps included)
+           "compiled_graphs_per_step": graphs,
+           "recompiled_after_step_3": graphs[-1] - graphs[min(2, len(graphs) - 1)] if graphs else 0,
+           "profile": raw["profile"],
+           **{k: raw[k] for k in ("times", "losses", "parameter_device", "parameter_dtype")}}
     if calibration:
         out["mfu"] = out["model_tflops"] / calibration["gemm_tflops"]
     return out
+
+
+def datasheet_tflops(facts: dict) -> float | None:
+    """The card's dense bf16 TFLOP/s from DATASHEET_BF16_TFLOPS, by its name (None: not listed)."""
+    name = facts.get("name", "")
+    return next((tflops for key, tflops in DATASHEET_BF16_TFLOPS.items() if key in name), None)
 
 
 def child_main(args) -> None:
@@ -286,7 +461,7 @@ def child_main(args) -> None:
         allocator_before = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
         started = time.perf_counter()
         try:
-            measure = measure_hf if job["variant"] == "hf" else measure_ours
+            measure = measure_hf if job["variant"] in ("hf", "hf-sparse") else measure_ours
             raw, cfg = measure(job, settings, parallel)
         except torch.cuda.OutOfMemoryError as error:  # torch.OutOfMemoryError since 2.5
             record("result", id=job["id"], status="failed", error=f"out of memory: {str(error).splitlines()[0]}",
@@ -302,7 +477,9 @@ def child_main(args) -> None:
             measured["peak_memory_gib"] = (peak - (before or 0)) / GiB
             measured["memory_before_gib"] = (before or 0) / GiB
         try:
-            prediction = None if job["variant"] in ("hf", "ours-packed") else planned(cfg, device.type, calibration)
+            # the planner models padded BERT rows (not packing, not ModernBERT's unpadded tokens)
+            prediction = None if job["variant"] in ("hf", "hf-sparse", "ours-packed") or cfg.model.modern \
+                else planned(cfg, device.type, calibration)
         except Exception as error:  # a planner bug must not lose the measurement: say it
             prediction = {"error": f"{type(error).__name__}: {error}"}
         record("result", id=job["id"], status="ok", measured=measured, planned=prediction,
@@ -329,38 +506,59 @@ def device_facts(device) -> dict:
 
 # ------------------------------------------------------------------------------------------- parent
 
+def shapes(args, model: str) -> list[tuple[int, int]]:
+    """(seq, batch) pairs of `model`: --batch's pairs (or its family's, FAMILY_SHAPES), those of
+    --seqs when given."""
+    pairs = dict(item.split(":") for item in (args.batch or FAMILY_SHAPES[family(model)]).split(",") if item)
+    seqs = args.seqs.split(",") if args.seqs else list(pairs)
+    return [(int(seq), int(pairs[seq])) for seq in seqs]
+
+
+def variants(args, model: str) -> list[str]:
+    """`model`'s runs in the order measured: --variants (those its family has) or its family's."""
+    own = FAMILY_VARIANTS[family(model)]
+    if not args.variants:
+        return list(own)
+    return [v for v in args.variants.split(",") if v in own]
+
+
 def job_list(args) -> list[dict]:
-    """Every run, in the order they are measured: per (model, seq) the padded ours and HF's side,
-    then packed; ZeRO-0 and AdamW after all of those (the budget cuts from the end)."""
-    batches = dict(item.split(":") for item in args.batch.split(",") if item)
-    variants = [v for v in args.variants.split(",") if v]
-    first = [v for v in variants if v in ("ours-zero1", "hf", "ours-packed")]
-    later = [v for v in variants if v not in first]
-    jobs = []
-    for group in (first, later):
-        for model in args.models.split(","):
-            for seq in args.seqs.split(","):
-                for variant in group:
-                    jobs.append({"id": f"{model}-s{seq}-{variant}", "model": model, "seq": int(seq),
-                                 "batch": int(batches[seq]), "variant": variant})
-    return jobs
+    """Every run, in the order they are measured, so that the budget cuts what matters least: per
+    model (in --models' order) and shape the family's main runs (ModernBERT: all four; BERT: the
+    padded ours, HF's side, packed), then BERT's ZeRO-0 and AdamW runs after all of those."""
+    jobs, later = [], []
+    for model in args.models.split(","):
+        for seq, batch in shapes(args, model):
+            for variant in variants(args, model):
+                job = {"id": f"{model}-s{seq}-{variant}", "model": model, "seq": seq, "batch": batch,
+                       "variant": variant}
+                (later if variant in ("ours-zero0", "ours-adamw") else jobs).append(job)
+    return jobs + later
 
 
 def validate(args, parser) -> None:
     for model in args.models.split(","):
         if model not in MODELS:
             parser.error(f"--models: unknown model {model!r}; choose from {', '.join(MODELS)}")
-    for variant in args.variants.split(","):
-        if variant not in VARIANTS:
+    for variant in (args.variants or "").split(","):
+        if variant and variant not in VARIANTS:
             parser.error(f"--variants: unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
-    try:
-        batches = dict(item.split(":") for item in args.batch.split(",") if item)
-        assert all(int(b) > 0 for b in batches.values())
-    except (ValueError, AssertionError):
-        parser.error(f"--batch {args.batch!r}: give SEQ:BATCH pairs, e.g. 128:256,512:32")
-    missing = [s for s in args.seqs.split(",") if s not in batches]
-    if missing:
-        parser.error(f"--batch {args.batch!r} has no batch for seq {', '.join(missing)}")
+    for text in filter(None, (args.batch,)):
+        try:
+            pairs = dict(item.split(":") for item in text.split(",") if item)
+            assert pairs and all(int(b) > 0 and int(s) > 0 for s, b in pairs.items())
+        except (ValueError, AssertionError):
+            parser.error(f"--batch {text!r}: give SEQ:BATCH pairs, e.g. 128:256,512:32")
+    for model in args.models.split(","):
+        pairs = (args.batch or FAMILY_SHAPES[family(model)]).split(",")
+        known = {item.split(":")[0] for item in pairs if item}
+        missing = [seq for seq in (args.seqs.split(",") if args.seqs else []) if seq not in known]
+        if missing:
+            parser.error(f"--seqs {args.seqs}: no batch for seq {', '.join(missing)} of {model} "
+                         f"(its SEQ:BATCH pairs: {','.join(pairs)}; give them with --batch)")
+        if not variants(args, model):
+            parser.error(f"--variants {args.variants}: none of them is a run of {model} "
+                         f"({', '.join(FAMILY_VARIANTS[family(model)])})")
 
 
 def run_children(jobs: list[dict], settings: dict, budget_s: float, log) -> tuple[dict | None, dict, dict]:
@@ -434,6 +632,11 @@ def describe(job: dict, record: dict) -> str:
         text += f", MFU {100 * m['mfu']:.1f}%"
     if "peak_memory_gib" in m:
         text += f", peak {m['peak_memory_gib']:.2f} GiB"
+    text += (f", steps {1e3 * m['min_step_s']:.1f}-{1e3 * m['max_step_s']:.1f} ms, first timed step after "
+             f"{m['first_timed_step_after_s']:.1f} s, graphs compiled {m['compiled_graphs_per_step']}")
+    if m.get("profile"):
+        groups = m["profile"]["groups_ms"]
+        text += " | profile ms: " + ", ".join(f"{g} {ms:.1f}" for g, ms in groups.items() if ms > 0)
     if "step_s" in p:
         text += f" | planned step {1e3 * p['step_s']:.1f} ms ({p['step_s'] / m['step_s']:.2f}x measured)"
     if "memory_gib" in p:
@@ -460,6 +663,10 @@ def comparisons(jobs: list[dict], results: dict) -> list[dict]:
         row["ours_zero1_over_hf"] = ratio(seqs("ours-zero1"), seqs("hf"))
         row["ours_adamw_over_hf"] = ratio(seqs("ours-adamw"), seqs("hf"))
         row["packed_over_padded_real_tokens"] = ratio(real("ours-packed"), real("ours-zero1"))
+        if family(model) == "modernbert":  # per real token: the issue's targets are stated so
+            row["hf_over_ours_packed_real_tokens"] = ratio(real("hf"), real("ours-packed"))
+            row["hf_sparse_over_ours_packed_real_tokens"] = ratio(real("hf-sparse"), real("ours-packed"))
+            row["padded_over_packed_real_tokens"] = ratio(real("ours-zero1"), real("ours-packed"))
         if model == "large" and str(seq) in NVIDIA_DLE_A100_BERT_LARGE:
             anchor = NVIDIA_DLE_A100_BERT_LARGE[str(seq)]
             row["nvidia_dle_a100_sequences_per_s"] = anchor
@@ -470,18 +677,20 @@ def comparisons(jobs: list[dict], results: dict) -> list[dict]:
 
 
 def print_table(jobs, results, log) -> None:
-    log(f"{'run':<28}{'status':<8}{'seq/s':>9}{'real tok/s':>12}{'MFU %':>7}{'peak GiB':>9}"
-        f"{'plan ms':>9}{'meas ms':>9}{'plan GiB':>9}")
+    log(f"{'run':<36}{'status':<8}{'seq/s':>9}{'real tok/s':>12}{'MFU %':>7}{'peak GiB':>9}"
+        f"{'plan ms':>9}{'meas ms':>9}{'max ms':>9}{'1st s':>7}{'graphs':>7}{'plan GiB':>9}")
     for job in jobs:
         r = results[job["id"]]
         if r["status"] != "ok":
-            log(f"{job['id']:<28}{r['status']:<8}{r.get('error', '')}")
+            log(f"{job['id']:<36}{r['status']:<8}{r.get('error', '')}")
             continue
         m, p = r["measured"], r.get("planned") or {}
         fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
-        log(f"{job['id']:<28}{'ok':<8}{m['sequences_per_s']:>9.1f}{m['real_tokens_per_s']:>12.0f}"
+        graphs = m["compiled_graphs_per_step"]
+        log(f"{job['id']:<36}{'ok':<8}{m['sequences_per_s']:>9.1f}{m['real_tokens_per_s']:>12.0f}"
             f"{fmt(100 * m['mfu'] if 'mfu' in m else None, '>7.1f'):>7}{fmt(m.get('peak_memory_gib'), '>9.2f'):>9}"
             f"{fmt(1e3 * p['step_s'] if 'step_s' in p else None, '>9.1f'):>9}{1e3 * m['step_s']:>9.1f}"
+            f"{1e3 * m['max_step_s']:>9.1f}{m['first_timed_step_after_s']:>7.1f}{graphs[-1] if graphs else 0:>7}"
             f"{fmt(p.get('memory_gib'), '>9.2f'):>9}")
 
 
@@ -489,7 +698,7 @@ def parent_main(args, parser) -> int:
     validate(args, parser)
     jobs = job_list(args)
     settings = {"precision": args.precision, "steps": args.steps, "warmup": args.warmup,
-                "min_fraction": args.min_fraction}
+                "min_fraction": args.min_fraction, "profile": args.profile}
     started = time.monotonic()
     log = lambda text: print(text, flush=True)  # noqa: E731
     calibration, results, facts = run_children(jobs, settings, args.budget_s, log)
@@ -502,11 +711,22 @@ def parent_main(args, parser) -> int:
             log(f"BERT-large seq {row['seq']} B{row['batch']}: ours {ours and round(ours, 1)} seq/s on this device, "
                 f"NVIDIA DLE {row['nvidia_dle_a100_sequences_per_s']} seq/s per A100 80 GB "
                 f"(batch {row['nvidia_dle_batch']}); HF {row['sequences_per_s']['hf'] and round(row['sequences_per_s']['hf'], 1)}")
+        if family(row["model"]) == "modernbert":
+            real = row["real_tokens_per_s"]
+            shown = lambda v: f"{v:,.0f}" if v else "-"  # noqa: E731
+            log(f"{row['model']} seq {row['seq']} B{row['batch']} real tok/s: ours packed {shown(real['ours-packed'])}, "
+                f"ours padded {shown(real['ours-zero1'])}, transformers {shown(real['hf'])}, transformers sparse "
+                f"{shown(real['hf-sparse'])}")
+    spec = datasheet_tflops(facts)
+    for result in results.values():
+        if result.get("status") == "ok" and spec:
+            result["measured"]["mfu_datasheet"] = result["measured"]["model_tflops"] / spec
     counts = {status: sum(r["status"] == status for r in results.values()) for status in ("ok", "failed", "not run")}
     log(f"gpu bench: {counts['ok']} ok, {counts['failed']} failed, {counts['not run']} not run, "
         f"{time.monotonic() - started:.0f} s")
     if args.json:
-        report = {"schema": SCHEMA, "device": facts, "calibration": calibration, "settings": {
+        report = {"schema": SCHEMA, "device": {**facts, "datasheet_bf16_tflops": spec}, "calibration": calibration,
+                  "settings": {
                       **settings, "batch": args.batch, "budget_s": args.budget_s, "plan_efficiency": PLAN_EFFICIENCY},
                   "anchors": {"nvidia_dle_a100_80gb_bert_large_sequences_per_s": NVIDIA_DLE_A100_BERT_LARGE,
                               "nvidia_dle_batch": NVIDIA_DLE_BATCH,
@@ -522,10 +742,16 @@ def parent_main(args, parser) -> int:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python tools/gpu/bench.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="large,base", help=f"comma list of: {', '.join(MODELS)}")
-    parser.add_argument("--seqs", default="128,512")
-    parser.add_argument("--batch", default="128:256,512:32", help="SEQ:BATCH pairs (default NVIDIA's: 128:256,512:32)")
-    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma list of: {', '.join(VARIANTS)}")
+    parser.add_argument("--models", default=DEFAULT_MODELS, help=f"comma list of: {', '.join(MODELS)}")
+    parser.add_argument("--seqs", default=None, help="sequence lengths among the SEQ:BATCH pairs (default all)")
+    parser.add_argument("--batch", default=None,
+                        help="SEQ:BATCH pairs for every model (default per family: BERT "
+                             f"{FAMILY_SHAPES['bert']} (NVIDIA's), ModernBERT {FAMILY_SHAPES['modernbert']})")
+    parser.add_argument("--variants", default=None,
+                        help=f"comma list of: {', '.join(VARIANTS)} (default per family: BERT "
+                             f"{','.join(FAMILY_VARIANTS['bert'])}; ModernBERT {','.join(FAMILY_VARIANTS['modernbert'])})")
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                        help="profile one more step of each run (default on)")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")

@@ -1,0 +1,88 @@
+"""The element-wise work of a ModernBERT layer in as few passes over memory as the device allows.
+
+Between its matrix products a layer runs only memory-bound operations: rotary turns of queries and
+keys (in fp32, as transformers), the residual add and the LayerNorm after it, GeGLU's GELU and
+product. Eager, each is a kernel or several, with fp32 intermediates written out and read back;
+compiled (`model.compile`), each group below is one generated kernel forward and one backward
+(torch.compile, dynamic shapes: the token count changes every micro-batch, one compilation serves
+them all). Dropout stays outside (eager, the RNG tracker's streams); the functions are pure.
+
+`LayerKernels(compiled)` hands a layer the eager or the compiled version of each; the compiled ones
+are made once per process (functools.cache), so every layer shares one compilation.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., head_dim] turned by the angles (cos and sin broadcast to it), in fp32, returned in
+    x's dtype (transformers' apply_rotary_pos_emb: non-interleaved halves)."""
+    x32 = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
+    return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+def rotate_query_key(query, key, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    return rotate(query, cos, sin), rotate(key, cos, sin)
+
+
+def geglu(projected: torch.Tensor) -> torch.Tensor:
+    """GELU(first half) x second half of the last dimension (GegluInput's [inputs; gates] layout)."""
+    inputs, gates = projected.chunk(2, dim=-1)
+    return F.gelu(inputs) * gates
+
+
+def add_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + delta, LayerNorm of it): the residual stream and the next block's input."""
+    hidden = residual + delta
+    return hidden, F.layer_norm(hidden, hidden.shape[-1:], weight, bias, eps)
+
+
+EAGER = {"rotate_query_key": rotate_query_key, "geglu": geglu, "add_norm": add_norm}
+
+
+@functools.cache
+def compiled(name: str):
+    """The compiled version of EAGER[name], made once per process (torch.compile is lazy: the first
+    call compiles)."""
+    return torch.compile(EAGER[name], dynamic=True)
+
+
+class LayerKernels:
+    """The layer's element-wise groups, compiled or eager."""
+
+    def __init__(self, use_compiled: bool):
+        self.compiled = use_compiled
+        pick = compiled if use_compiled else EAGER.__getitem__
+        self.rotate_query_key = pick("rotate_query_key")
+        self.geglu = pick("geglu")
+        self.add_norm = pick("add_norm")
+
+
+@functools.cache
+def layer_kernels(setting: str, device_type: str) -> LayerKernels:
+    """The kernels model.compile = `setting` gives a layer on `device_type` (one set per process)."""
+    return LayerKernels(compile_enabled(setting, device_type))
+
+
+def compile_enabled(setting: str, device_type: str) -> bool:
+    """model.compile: "true", "false", or "auto" (on for CUDA, where the fused kernels pay; off on
+    the CPU, whose eager path is tuned and where compiling costs more than a short run saves)."""
+    if setting == "auto":
+        return device_type == "cuda"
+    return setting == "true"
+
+
+def compile_counters() -> dict:
+    """torch's own compile counters so far in this process: graphs compiled (`unique_graphs`) and
+    frames compiled (`frames`: a recompilation is a frame compiled again)."""
+    from torch._dynamo.utils import counters
+
+    return {"unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "frames": int(counters["frames"].get("total", 0))}
