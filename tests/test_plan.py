@@ -207,3 +207,7 @@ def test_the_plan_says_what_it_does_not_model(capsys):
     out = capsys.readouterr().out
     assert ("this config packs samples (data.packing=true): its memory and step time are predicted for padded rows; "
             "GPUs also keep a [rows, 1, seq, seq] attention mask per layer") in out
+    modern = ["--config", "configs/modernbert-tiny.yaml", *small[2:]]
+    assert main([*modern, "--device-memory", "80GB"]) == 0
+    assert ("ModernBERT computes real tokens only: its memory and step time are predicted for full rows of "
+            "data.seq_length (an upper bound") in capsys.readouterr().out

@@ -187,3 +187,18 @@ def test_masks_and_rotary_tables_are_built_once_per_micro_batch(one_rank, recomp
     assert builds[3] == builds[6], builds
     # a rotary table per base, a mask per layer kind (85 tokens: both kinds take the dense path)
     assert builds[3] == (4, 4), builds
+
+
+def test_compile_where_torch_cannot_is_one_line(monkeypatch):
+    """model.compile=true on the CPU without a C++ compiler, or on a device torch does not compile
+    for (the CPU test device), is refused naming the key, before any compilation starts."""
+    from pretrain.model import fused
+
+    fused.check_can_compile.cache_clear()
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(fused.CompileUnavailable, match=r"model.compile=true on the CPU needs a C\+\+ compiler "
+                                                        r"\(no-such-compiler"):
+        fused.check_can_compile("cpu")
+    with pytest.raises(fused.CompileUnavailable, match="not for fakegpu; set model.compile=false"):
+        fused.check_can_compile("fakegpu")
+    fused.check_can_compile.cache_clear()

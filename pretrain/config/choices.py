@@ -21,3 +21,12 @@ ARCHITECTURES = ("bert", "modernbert")
 CLASSIFIER_POOLING = ("cls", "mean")  # model.classifier_pooling (ModernBERT sequence heads)
 ATTENTION_KERNELS = ("auto", "varlen", "flex")  # model.attention_kernel (ModernBERT on CUDA)
 COMPILE_CHOICES = ("auto", "true", "false")  # model.compile
+
+
+def compile_enabled(setting: str, device_type: str) -> bool:
+    """model.compile resolved for a device: "true", "false", or "auto" (on for CUDA, where the
+    fused kernels pay; off on the CPU, whose eager path is tuned and where compiling costs more
+    than a short run saves)."""
+    if setting == "auto":
+        return device_type == "cuda"
+    return setting == "true"

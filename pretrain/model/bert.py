@@ -29,7 +29,8 @@ from .layers import (
     megatron_config,
 )
 from .cross_entropy import vocab_parallel_cross_entropy
-from .fused import compile_enabled
+from ..config.choices import compile_enabled
+from .fused import check_can_compile
 from .modernbert import EmbeddingNorm, ModernLayer, ModernMlmHead, modern_stage_specs
 from .names import EMBEDDING_NAMES, TIED_EMBEDDING_KEY, logical_parameters, spec_modules
 from .rng import RngTracker
@@ -279,8 +280,10 @@ class PretrainingLoss:
             mlm_correct = ((predicted == masked_labels).float() * weights).sum()
         # the logits as the model output them (no fp32 copy; they stay unchanged: the pipeline
         # engine returns them from eval_batch)
-        per_token = vocab_parallel_cross_entropy(mlm_logits, masked_labels, self.tp_group,
-                                                 compile_enabled(self.compile, mlm_logits.device.type))
+        use_compiled = compile_enabled(self.compile, mlm_logits.device.type)
+        if use_compiled:
+            check_can_compile(mlm_logits.device.type)
+        per_token = vocab_parallel_cross_entropy(mlm_logits, masked_labels, self.tp_group, use_compiled)
         count = weights.sum()
         lm_sum = (per_token * weights).sum()
         lm_loss = lm_sum * self._lm_scale if self._lm_scale is not None else lm_sum / count.clamp(min=1.0)

@@ -13,9 +13,14 @@ are made once per process (functools.cache), so every layer shares one compilati
 from __future__ import annotations
 
 import functools
+import os
+import shutil
 
 import torch
 import torch.nn.functional as F
+
+from ..common.errors import UserError
+from ..config.choices import compile_enabled
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -65,18 +70,31 @@ class LayerKernels:
         self.add_norm = pick("add_norm")
 
 
+class CompileUnavailable(UserError, RuntimeError):
+    """model.compile asks for compiled kernels where torch cannot compile them."""
+
+
+@functools.cache
+def check_can_compile(device_type: str) -> None:
+    """Refuse, in one line, a compilation that would fail deep inside torch: inductor builds CPU
+    kernels with a C++ compiler, and compiles for CUDA and the CPU only."""
+    if device_type == "cpu":
+        compiler = os.environ.get("CXX", "g++")
+        if shutil.which(compiler) is None:
+            raise CompileUnavailable(f"model.compile=true on the CPU needs a C++ compiler ({compiler}, or $CXX) for "
+                                     "torch's inductor, and none is on PATH: install one or set model.compile=false")
+    elif device_type != "cuda":
+        raise CompileUnavailable(f"model.compile=true: torch compiles for CUDA and the CPU, not for {device_type}; "
+                                 "set model.compile=false (or auto)")
+
+
 @functools.cache
 def layer_kernels(setting: str, device_type: str) -> LayerKernels:
     """The kernels model.compile = `setting` gives a layer on `device_type` (one set per process)."""
-    return LayerKernels(compile_enabled(setting, device_type))
-
-
-def compile_enabled(setting: str, device_type: str) -> bool:
-    """model.compile: "true", "false", or "auto" (on for CUDA, where the fused kernels pay; off on
-    the CPU, whose eager path is tuned and where compiling costs more than a short run saves)."""
-    if setting == "auto":
-        return device_type == "cuda"
-    return setting == "true"
+    use_compiled = compile_enabled(setting, device_type)
+    if use_compiled:
+        check_can_compile(device_type)
+    return LayerKernels(use_compiled)
 
 
 def compile_counters() -> dict:

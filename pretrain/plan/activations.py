@@ -31,8 +31,8 @@ full recomputation keeps each layer's input and, once per stage, the padding mas
 Embeddings (first stage): the ids 16N (+N of the TP lookup's mask), positions 8s, LayerNorm
 input and statistics, a dropout mask. Heads and loss (last stage): the last layer's output and
 the masked positions (the gather), the MLM transform's tensors at P rows, the vocabulary bias
-mask V_t, the vocabulary-parallel cross entropy's logits B*P*V_t (its input, kept as they are), two
-fp32 numbers per row and its index tensors, NSP's pooled tanh and log-softmax.
+mask V_t, the vocabulary-parallel cross entropy's fp32 softmax 4*P*V_t (compiled: its input logits
+B*P*V_t and two fp32 numbers per row) and its index tensors, NSP's pooled tanh and log-softmax.
 
 ModernBERT (pretrain/model/modernbert.py; d head size, the same names otherwise) computes one
 row of the micro-batch's real tokens; the plan takes N = b*s (full rows: an upper bound, padding is
@@ -78,6 +78,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config.choices import compile_enabled
+
 
 def _ceil(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
@@ -91,20 +93,22 @@ class Kernels:
     mask_bytes: int | None  # a dropout mask element; None: the activation dtype's size
     stat_bytes: int | None  # a LayerNorm mean/rstd element; None: the activation dtype's size
     upcast_bf16: bool = False  # CPU bf16 GEMMs run as fp32 ones (pretrain/model/cpu_bf16.py)
+    compiled: bool = False  # model.compile took effect (the loss's compiled form keeps the logits, not a softmax)
 
 
-def kernels_for(device_type: str, attention_dropout: float, precision: str) -> Kernels:
-    """The kernels a run on `device_type` ("cpu", "cuda", "fakegpu") uses."""
+def kernels_for(device_type: str, attention_dropout: float, precision: str, compile_setting: str = "auto") -> Kernels:
+    """The kernels a run on `device_type` ("cpu", "cuda", "fakegpu") uses (`compile_setting`: model.compile)."""
+    compiled = compile_enabled(compile_setting, device_type)
     if device_type == "cuda":
-        return Kernels("efficient", 1, 4)
+        return Kernels("efficient", 1, 4, compiled=compiled)
     if device_type == "fakegpu":  # the GPU code path on the CPU's kernels
-        return Kernels("math", 1, None)
+        return Kernels("math", 1, None, compiled=compiled)
     upcast = False
     if precision == "bf16":
         from ..model.cpu_bf16 import bf16_route
 
         upcast = bf16_route() == "fp32"
-    return Kernels("spelled" if attention_dropout > 0 else "cpu_flash", None, None, upcast)
+    return Kernels("spelled" if attention_dropout > 0 else "cpu_flash", None, None, upcast, compiled)
 
 
 def _attention_core(k: Kernels, b: int, s: int, n: int, h_t: int, a_t: int, B: int, dropout: bool) -> int:
@@ -314,9 +318,10 @@ def heads_bytes(cfg, tp: int, micro: int, precision: str, kernels: Kernels) -> i
         heads = 8 * p + B * n * h  # the gather's index and input (the last layer's output)
     heads += 4 * B * p * h + 2 * S * p  # MLM transform: dense input, GELU input, LayerNorm input/output, stats
     heads += v_t  # MlmOutputBias.is_padding (bool)
-    # cross entropy (pretrain/model/cross_entropy.py): the logits as the model output them, each
-    # row's fp32 maximum and sum of exponentials, the local targets and whether they are in range
-    loss = B * p * v_t + 8 * p + 8 * p + p
+    # cross entropy (pretrain/model/cross_entropy.py), both forms keeping the local targets and whether
+    # they are in range: compiled, the logits as the model output them and each row's fp32 maximum
+    # and sum of exponentials; eager, megatron's fp32 softmax
+    loss = (B * p * v_t + 8 * p if kernels.compiled else 4 * p * v_t) + 8 * p + p
     loss += 4 * p + 4  # masked weights, the scale
     if cfg.binary_head:
         heads += B * b * h  # pooled tanh

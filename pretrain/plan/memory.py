@@ -104,7 +104,7 @@ def predict_memory(cfg: Config, layout: Layout, stage_index: int, stages: list[S
     micro_batches = t.global_batch_size // (layout.micro_batch * layout.dp)
     states = model_states(stage.groups, layout.dp, dp_rank, layout.precision, layout.zero, t.grad_accum_dtype,
                           cfg.optimizer.name, layout.pp > 1, zero_config)
-    kernels = kernels_for(device_type, cfg.model.attention_dropout, layout.precision)
+    kernels = kernels_for(device_type, cfg.model.attention_dropout, layout.precision, cfg.model.compile)
     activations = stage_activation_bytes(cfg, layout.tp, stage_index, layout.pp, stage.transformer_layers,
                                          stage.first, stage.last, layout.micro_batch, micro_batches,
                                          layout.precision, kernels,

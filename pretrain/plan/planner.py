@@ -56,7 +56,10 @@ NOT_MODELLED = ("data.packing (packed micro-batches are predicted as padded rows
 def unmodelled(cfg: Config) -> list[str]:
     """What of this config the plan does not model (one line each; none for most configs)."""
     notes = []
-    if cfg.data.packing:
+    if cfg.model.modern:
+        notes.append("ModernBERT computes real tokens only: its memory and step time are predicted for full rows of "
+                     "data.seq_length (an upper bound; the real share is the data's)")
+    elif cfg.data.packing:
         notes.append("this config packs samples (data.packing=true): its memory and step time are predicted for "
                      "padded rows; GPUs also keep a [rows, 1, seq, seq] attention mask per layer")
     if cfg.train.deepspeed_config:
