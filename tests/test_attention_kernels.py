@@ -1,6 +1,6 @@
 """Every path of pretrain/model/attention.py against a plain dense reference (an explicit [seq, seq]
-mask, softmax, matmul): forward and the gradients of q, k and v in fp32 within 1e-5, on padded rows
-of unequal lengths, packed rows with several documents and padding, windows smaller than the
+mask, softmax, matmul): forward and the gradients of q, k and v in fp32 within 1e-5, on packed rows
+with several documents and padding (what the model attends: it computes real tokens only), windows smaller than the
 documents and larger than the row, and global layers. Then the window's bound itself (a key at
 distance half_window exactly is attended, one further is not), transformers' own masks, dropout,
 bf16, every path on the CPU test device (fakegpu), and the CUDA FlexAttention path against the
@@ -50,7 +50,7 @@ def packed_rows():
     return torch.tensor(rows)
 
 
-MASKS = {"padded": ("padding_mask", padded_rows), "packed": ("sample_ids", packed_rows)}
+MASKS = {"packed": ("sample_ids", packed_rows)}
 
 
 def allowed_reference(masks: dict, half_window, seq: int) -> torch.Tensor:
@@ -59,13 +59,8 @@ def allowed_reference(masks: dict, half_window, seq: int) -> torch.Tensor:
     near = torch.ones(seq, seq, dtype=torch.bool)
     if half_window is not None:
         near = (index[:, None] - index[None, :]).abs() <= half_window
-    if "sample_ids" in masks:
-        ids = masks["sample_ids"]
-        return (ids[:, :, None] == ids[:, None, :]) & near
-    real = masks["padding_mask"] != 0
-    allowed = real[:, None, :] & near
-    alone = ~allowed.any(-1)  # reaches no real key: attends itself
-    return allowed | (alone[:, :, None] & torch.eye(seq, dtype=torch.bool))
+    ids = masks["sample_ids"]
+    return (ids[:, :, None] == ids[:, None, :]) & near
 
 
 def reference(query, key, value, masks, half_window, scale=None):
@@ -112,7 +107,7 @@ def paths_for(kind, half_window):
     """(path, block) pairs that apply to the case; small blocks so that rows span several bands."""
     paths = [("dense", None)]
     if half_window is None:
-        paths.append(("padded_global", None) if kind == "padded" else ("documents", None))
+        paths.append(("documents", None))
     else:
         paths += [("banded", None), ("banded", 8), ("banded", 4)]
     return paths
@@ -142,15 +137,10 @@ def test_longer_rows_take_the_chosen_path(kind, half_window, extra):
     """Rows long enough for several default-size bands (BAND_BLOCK), a whole number of them or not,
     and for several document buckets."""
     seq = 3 * attention.BAND_BLOCK + extra
-    if kind == "padded":
-        mask = torch.ones(2, seq, dtype=torch.long)
-        mask[1, 200:] = 0
-        rows = {"padding_mask": mask}
-    else:
-        ids = torch.zeros(2, seq, dtype=torch.long)
-        ids[0, :150], ids[0, 150:160], ids[0, 160:370] = 1, 2, 3
-        ids[1, :seq - 3] = 4
-        rows = {"sample_ids": ids}
+    ids = torch.zeros(2, seq, dtype=torch.long)
+    ids[0, :150], ids[0, 150:160], ids[0, 160:370] = 1, 2, 3
+    ids[1, :seq - 3] = 4
+    rows = {"sample_ids": ids}
     q, k, v = inputs(2, seq)
     ours = forward_backward(lambda *t: encoder_attention(*t, **rows, half_window=half_window), q, k, v)
     theirs = forward_backward(lambda *t: reference(*t, rows, half_window), q, k, v)
@@ -164,8 +154,7 @@ def test_window_bound_is_inclusive(path, block, kind):
     """Query i sees a change of the value at i + half_window and at i - half_window, and none at
     i +- (half_window + 1): the bound of masking_utils' sliding_window_bidirectional_overlay."""
     half_window, seq, i = 5, 40, 20
-    masks = {"padding_mask": torch.ones(1, seq, dtype=torch.long)} if kind == "padded" else \
-        {"sample_ids": torch.ones(1, seq, dtype=torch.long)}
+    masks = {"sample_ids": torch.ones(1, seq, dtype=torch.long)}
     q, k, v = (t.detach() for t in inputs(1, seq))
 
     def run(value):
@@ -184,8 +173,10 @@ def test_window_bound_is_inclusive(path, block, kind):
 
 @pytest.mark.parametrize("half_window", [None, 3])
 def test_transformers_eager_masks(half_window):
-    """transformers' own masks (create_bidirectional_mask / create_bidirectional_sliding_window_mask,
-    eager) and eager_attention_forward give our output at every query they leave a key to."""
+    """transformers' own masks for padded rows (create_bidirectional_mask /
+    create_bidirectional_sliding_window_mask, eager) and eager_attention_forward give our output, at
+    every real query, of the same rows as the model attends them: each row one sample (its real
+    tokens; unpadding.py), its padding a number of its own."""
     from transformers import ModernBertConfig
     from transformers.masking_utils import create_bidirectional_mask, create_bidirectional_sliding_window_mask
     from transformers.models.modernbert.modeling_modernbert import eager_attention_forward
@@ -199,34 +190,19 @@ def test_transformers_eager_masks(half_window):
     hf_mask = build(config=config, inputs_embeds=embeds, attention_mask=padding_mask)
     q, k, v = (t.detach() for t in inputs(padding_mask.shape[0]))
     theirs = eager_attention_forward(torch.nn.Module().eval(), q, k, v, hf_mask, scaling=DIM ** -0.5)[0]
-    ours = encoder_attention(q, k, v, padding_mask=padding_mask, half_window=half_window).transpose(1, 2)
-    defined = (hf_mask[:, 0] == 0).any(-1)  # transformers' fully masked rows have no meaning
-    assert defined.sum() > padding_mask.sum(), "the comparison should include padding queries too"
-    torch.testing.assert_close(ours[defined], theirs[defined], **TOLERANCE)
+    rows = torch.arange(1, padding_mask.shape[0] + 1)[:, None]
+    sample_ids = torch.where(padding_mask != 0, rows, rows + padding_mask.shape[0])
+    ours = encoder_attention(q, k, v, sample_ids, half_window=half_window).transpose(1, 2)
+    real = padding_mask != 0
+    torch.testing.assert_close(ours[real], theirs[real], **TOLERANCE)
 
 
-@pytest.mark.parametrize("half_window", [None, 2])
-def test_rows_without_reachable_keys_are_finite(half_window):
-    """A row of padding only, and padding far from every real token, attend themselves: finite
-    outputs equal to their values, finite gradients."""
-    padding_mask = torch.zeros(2, 16, dtype=torch.long)
-    padding_mask[1, :3] = 1
-    q, k, v = inputs(2, 16)
-    out = encoder_attention(q, k, v, padding_mask=padding_mask, half_window=half_window)
-    out.sum().backward()
-    assert all(torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))
-    torch.testing.assert_close(out[0], v[0].detach())  # the empty row
-    if half_window is not None:
-        torch.testing.assert_close(out[1, :, 6:], v[1, :, 6:].detach())
-
-
-@pytest.mark.parametrize("path,half_window", [("dense", 4), ("banded", 4), ("padded_global", None),
+@pytest.mark.parametrize("path,half_window", [("dense", 4), ("banded", 4), ("dense", None),
                                               ("documents", None), (None, 4), (None, None)])
 def test_dropout_draws_from_the_default_generator(path, half_window):
     """Attention dropout on CPU: the same seed gives the same output (the RNG tracker's forks replay
     it on recomputation), another seed another one, and gradients flow."""
-    kind = "packed" if path == "documents" else "padded"
-    name, rows = MASKS[kind]
+    name, rows = MASKS["packed"]
     masks = {name: rows()}
     q, k, v = inputs(masks[name].shape[0])
 
@@ -270,19 +246,10 @@ def test_bf16_returns_bf16_close_to_fp32(kind, half_window):
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
-def test_exactly_one_mask():
-    q, k, v = inputs(1, 4)
-    with pytest.raises(ValueError, match="exactly one"):
-        encoder_attention(q, k, v)
-    with pytest.raises(ValueError, match="exactly one"):
-        encoder_attention(q, k, v, padding_mask=torch.ones(1, 4), sample_ids=torch.ones(1, 4))
-
-
 def test_choose_path_avoids_a_dense_mask_at_long_rows():
     """At 8,192 tokens no choice builds the [seq x seq] mask."""
     for half_window in (None, 64):
-        for packed in (False, True):
-            assert attention.choose_path(8192, half_window, packed) != "dense"
+        assert attention.choose_path(8192, half_window) != "dense"
 
 
 def stand_in_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
@@ -392,10 +359,7 @@ def _device_check(device_type: str) -> dict:
     long_ids = torch.zeros(2, 300, dtype=torch.long)
     long_ids[0, :130], long_ids[0, 130:140], long_ids[0, 140:290] = 1, 2, 3
     long_ids[1, :250] = 4
-    long_padding = torch.ones(2, 300, dtype=torch.long)
-    long_padding[1, 120:] = 0
-    rows = {"padded": {"padding_mask": padded_rows()}, "packed": {"sample_ids": packed_rows()},
-            "padded300": {"padding_mask": long_padding}, "packed300": {"sample_ids": long_ids}}
+    rows = {"packed": {"sample_ids": packed_rows()}, "packed300": {"sample_ids": long_ids}}
     cases = {}
     for kind, masks in rows.items():
         batch, seq = next(iter(masks.values())).shape

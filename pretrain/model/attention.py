@@ -1,42 +1,34 @@
-"""The attention core of the ModernBERT encoder: global or sliding-window, padded or packed rows.
+"""The attention core of the ModernBERT encoder: global or sliding-window, over packed rows.
 
-Semantics (transformers' ModernBertForMaskedLM; masking_utils' sliding_window_bidirectional_overlay):
-query i may attend key j when
-
-- padded rows (`padding_mask`, 1 = real token): j is a real token, and |i - j| <= half_window on a
-  local layer. A query with no real key in reach (a padding query farther than half_window from
-  every real token, or a row of padding only) attends itself alone: transformers gives such rows
-  an arbitrary output (all keys masked); ours is finite and defined, and it is never read, since
-  padding keys are never attended. Every other query, padding ones included, gets transformers'
-  output exactly.
-- packed rows (`sample_ids`, a document number per token, 0 = padding): j has i's number, and
-  |i - j| <= half_window on a local layer. Padding attends padding only, so every query reaches
-  at least itself: no row is fully masked and nothing is NaN.
+The model computes real tokens only (unpadding.py): what reaches attention is packed rows, a
+document number per token (`sample_ids`; 0 = padding, which the model's own rows never hold).
+Semantics (transformers' ModernBertForMaskedLM, per document; masking_utils'
+sliding_window_bidirectional_overlay): query i may attend key j when j has i's number, and
+|i - j| <= half_window on a local layer. Padding attends padding only, so every query reaches at
+least itself: no row is fully masked and nothing is NaN.
 
 No path builds a dense [seq x seq] mask per layer unless it was measured faster at that size
 (short rows; tools/benchmarks/attention.py holds the measurements, `choose_path` the outcome):
 
-- "padded_global": SDPA with the additive key mask [batch, 1, 1, keys], keys cut after the last
-  real token of the batch (they are padding in every row, attended by no query).
 - "banded": local layers. Query blocks of BAND_BLOCK tokens attend the key band [block start -
   half_window, block end + half_window) only, a strided view of the keys; the window and the
   document/padding rule become a [block, block + 2 half_window] mask per block. Memory and work
   O(seq (block + 2 half_window)) instead of O(seq^2).
-- "documents": global layers of packed rows. The tokens of each document are gathered into
+- "documents": global layers. The tokens of each document are gathered into
   [documents, heads, length, head_dim] batches, documents of similar length together (lengths
   rounded up a ladder of 1x and 1.5x powers of two: at most 2.25x the work of exact lengths, a
   handful of SDPA calls), and attend within themselves: O(sum of squared document lengths).
 - "dense": SDPA with the full additive [batch, 1, seq, seq] mask: local layers whose band would
-  be no narrower than the row (seq <= BAND_BLOCK + 2 half_window), packed global rows up to
+  be no narrower than the row (seq <= BAND_BLOCK + 2 half_window), global rows up to
   DENSE_DOCUMENTS_MAX_SEQ tokens; there it was measured faster.
 
 Attention dropout: off CUDA, each path spells its softmax out and draws the keep mask with
 `layers.dropout` (SDPA's CPU dropout has its own draw); the probabilities then exist in full,
 [block, block + 2 half_window] per block on the banded path, [seq, keys] on the global ones.
 
-The model (modernbert.py) computes real tokens only, so it calls `packed_attention` with one
-packed row per micro-batch, token-major. Each path's masks and plans (the dense and banded masks,
-the documents' gather plan) are a function of the mask tensor alone: with a `MicroBatchCache` they
+The model (modernbert.py) calls `packed_attention` with one packed row per micro-batch,
+token-major. Each path's masks and plans (the dense and banded masks, the documents' gather plan)
+are a function of the sample ids alone: with a `MicroBatchCache` they
 are built once per micro-batch and shared by every layer and recomputation.
 
 On CUDA without attention dropout, one of two kernels (model.attention_kernel, `cuda_kernel`):
@@ -67,20 +59,18 @@ BAND_BLOCK = 128
 # 21 against 26 at 256; documents ahead from 512, 2x at 1,024, 7x at 8,192).
 DENSE_DOCUMENTS_MAX_SEQ = 256
 
-PATHS = ("dense", "padded_global", "banded", "documents")
+PATHS = ("dense", "banded", "documents")
 
 
-def encoder_attention(query, key, value, *, padding_mask=None, sample_ids=None, half_window=None, dropout_p=0.0,
-                      scale=None, cache: MicroBatchCache | None = None) -> torch.Tensor:
+def encoder_attention(query, key, value, sample_ids, *, half_window=None, dropout_p=0.0, scale=None,
+                      cache: MicroBatchCache | None = None) -> torch.Tensor:
     """softmax(q k^T scale + mask) v over [batch, heads, seq, head_dim] (already rotary-embedded),
     the context in the same shape and dtype; see the module docstring for which key each query
-    may attend. Exactly one of `padding_mask` / `sample_ids` ([batch, seq] integers); half_window
-    None for a global layer; dropout on the probabilities when dropout_p > 0 (on CPU `layers.dropout`
-    draws the keep mask from the default generator, so the RNG tracker's forks govern it); scale
-    defaults to head_dim ** -0.5. With `cache`, the masks and plans derived from the mask tensor are
-    built once per micro-batch and shared by every layer that passes the same tensor (micro_batch.py)."""
-    if (padding_mask is None) == (sample_ids is None):
-        raise ValueError("encoder_attention takes exactly one of padding_mask and sample_ids")
+    may attend (`sample_ids` [batch, seq] integers); half_window None for a global layer; dropout
+    on the probabilities when dropout_p > 0 (on CPU `layers.dropout` draws the keep mask from the
+    default generator, so the RNG tracker's forks govern it); scale defaults to head_dim ** -0.5.
+    With `cache`, the masks and plans derived from the sample ids are built once per micro-batch
+    and shared by every layer that passes the same tensor (micro_batch.py)."""
     if half_window is not None and half_window < 0:
         raise ValueError(f"half_window must be >= 0 (or None for global attention), got {half_window}")
     if scale is None:
@@ -88,20 +78,18 @@ def encoder_attention(query, key, value, *, padding_mask=None, sample_ids=None, 
     if upcast_bf16(query):
         # bf16 batched products are slower than fp32 ones on this CPU: attend in fp32, as
         # layers.self_attention does, and hand back bf16
-        return encoder_attention(query.float(), key.float(), value.float(), padding_mask=padding_mask,
-                                 sample_ids=sample_ids, half_window=half_window, dropout_p=dropout_p,
-                                 scale=scale, cache=cache).to(query.dtype)
+        return encoder_attention(query.float(), key.float(), value.float(), sample_ids, half_window=half_window,
+                                 dropout_p=dropout_p, scale=scale, cache=cache).to(query.dtype)
     seq = query.shape[2]
     if half_window is not None and half_window >= seq - 1:
         half_window = None  # the window holds the whole row: the same as global attention
     if query.device.type == "cuda" and dropout_p == 0.0:
-        return _flex_attention(query, key, value, padding_mask, sample_ids, half_window, scale, cache)
-    path = choose_path(seq, half_window, packed=sample_ids is not None)
-    return run_path(path, query, key, value, padding_mask=padding_mask, sample_ids=sample_ids,
-                    half_window=half_window, dropout_p=dropout_p, scale=scale, cache=cache)
+        return _flex_attention(query, key, value, sample_ids, half_window, scale, cache)
+    return run_path(choose_path(seq, half_window), query, key, value, sample_ids, half_window=half_window,
+                    dropout_p=dropout_p, scale=scale, cache=cache)
 
 
-def choose_path(seq: int, half_window: int | None, packed: bool) -> str:
+def choose_path(seq: int, half_window: int | None) -> str:
     """The path encoder_attention takes off CUDA (or on CUDA with dropout): the fastest measured for
     the case (tools/benchmarks/attention.py), a pure function of the shapes so that a recomputed
     forward takes the same one (and draws the same dropout masks)."""
@@ -110,36 +98,29 @@ def choose_path(seq: int, half_window: int | None, packed: bool) -> str:
         # dense path's work with more copying (measured at half_window 64: dense 2x faster up to
         # seq 256, banded ahead from 512, 30x at 8,192)
         return "dense" if seq <= BAND_BLOCK + 2 * half_window else "banded"
-    if not packed:
-        return "padded_global"
     return "dense" if seq <= DENSE_DOCUMENTS_MAX_SEQ else "documents"
 
 
-def run_path(path: str, query, key, value, *, padding_mask=None, sample_ids=None, half_window=None, dropout_p=0.0,
-             scale=None, block: int | None = None, cache: MicroBatchCache | None = None) -> torch.Tensor:
+def run_path(path: str, query, key, value, sample_ids, *, half_window=None, dropout_p=0.0, scale=None,
+             block: int | None = None, cache: MicroBatchCache | None = None) -> torch.Tensor:
     """One named path (the benchmark and the tests call each; encoder_attention calls the chosen);
     `block`: the banded path's query block (default BAND_BLOCK); `cache`: see encoder_attention."""
     if scale is None:
         scale = query.shape[-1] ** -0.5
-    mask = padding_mask if sample_ids is None else sample_ids
     if path == "dense":
         def dense_bias():
-            allowed = _dense_allowed(padding_mask, sample_ids, half_window, query.shape[2])[:, None]
+            allowed = _dense_allowed(sample_ids, half_window, query.shape[2])[:, None]
             return torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed,
                                                                                                     float("-inf"))
-        bias = _shared(cache, mask, ("dense", half_window, query.dtype), dense_bias)
+        bias = _shared(cache, sample_ids, ("dense", half_window, query.dtype), dense_bias)
         return _attend(query, key, value, bias, dropout_p, scale)
-    if path == "padded_global":
-        if padding_mask is None or half_window is not None:
-            raise ValueError("the padded_global path is for global layers of padded rows")
-        return _padded_global(query, key, value, padding_mask, dropout_p, scale)
     if path == "banded":
         if half_window is None:
             raise ValueError("the banded path is for local layers (half_window set)")
-        return _banded(query, key, value, padding_mask, sample_ids, half_window, dropout_p, scale, block, cache)
+        return _banded(query, key, value, sample_ids, half_window, dropout_p, scale, block, cache)
     if path == "documents":
-        if sample_ids is None or half_window is not None:
-            raise ValueError("the documents path is for global layers of packed rows")
+        if half_window is not None:
+            raise ValueError("the documents path is for global layers")
         plan = _shared(cache, sample_ids, "documents", lambda: _document_plan(sample_ids))
         return _documents(query, key, value, plan, dropout_p, scale)
     raise ValueError(f"unknown attention path {path!r}: one of {', '.join(PATHS)}")
@@ -173,50 +154,13 @@ def _near(rows: int, cols: int, offset: int, half_window: int | None, device) ->
     return distance.abs() <= half_window
 
 
-def _reach_count(real: torch.Tensor, half_window: int | None) -> torch.Tensor:
-    """[batch, seq]: how many real keys each query reaches (within half_window, or anywhere)."""
-    counts = real.to(torch.int32)
-    if half_window is None:
-        return counts.sum(-1, keepdim=True).expand_as(counts)
-    seq = real.shape[-1]
-    cumulative = F.pad(counts.cumsum(-1, dtype=torch.int32), (1, 0))
-    index = torch.arange(seq, device=real.device)
-    high = (index + half_window + 1).clamp(max=seq)
-    low = (index - half_window).clamp(min=0)
-    return cumulative[:, high] - cumulative[:, low]
-
-
-def _dense_allowed(padding_mask, sample_ids, half_window, seq: int) -> torch.Tensor:
+def _dense_allowed(sample_ids, half_window, seq: int) -> torch.Tensor:
     """The [batch, seq, seq] boolean mask of the module docstring's rule."""
-    device = (padding_mask if sample_ids is None else sample_ids).device
-    near = _near(seq, seq, 0, half_window, device)
-    if sample_ids is not None:
-        return (sample_ids[:, :, None] == sample_ids[:, None, :]) & near
-    real = padding_mask != 0
-    isolated = _reach_count(real, half_window) == 0
-    diagonal = torch.eye(seq, dtype=torch.bool, device=device)
-    return (real[:, None, :] & near) | (isolated[:, :, None] & diagonal)
+    near = _near(seq, seq, 0, half_window, sample_ids.device)
+    return (sample_ids[:, :, None] == sample_ids[:, None, :]) & near
 
 
-def _padded_global(query, key, value, padding_mask, dropout_p: float, scale: float) -> torch.Tensor:
-    """Global attention of padded rows: an additive key mask, no [seq x seq] tensor. Keys after the
-    batch's last real token are dropped (padding in every row, attended by nobody). A row of
-    padding only attends all its keys here (finite) and is then replaced by its values, which is
-    what attending itself alone gives."""
-    real = padding_mask != 0
-    position = torch.arange(1, real.shape[1] + 1, device=real.device)
-    keys = max(int((real.any(0) * position).max()), 1)
-    real = real[:, :keys]
-    empty = ~real.any(-1)
-    bias = torch.zeros(real.shape, dtype=query.dtype, device=query.device)
-    bias = bias.masked_fill_(~real & ~empty[:, None], float("-inf"))[:, None, None, :]
-    out = _attend(query, key[:, :, :keys], value[:, :, :keys], bias, dropout_p, scale)
-    if bool(empty.any()):
-        out = torch.where(empty[:, None, None, None], value, out)
-    return out
-
-
-def _banded(query, key, value, padding_mask, sample_ids, half_window: int, dropout_p: float, scale: float,
+def _banded(query, key, value, sample_ids, half_window: int, dropout_p: float, scale: float,
             block: int | None = None, cache: MicroBatchCache | None = None) -> torch.Tensor:
     """Local attention by query blocks: block n (queries [nC, nC + C)) attends the keys
     [nC - w, nC + C + w) only, an unfold view of the keys padded by w on both sides. Query c of
@@ -231,14 +175,12 @@ def _banded(query, key, value, padding_mask, sample_ids, half_window: int, dropo
     q = (F.pad(query, (0, 0, 0, tail)) if tail else query).reshape(batch, heads, blocks, block, dim)
     k = F.pad(key, (0, 0, w, tail + w)).unfold(2, width, block)  # [batch, heads, blocks, dim, width], a view
     v = F.pad(value, (0, 0, w, tail + w)).unfold(2, width, block)
-    mask = padding_mask if sample_ids is None else sample_ids
     # allowed: [batch, blocks, block, width], the same for every head
-    allowed = _shared(cache, mask, ("banded", w, block),
-                      lambda: _banded_allowed(padding_mask, sample_ids, w, block, blocks, tail))
+    allowed = _shared(cache, sample_ids, ("banded", w, block), lambda: _banded_allowed(sample_ids, w, block, blocks, tail))
     if dropout_p == 0.0 or device.type == "cuda":
         # SDPA takes 4-d operands: (row, block) pairs as its batch, so that one additive mask per
         # pair serves all heads (a broadcast, not a copy per head)
-        bias = _shared(cache, mask, ("banded-bias", w, block, query.dtype), lambda: torch.zeros(
+        bias = _shared(cache, sample_ids, ("banded-bias", w, block, query.dtype), lambda: torch.zeros(
             allowed.shape, dtype=query.dtype, device=device).masked_fill_(~allowed, float("-inf")))
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2).reshape(batch * blocks, heads, block, dim),
@@ -253,21 +195,15 @@ def _banded(query, key, value, padding_mask, sample_ids, half_window: int, dropo
     return out.reshape(batch, heads, blocks * block, dim)[:, :, :seq]
 
 
-def _banded_allowed(padding_mask, sample_ids, w: int, block: int, blocks: int, tail: int) -> torch.Tensor:
+def _banded_allowed(sample_ids, w: int, block: int, blocks: int, tail: int) -> torch.Tensor:
     """The banded path's [batch, blocks, block, block + 2w] mask: who in a query block sees whom in its band."""
-    mask = padding_mask if sample_ids is None else sample_ids
-    batch, device, width = mask.shape[0], mask.device, block + 2 * w
-    near = _near(block, width, w, w, device)
-    if sample_ids is not None:
-        # alignment padding gets number -1: it meets only itself (the extra queries attend their own
-        # zero key and are cut off), never a real document or the row's padding
-        key_ids = F.pad(sample_ids, (w, tail + w), value=-1).unfold(1, width, block)
-        query_ids = F.pad(sample_ids, (0, tail), value=-1).view(batch, blocks, block)
-        return (query_ids[..., :, None] == key_ids[..., None, :]) & near
-    real = F.pad(padding_mask != 0, (w, tail + w), value=False)
-    isolated = (_reach_count(real, w) == 0)[:, w:w + blocks * block].view(batch, blocks, block)
-    diagonal = _near(block, width, w, 0, device)  # key j is query c itself
-    return (real.unfold(1, width, block)[..., None, :] & near) | (isolated[..., :, None] & diagonal)
+    batch, width = sample_ids.shape[0], block + 2 * w
+    near = _near(block, width, w, w, sample_ids.device)
+    # alignment padding gets number -1: it meets only itself (the extra queries attend their own
+    # zero key and are cut off), never a real document or the row's padding
+    key_ids = F.pad(sample_ids, (w, tail + w), value=-1).unfold(1, width, block)
+    query_ids = F.pad(sample_ids, (0, tail), value=-1).view(batch, blocks, block)
+    return (query_ids[..., :, None] == key_ids[..., None, :]) & near
 
 
 def _ladder(length: int) -> int:
@@ -384,8 +320,8 @@ def packed_attention(query, key, value, sample_ids, *, half_window=None, dropout
         if cuda_kernel(kernel, query.dtype) == "varlen":
             return _varlen(query, key, value, sample_ids, half_window, scale, cache)
         heads_major = [t.transpose(1, 2) for t in (query, key, value)]
-        return _flex_attention(*heads_major, None, sample_ids, half_window, scale, cache).transpose(1, 2)
-    out = encoder_attention(*(t.transpose(1, 2) for t in (query, key, value)), sample_ids=sample_ids,
+        return _flex_attention(*heads_major, sample_ids, half_window, scale, cache).transpose(1, 2)
+    out = encoder_attention(*(t.transpose(1, 2) for t in (query, key, value)), sample_ids,
                             half_window=half_window, dropout_p=dropout_p, scale=scale, cache=cache)
     return out.transpose(1, 2)
 
@@ -426,38 +362,26 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=True), torch.compile(create_block_mask, dynamic=True)
 
 
-def _flex_attention(query, key, value, padding_mask, sample_ids, half_window, scale,
+def _flex_attention(query, key, value, sample_ids, half_window, scale,
                     cache: MicroBatchCache | None = None) -> torch.Tensor:
     """The module docstring's rule as a FlexAttention mask_mod; the BlockMask lets the kernel skip
     the blocks no query of a block may see (other documents, outside the window), built once per
-    micro-batch and window with `cache`. Without a window the distance bound is the row's length,
-    which holds everywhere: one mask_mod per row kind."""
+    micro-batch and window with `cache`."""
     flex, _ = _compiled_flex()
-    mask = padding_mask if sample_ids is None else sample_ids
-    block_mask = _shared(cache, mask, ("flex", half_window),
-                         lambda: _block_mask(padding_mask, sample_ids, half_window, query.shape[2], query.device))
+    block_mask = _shared(cache, sample_ids, ("flex", half_window),
+                         lambda: _block_mask(sample_ids, half_window, query.shape[2], query.device))
     return flex(query, key, value, block_mask=block_mask, scale=scale)
 
 
-def _block_mask(padding_mask, sample_ids, half_window, seq: int, device):
+def _block_mask(sample_ids, half_window, seq: int, device):
     """The BlockMask of the rule. No captured number changes with the row's length (global layers
     have no distance term), so the compiled builder and kernel are not specialised to one length."""
     _, block_mask_of = _compiled_flex()
-    mask = padding_mask if sample_ids is None else sample_ids
-    if sample_ids is not None:
-        ids = sample_ids.to(torch.int32)
-        if half_window is None:
-            def mask_mod(b, h, q_idx, kv_idx):
-                return ids[b, q_idx] == ids[b, kv_idx]
-        else:
-            def mask_mod(b, h, q_idx, kv_idx):
-                return (ids[b, q_idx] == ids[b, kv_idx]) & ((q_idx - kv_idx).abs() <= half_window)
-    else:
-        real = padding_mask != 0
-        isolated = _reach_count(real, half_window) == 0
-        reach = seq if half_window is None else half_window
-
+    ids = sample_ids.to(torch.int32)
+    if half_window is None:
         def mask_mod(b, h, q_idx, kv_idx):
-            return (real[b, kv_idx] & ((q_idx - kv_idx).abs() <= reach)) | (isolated[b, q_idx] & (q_idx == kv_idx))
-
-    return block_mask_of(mask_mod, mask.shape[0], None, seq, seq, device=device)
+            return ids[b, q_idx] == ids[b, kv_idx]
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (ids[b, q_idx] == ids[b, kv_idx]) & ((q_idx - kv_idx).abs() <= half_window)
+    return block_mask_of(mask_mod, sample_ids.shape[0], None, seq, seq, device=device)

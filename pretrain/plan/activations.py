@@ -136,7 +136,7 @@ def modern_attention_path(cfg, index: int, tokens: int) -> str:
     half_window = None if m.is_global_layer(index) else m.local_attention // 2
     if half_window is not None and half_window >= tokens - 1:
         half_window = None  # the window holds the whole row
-    return choose_path(tokens, half_window, packed=True)
+    return choose_path(tokens, half_window)
 
 
 def _documents_slots(cfg, micro: int) -> int:

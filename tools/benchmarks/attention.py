@@ -1,15 +1,14 @@
 """Attention-core benchmark: forward + backward time and peak tensor memory of each path of
-pretrain/model/attention.py, global and local (sliding-window) layers, padded and packed rows.
+pretrain/model/attention.py, global and local (sliding-window) layers, over packed rows (what
+the model attends: it computes real tokens only, one row per micro-batch).
 
 usage: python tools/benchmarks/attention.py [--tokens 8192] [--seqs 1024 4096 8192] [--half-window 64]
            [--heads 2] [--head-dim 64] [--repeats 3] [--threads 2] [--blocks 64 128 256]
-           [--documents 32 2048] [--kinds padded packed] [--layers global local] [--skip PATH ...]
-           [--json out.json]
+           [--documents 32 2048] [--layers global local] [--skip PATH ...] [--json out.json]
 
 BERT-tiny width by default (hidden 128: 2 heads of 64), batch x seq = --tokens at every length.
-Rows: padded ones hold a random 50-100% of real tokens (the first row full); packed ones hold
-documents of 32-2,048 random tokens (--documents; cut at the row's end), the last 2% of each row
-padding.
+Rows hold documents of 32-2,048 random tokens (--documents; cut at the row's end), the last 2% of
+each row padding.
 
 Time: the best of --repeats forward + backward passes (q, k, v require grad; the upstream
 gradient is ones) after one warm-up, wall clock and CPU time of this process (on a machine shared
@@ -68,13 +67,8 @@ class PeakTensorBytes(TorchDispatchMode):
         return out
 
 
-def rows(kind: str, batch: int, seq: int, generator: torch.Generator, documents=(32, 2048)) -> dict:
-    if kind == "padded":
-        mask = torch.zeros(batch, seq, dtype=torch.long)
-        for row in range(batch):
-            real = seq if row == 0 else int(torch.randint(seq // 2, seq + 1, (1,), generator=generator))
-            mask[row, :real] = 1
-        return {"padding_mask": mask}
+def rows(batch: int, seq: int, generator: torch.Generator, documents=(32, 2048)) -> torch.Tensor:
+    """Sample ids of packed rows: documents of random lengths, the last 2% of each row padding."""
     ids = torch.zeros(batch, seq, dtype=torch.long)
     number = 0
     for row in range(batch):
@@ -84,19 +78,19 @@ def rows(kind: str, batch: int, seq: int, generator: torch.Generator, documents=
             length = int(torch.randint(documents[0], documents[1] + 1, (1,), generator=generator))
             ids[row, position:min(position + length, end)] = number
             position += length
-    return {"sample_ids": ids}
+    return ids
 
 
-def candidates(half_window, kind: str, blocks) -> list[tuple[str, dict]]:
+def candidates(half_window, blocks) -> list[tuple[str, dict]]:
     if half_window is None:
-        return [("dense", {}), ("padded_global", {}) if kind == "padded" else ("documents", {})]
+        return [("dense", {}), ("documents", {})]
     return [("dense", {})] + [("banded", {"block": block}) for block in blocks]
 
 
-def measure(path: str, extra: dict, q, k, v, masks: dict, half_window, repeats: int) -> dict:
+def measure(path: str, extra: dict, q, k, v, sample_ids, half_window, repeats: int) -> dict:
     def once():
         q.grad = k.grad = v.grad = None
-        out = attention.run_path(path, q, k, v, **masks, half_window=half_window, **extra)
+        out = attention.run_path(path, q, k, v, sample_ids, half_window=half_window, **extra)
         out.backward(torch.ones_like(out))
 
     once()  # warm-up
@@ -123,7 +117,6 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--blocks", type=int, nargs="+", default=[64, 128, 256])
-    parser.add_argument("--kinds", nargs="+", default=["padded", "packed"])
     parser.add_argument("--layers", nargs="+", default=["global", "local"])
     parser.add_argument("--skip", nargs="*", default=[], help="path names not to run (e.g. dense at long rows)")
     parser.add_argument("--documents", type=int, nargs=2, default=[32, 2048], metavar=("MIN", "MAX"),
@@ -136,28 +129,27 @@ def main(argv=None) -> list[dict]:
     print(f"torch {torch.__version__}, {args.threads} threads, load average {os.getloadavg()[0]:.1f}; "
           f"{args.heads} heads x {args.head_dim}, {args.tokens} tokens per batch, "
           f"local half_window {args.half_window}, packed documents of {args.documents[0]}-{args.documents[1]} tokens")
-    print(f"{'seq':>5} {'batch':>5} {'layer':>6} {'rows':>6} {'path':>16} {'fwd+bwd ms':>11} {'cpu ms':>8} "
+    print(f"{'seq':>5} {'batch':>5} {'layer':>6} {'path':>16} {'fwd+bwd ms':>11} {'cpu ms':>8} "
           f"{'peak MiB':>9}  chosen")
     for seq in args.seqs:
         batch = max(args.tokens // seq, 1)
-        for kind in args.kinds:
-            masks = rows(kind, batch, seq, generator, args.documents)
-            q, k, v = (torch.randn(batch, args.heads, seq, args.head_dim, generator=generator).requires_grad_()
-                       for _ in range(3))
-            for layer in args.layers:
-                half_window = args.half_window if layer == "local" else None
-                chosen = attention.choose_path(seq, half_window, kind == "packed")
-                for path, extra in candidates(half_window, kind, args.blocks):
-                    if path in args.skip:
-                        continue
-                    result = measure(path, extra, q, k, v, masks, half_window, args.repeats)
-                    name = path + (f"/{extra['block']}" if extra else "")
-                    picked = path == chosen and extra.get("block", attention.BAND_BLOCK) == attention.BAND_BLOCK
-                    print(f"{seq:>5} {batch:>5} {layer:>6} {kind:>6} {name:>16} {1e3 * result['seconds']:>11.1f} "
-                          f"{1e3 * result['cpu_seconds']:>8.1f} {result['peak_mib']:>9.1f}  "
-                          f"{'<-' if picked else ''}", flush=True)
-                    results.append({"seq": seq, "batch": batch, "layer": layer, "rows": kind, "path": name,
-                                    "chosen": picked, **result})
+        sample_ids = rows(batch, seq, generator, args.documents)
+        q, k, v = (torch.randn(batch, args.heads, seq, args.head_dim, generator=generator).requires_grad_()
+                   for _ in range(3))
+        for layer in args.layers:
+            half_window = args.half_window if layer == "local" else None
+            chosen = attention.choose_path(seq, half_window)
+            for path, extra in candidates(half_window, args.blocks):
+                if path in args.skip:
+                    continue
+                result = measure(path, extra, q, k, v, sample_ids, half_window, args.repeats)
+                name = path + (f"/{extra['block']}" if extra else "")
+                picked = path == chosen and extra.get("block", attention.BAND_BLOCK) == attention.BAND_BLOCK
+                print(f"{seq:>5} {batch:>5} {layer:>6} {name:>16} {1e3 * result['seconds']:>11.1f} "
+                      f"{1e3 * result['cpu_seconds']:>8.1f} {result['peak_mib']:>9.1f}  "
+                      f"{'<-' if picked else ''}", flush=True)
+                results.append({"seq": seq, "batch": batch, "layer": layer, "path": name, "chosen": picked,
+                                **result})
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
