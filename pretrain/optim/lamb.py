@@ -14,6 +14,8 @@ gradient norm before calling step().
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .whole_parameter import WholeParameterOptimizer, flat_target, write_back
@@ -40,14 +42,19 @@ class Lamb(WholeParameterOptimizer):
     @torch.no_grad()
     def _adam_directions(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
         """Advance m, v and the step counters of `params` (multi-tensor); their flat update
-        directions u, in the arithmetic order of the formula in the module docstring."""
+        directions u (the module docstring's formula, rearranged for fewer sweeps)."""
         self._advance_states(params, group)
         grads = [p.grad for p in params]
         m = [self.state[p]["exp_avg"] for p in params]
         v = [self.state[p]["exp_avg_sq"] for p in params]
         beta1, beta2 = group["betas"]
-        torch._foreach_mul_(m, beta1)
-        torch._foreach_add_(m, grads, alpha=1 - beta1)
+        # Each foreach call below is one sweep over every stepped element, and an optimizer's cost
+        # is its memory traffic: the formula is arranged for 9 sweeps with weight decay (11 written
+        # term by term) and one full-size temporary, u itself:
+        #   m = lerp(m, g, 1-b1)                          (= b1 m + (1-b1) g)
+        #   u = 1 / (sqrt(v) * bc1/sqrt(bc2) + eps * bc1)  (= 1 / (bc1 (sqrt(v_hat) + eps)))
+        #   u = u * m + wd w                               (= m_hat / (sqrt(v_hat) + eps) + wd w)
+        torch._foreach_lerp_(m, grads, 1 - beta1)
         torch._foreach_mul_(v, beta2)
         torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
         steps = [self.state[p]["step"] for p in params]  # host integers: no device sync
@@ -56,14 +63,11 @@ class Lamb(WholeParameterOptimizer):
             bc2 = [1 - beta2 ** step for step in steps]
         else:
             bc1 = bc2 = [1.0] * len(params)
-        # u = m_hat / (sqrt(v_hat) + eps) + wd * w, built in one full-size temporary: the
-        # denominators, inverted in place and multiplied by m and 1/bc1
-        updates = torch._foreach_div(v, bc2)
-        torch._foreach_sqrt_(updates)
-        torch._foreach_add_(updates, group["eps"])
+        updates = torch._foreach_sqrt(v)
+        torch._foreach_mul_(updates, [c1 / math.sqrt(c2) for c1, c2 in zip(bc1, bc2)])
+        torch._foreach_add_(updates, [group["eps"] * c1 for c1 in bc1])
         torch._foreach_reciprocal_(updates)
         torch._foreach_mul_(updates, m)
-        torch._foreach_mul_(updates, [1.0 / b for b in bc1])
         if group["weight_decay"] != 0:
             torch._foreach_add_(updates, params, alpha=group["weight_decay"])
         return [u.reshape(-1) for u in updates]
