@@ -45,8 +45,17 @@ def launch_environment_untouched(request):
         pytest.fail(f"{request.node.nodeid} left launch variables in os.environ: {changed}", pytrace=False)
 
 
+def pytest_addoption(parser):
+    from suite_budget import add_budget_option
+
+    add_budget_option(parser)
+
+
 def pytest_configure(config):
     from distributed import hide_gpus
+    from suite_budget import SlowTierBudget
+
+    config.pluginmanager.register(SlowTierBudget(config), "slow-tier-budget")
     from pretrain.observability.quiet import pytest_filters
 
     hide_gpus()  # the CPU tiers select the CPU on any machine; the GPU tier asks for the GPUs back
@@ -150,3 +159,4 @@ def library_log():
     for logger, level in zip(loggers, levels):
         logger.removeHandler(handler)
         logger.setLevel(level)
+

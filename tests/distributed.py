@@ -11,11 +11,14 @@ the CPU as they do in CI, also on a GPU machine; the GPU tier hands them back (`
 """
 from __future__ import annotations
 
+import atexit
 import builtins
+import functools
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -102,19 +105,74 @@ def reraise_warnings(outputs: list[str]) -> None:
             warnings.warn_explicit(m["message"], category, m["file"], int(m["line"]), module="rank")
 
 
+# BERT_TESTS_ZYGOTE=0 starts every rank as a fresh interpreter (zygote.py: the session's server that
+# forks ranks with torch, DeepSpeed and megatron-core already imported)
+ZYGOTE_ENV = "BERT_TESTS_ZYGOTE"
+
+
+@functools.lru_cache(maxsize=None)
+def session_zygote():
+    """The session's zygote (started on first use, ended when the session's process exits)."""
+    from zygote import Zygote
+
+    server_env = child_env(dict(PYTHONPATH=ranks_pythonpath(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+    zygote = Zygote(str(REPO), server_env, os.path.join(tempfile.mkdtemp(prefix="bert-zygote-"), "socket"))
+    atexit.register(zygote.close)
+    reraise_warnings([zygote.import_output])  # the imports' warnings, printed once by the server
+    return zygote
+
+
+def ranks_pythonpath() -> str:
+    return f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+
+
+def _path_entries(value: str | None) -> set[str]:
+    return {os.path.abspath(entry) for entry in (value or "").split(os.pathsep) if entry}
+
+
+def forkable(env: dict) -> bool:
+    """Whether a program with `env` may be forked from the zygote: not on the GPU tier (a process
+    whose CUDA is its own from the start), nothing on its PYTHONPATH the server's lacks (a stand-in
+    torch or sitecustomize there must be loaded at start-up), and not BERT_TESTS_ZYGOTE=0."""
+    return (env.get("CUDA_VISIBLE_DEVICES", "") == "" and os.environ.get(ZYGOTE_ENV, "1") not in ("", "0")
+            and _path_entries(env.get("PYTHONPATH")) <= _path_entries(ranks_pythonpath()))
+
+
+def start_python(args: list[str], env: dict, cwd=REPO, separate_stderr: bool = False):
+    """`python ARGS...` (text output; stderr with stdout, or apart): forked from the session's zygote
+    where `forkable`, else a fresh interpreter."""
+    if not forkable(env):
+        return subprocess.Popen([sys.executable, *args], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE if separate_stderr else subprocess.STDOUT, text=True)
+    return session_zygote().start(args, env, cwd, separate_stderr)
+
+
+def run_python(args: list[str], env: dict | None = None, cwd=REPO, timeout: float = 600
+               ) -> subprocess.CompletedProcess:
+    """subprocess.run([python, *args], capture_output=True, text=True) through start_python: a
+    CompletedProcess with stdout and stderr apart; a process past `timeout` is killed and
+    TimeoutExpired raised, as subprocess.run does."""
+    proc = start_python(args, dict(os.environ) if env is None else env, cwd, separate_stderr=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess([sys.executable, *args], proc.returncode, out, err)
+
+
 def run_ranks(args: list[str], nprocs: int, timeout: float = 600, env: dict | None = None,
               expect_success: bool = True) -> list[subprocess.CompletedProcess]:
     port = free_port()
     base = child_env(dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nprocs),
-                          PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                          OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                          PYTHONPATH=ranks_pythonpath(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                           # what pretrain/cli.py sets with tensor parallelism (workers start the groups themselves)
                           CUDA_DEVICE_MAX_CONNECTIONS="1"), env)
     procs = []
     for rank in range(nprocs):
         rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
-        procs.append(subprocess.Popen([sys.executable, *args], env=rank_env, cwd=REPO,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(start_python(args, rank_env))
     deadline = time.monotonic() + timeout
     outputs = []
     try:

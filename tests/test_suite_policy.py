@@ -123,3 +123,34 @@ def test_listed_noise_is_valid_for_pytest_and_explained():
 
     assert all(line.count(":") == 2 for line in pytest_filters())  # action:message:category
     assert all(len(reason) > 20 for _, _, reason in LIBRARY_NOISE)
+
+
+def _budget_run(tmp_path, budget_minutes, *args):
+    """pytest on a two-test suite of its own (one slow test of 1.5 s, one fast), judged by
+    suite_budget.py with `budget_minutes`."""
+    (tmp_path / "pytest.ini").write_text(f"[pytest]\ntestpaths = checks\nslow_tier_budget_minutes = {budget_minutes}\n"
+                                         "markers =\n    slow: slow\n")
+    (tmp_path / "checks").mkdir(exist_ok=True)
+    (tmp_path / "checks" / "conftest.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\n"
+        "from suite_budget import SlowTierBudget, add_budget_option\n"
+        "def pytest_addoption(parser):\n    add_budget_option(parser)\n"
+        "def pytest_configure(config):\n    config.pluginmanager.register(SlowTierBudget(config))\n")
+    (tmp_path / "checks" / "test_two.py").write_text(
+        "import time, pytest\n@pytest.mark.slow\ndef test_deliberately_slowed():\n    time.sleep(1.5)\n"
+        "def test_fast():\n    pass\n")
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=""))
+
+
+@pytest.mark.slow  # three pytest sessions of their own
+def test_the_slow_tier_budget_fails_a_run_that_passes_it(tmp_path):
+    over = _budget_run(tmp_path, 0.02)  # 1.2 s
+    assert over.returncode == 1, over.stdout[-2000:]
+    assert "2 passed" in over.stdout and "over its budget of 0.02 min" in over.stdout, over.stdout[-2000:]
+    assert "s  checks/test_two.py::test_deliberately_slowed" in over.stdout  # the slowest, named
+    within = _budget_run(tmp_path, 0.1)  # 6 s
+    assert within.returncode == 0 and "of its 0.1-min budget" in within.stdout, within.stdout[-2000:]
+    # a run that selects part of the suite is not judged: its total says nothing of CI's
+    part = _budget_run(tmp_path, 0.02, "-k", "slowed")
+    assert part.returncode == 0 and "budget" not in part.stdout, part.stdout[-2000:]

@@ -1,0 +1,58 @@
+"""The tests' zygote (tests/zygote.py) starts a program as `python ARGS...` would, with the heavy
+libraries already imported: what a rank sees of its process must not tell the two apart."""
+import json
+import os
+import signal
+import textwrap
+
+import pytest
+
+from distributed import child_env, forkable, ranks_pythonpath, run_python, session_zygote, start_python
+
+pytestmark = pytest.mark.slow  # the session's zygote imports torch once (shared with every multi-process test)
+
+PROGRAM = textwrap.dedent("""
+    import json, os, random, sys
+    before = "torch" in sys.modules  # preloaded: already there before this program imports it
+    import torch
+    print(json.dumps({"name": __name__, "argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("ZYGOTE_PROBE"),
+                      "path0": sys.path[0], "preloaded": before, "random": random.random(),
+                      "threads": torch.get_num_threads()}))
+    print("to stderr", file=sys.stderr)
+    sys.exit(int(sys.argv[2]))
+""")
+
+
+def env_with(**extra):
+    return child_env(dict(PYTHONPATH=ranks_pythonpath(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), extra)
+
+
+def test_a_forked_program_sees_its_own_arguments_environment_directory_and_output(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROGRAM)
+    results = []
+    for code in (0, 3):
+        done = run_python([str(script), "probe", str(code)], env_with(ZYGOTE_PROBE=f"run{code}"), cwd=tmp_path)
+        assert done.returncode == code, done.stderr
+        assert done.stderr == "to stderr\n"  # apart from stdout
+        results.append(json.loads(done.stdout))
+    first, second = results
+    assert first["preloaded"], "the zygote did not serve this program"
+    assert (first["name"], first["argv"][2], first["cwd"], first["env"]) == ("__main__", "0", str(tmp_path), "run0")
+    assert first["path0"] == str(tmp_path) and first["threads"] == 1
+    assert second["env"] == "run3" and first["random"] != second["random"]  # reseeded in every child
+
+
+def test_a_module_run_a_kill_and_a_fresh_interpreter_where_the_server_cannot_serve(tmp_path):
+    done = run_python(["-m", "json.tool", "--help"], env_with())
+    assert done.returncode == 0 and "json.tool" in done.stdout, done.stderr
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+    proc = start_python([str(sleeper)], env_with())
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    # a stand-in package on the PYTHONPATH must be loaded at start-up: a fresh interpreter runs it
+    assert not forkable(env_with(PYTHONPATH=os.pathsep.join([str(tmp_path), ranks_pythonpath()])))
+    assert not forkable(env_with(CUDA_VISIBLE_DEVICES="0"))
+    assert forkable(env_with()) and session_zygote().server.poll() is None
