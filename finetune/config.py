@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from pretrain.config import ConfigError, load_sections
 from pretrain.config.precision import precision_problems
@@ -36,32 +36,29 @@ class TaskSection:
     tag_scheme: str = "auto"  # the files' scheme (iob1, iob2; auto: detected), in which predictions are written
     context: str = "document"  # document: windows over each -DOCSTART- document; sentence: each sentence alone
 
-    def problems(self) -> list[str]:
-        # the registry, imported here: the task modules import this module's sections (no circle)
-        from .tasks import TASK_NAMES, TASKS
-
+    def problems(self, tasks: Mapping[str, Any]) -> list[str]:
+        """`tasks`: the task registry (finetune.tasks.TASKS), given by the caller: the task modules
+        import this module's sections, so this module never imports them."""
         p = []
-        if self.name not in TASK_NAMES:
-            p.append(f"task.name {self.name!r} must be one of {', '.join(TASK_NAMES)}")
+        if self.name not in tasks:
+            p.append(f"task.name {self.name!r} must be one of {', '.join(tasks)}")
         if not (self.data_dir or self.train_file or self.dev_files):
-            p.append(self._no_data())
+            p.append(self._no_data(tasks))
         p += _missing_paths([self.data_dir, self.train_file, *self.dev_files, *self.test_files])
         if self.max_seq_length < 8:
             p.append(f"task.max_seq_length ({self.max_seq_length}) must be at least 8")
-        if self.name in TASKS:
-            p += TASKS[self.name].config_problems(self)
+        if self.name in tasks:
+            p += tasks[self.name].config_problems(self)
         if self.doc_stride < 1 or self.n_best_size < 1 or self.max_answer_length < 1:
             p.append("task.doc_stride, task.n_best_size and task.max_answer_length must be >= 1")
         return p
 
 
-    def _no_data(self) -> str:
+    def _no_data(self, tasks: Mapping[str, Any]) -> str:
         """The data keys to set, with the files task.data_dir holds for this task."""
-        from .tasks import TASK_NAMES, TASKS
-
         files = ""
-        if self.name in TASK_NAMES:
-            task = TASKS[self.name]
+        if self.name in tasks:
+            task = tasks[self.name]
             files = f" (the directory of {self.name}'s {', '.join((task.train_file, *task.dev_files))})"
         return (f"task.data_dir is not set: give the task's directory on the command line, task.data_dir=DIR{files}, "
                 "or its files: task.train_file=FILE task.dev_files=[FILE]")
@@ -195,16 +192,15 @@ class FinetuneConfig:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return asdict(self)
 
-    def validate(self, world_size: int, feature_based: bool = False) -> None:
+    def validate(self, world_size: int, tasks: Mapping[str, Any], feature_based: bool = False) -> None:
         """Every section's rules, then the batch arithmetic over the world size; one ConfigError.
+        tasks: the task registry (finetune.tasks.TASKS; see TaskSection.problems).
         feature_based: the run trains a tagger on frozen features (features section) instead."""
-        from .tasks import TASKS  # the registry (see TaskSection.problems)
-
         p, tr = self.parallel, self.train
-        problems = self.task.problems() + self.model.problems() + p.problems()
+        problems = self.task.problems(tasks) + self.model.problems() + p.problems()
         if feature_based:
             problems += self.features.problems()
-            if self.task.name in TASKS and not TASKS[self.task.name].feature_based:
+            if self.task.name in tasks and not tasks[self.task.name].feature_based:
                 problems.append(f"--feature-based trains a token tagger; {self.task.name} is not token classification")
             if world_size != p.tensor_parallel:
                 problems.append(f"--feature-based runs the encoder tensor-parallel only: the world size ({world_size}) "
@@ -265,6 +261,16 @@ def output_dir_problems(cfg: FinetuneConfig) -> list[str]:
     return [f"train.output_dir {cfg.train.output_dir} already holds a previous run's outputs ({', '.join(found)}), "
             "which this run would replace: give another train.output_dir, or set train.overwrite_output_dir=true "
             "to replace them"]
+
+
+# the repository's configs/finetune/TASK.yaml: a task's own settings
+TASK_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "finetune")
+
+
+def task_config(task: str) -> str | None:
+    """The task's own config, configs/finetune/TASK.yaml, when there is one."""
+    path = os.path.join(TASK_CONFIGS, f"{task}.yaml")
+    return path if os.path.exists(path) else None
 
 
 def load_finetune_config(path: str | None, overrides: Sequence[str] = ()) -> FinetuneConfig:

@@ -18,7 +18,6 @@ from pretrain.cli import accept_launcher_args, run_command, run_distributed
 
 from .tasks import TASK_NAMES  # torch-free: the tasks themselves are imported when one is asked for
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +50,16 @@ def start(args: argparse.Namespace) -> int:
     from pretrain.distributed.parallel import discover_launch_env
     from pretrain.resilience import launch_status
 
-    from .config import load_finetune_config, output_dir_problems
+    from .config import TASK_CONFIGS, load_finetune_config, output_dir_problems, task_config
+    from .tasks import TASKS
 
     launch = discover_launch_env()
-    config = args.config or os.path.join(REPO, "configs", "finetune", f"{args.task}.yaml")
+    config = args.config or os.path.join(TASK_CONFIGS, f"{args.task}.yaml")
     try:
         cfg = load_finetune_config(args.config or task_config(args.task), [f"task.name={args.task}", *args.overrides])
         problems = []
         try:
-            cfg.validate(launch.world_size, feature_based=args.feature_based)
+            cfg.validate(launch.world_size, TASKS, feature_based=args.feature_based)
         except ConfigError as error:
             problems = error.problems
         if not args.feature_based and one_node(launch.world_size):
@@ -91,12 +91,6 @@ def start(args: argparse.Namespace) -> int:
             print(json.dumps({"task": summary["task"], "best": summary["best"]}, indent=2))
 
     return run_distributed(fine_tune, cfg.parallel.tensor_parallel, launch=launch)
-
-
-def task_config(task: str) -> str | None:
-    """The task's own config, configs/finetune/TASK.yaml, when there is one."""
-    path = os.path.join(REPO, "configs", "finetune", f"{task}.yaml")
-    return path if os.path.exists(path) else None
 
 
 def one_node(world_size: int, environ=None) -> bool:

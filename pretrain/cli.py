@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from .common.errors import UserError
 from .observability.console import configure_logging
-from .observability.quiet import hide_library_warnings
+from .common.quiet import hide_library_warnings
 from .resilience import launch_status
 
 if TYPE_CHECKING:  # the real imports start torch: only run_distributed pays for them

@@ -11,7 +11,8 @@ import signal
 import sys
 
 from .cli import accept_launcher_args, positive_int, run_command, run_distributed
-from .config import ConfigError, load_config
+from .checkpoint.starting_point import load_run_config
+from .config import ConfigError
 
 
 def parse_args(argv=None):
@@ -41,7 +42,7 @@ def start(args: argparse.Namespace) -> int:
 
         world_size = discover_launch_env().world_size
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_run_config(args.config, args.overrides)  # the keys init_from's checkpoint gives
         # every rule the file breaks, and every missing file, in one report: not one round per kind
         problems = []
         try:

@@ -35,7 +35,7 @@ import time
 import numpy as np
 import torch
 
-from pretrain.observability.quiet import hide_library_warnings
+from pretrain.common.quiet import hide_library_warnings
 
 hide_library_warnings()
 

@@ -8,13 +8,14 @@ import sys
 
 from finetune.config import load_finetune_config
 from finetune.finetuner import Finetuner
+from finetune.tasks import TASKS
 from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
 
 
 def main():
     out_path, task, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
     cfg = load_finetune_config(None, [f"task.name={task}", *overrides])
-    cfg.validate(1)
+    cfg.validate(1, TASKS)
     launch = discover_launch_env()
     launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
     parallel = init_parallel(launch, 1, 1, timeout_minutes=3)

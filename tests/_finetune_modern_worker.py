@@ -11,12 +11,13 @@ import json
 import os
 import sys
 
-from pretrain.observability.quiet import hide_library_warnings
+from pretrain.common.quiet import hide_library_warnings
 
 hide_library_warnings()
 
 from finetune.config import load_finetune_config  # noqa: E402
 from finetune.finetuner import Finetuner  # noqa: E402
+from finetune.tasks import TASKS  # noqa: E402
 from _train_worker import finish  # noqa: E402
 from pretrain.distributed.parallel import discover_launch_env, init_parallel  # noqa: E402
 
@@ -36,7 +37,7 @@ def main():
     results = {}
     for run in runs:
         cfg = load_finetune_config(None, [f"task.name={run['task']}", "train.progress=false", *run["overrides"]])
-        cfg.validate(launch.world_size)
+        cfg.validate(launch.world_size, TASKS)
         runner = Finetuner(cfg, parallel)
         dev = runner.dev_sets[0]
         head = {name: param.detach().tolist() for name, param in runner.model.head.named_parameters()}

@@ -10,12 +10,13 @@ import json
 import os
 import sys
 
-from pretrain.observability.quiet import hide_library_warnings
+from pretrain.common.quiet import hide_library_warnings
 
 hide_library_warnings()
 
 from finetune.config import load_finetune_config  # noqa: E402
 from finetune.finetuner import Finetuner  # noqa: E402
+from finetune.tasks import TASKS  # noqa: E402
 from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
 
 
@@ -48,7 +49,7 @@ def main():
     for run in runs:
         cfg = load_finetune_config(None, [f"task.name={run['task']}", "train.eval_only=true", "train.progress=false",
                                           "train.padding=max_length", *run["overrides"]])
-        cfg.validate(launch.world_size)
+        cfg.validate(launch.world_size, TASKS)
         runner = Finetuner(cfg, parallel)
         fixed = outputs_of(runner)
         runner.cfg.train.padding = "longest"

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from pretrain.observability.quiet import hide_library_warnings
+from pretrain.common.quiet import hide_library_warnings
 
 hide_library_warnings()
 

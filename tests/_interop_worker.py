@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from pretrain.observability.quiet import hide_library_warnings
+from pretrain.common.quiet import hide_library_warnings
 
 hide_library_warnings()  # the known noise only: anything new shows up in the test run
 

@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from pretrain.observability.quiet import hide_library_warnings
+from pretrain.common.quiet import hide_library_warnings
 
 hide_library_warnings()
 

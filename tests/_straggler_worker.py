@@ -27,7 +27,7 @@ def slow_down(model, seconds: float) -> None:
 
 
 def main():
-    from pretrain.observability.quiet import hide_library_warnings
+    from pretrain.common.quiet import hide_library_warnings
 
     hide_library_warnings()
     from pretrain.config import load_config

@@ -129,7 +129,7 @@ def log_lines(parallel) -> list[str]:
 
 
 def main():
-    from pretrain.observability.quiet import hide_library_warnings
+    from pretrain.common.quiet import hide_library_warnings
 
     hide_library_warnings()  # the known noise only: anything new shows up in the test run
     from pretrain.distributed import device

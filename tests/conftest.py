@@ -55,8 +55,9 @@ def pytest_configure(config):
     from distributed import hide_gpus
     from suite_budget import SlowTierBudget
 
+    from pretrain.common.quiet import pytest_filters
+
     config.pluginmanager.register(SlowTierBudget(config), "slow-tier-budget")
-    from pretrain.observability.quiet import pytest_filters
 
     hide_gpus()  # the CPU tiers select the CPU on any machine; the GPU tier asks for the GPUs back
     for line in pytest_filters():  # the programs' own list of library noise, nothing broader

@@ -91,7 +91,7 @@ WARNING_LINE = re.compile(r"^(?P<file>\S+\.py):(?P<line>\d+): (?P<category>\w+Wa
 
 def reraise_warnings(outputs: list[str]) -> None:
     """Warn, in this process, each distinct warning the ranks printed, with its category (so the
-    session's filters, pretrain/observability/quiet.py's list among them, apply as they do in-process)."""
+    session's filters, pretrain/common/quiet.py's list among them, apply as they do in-process)."""
     seen = set()
     for text in outputs:
         for m in WARNING_LINE.finditer(text):

@@ -1,4 +1,4 @@
-"""Batch-size warmup counted in tokens (train.batch_warmup_tokens, pretrain/data/samples/batch_ramp.py).
+"""Batch-size warmup counted in tokens (train.batch_warmup_tokens, pretrain/config/token_clock.py).
 
 One 2-rank job (tests/_train_worker.py, its processes started once) runs a ramp from 4 to 16 samples
 over 512 tokens (seq 32: steps of 4, 4, 8, then 16) with the LR warmup counted in tokens:
@@ -65,7 +65,7 @@ def runs(tmp_path_factory):
 
 
 def test_the_global_batch_ramps_in_tokens_and_the_log_says_so(runs):
-    from pretrain.data.samples.batch_ramp import TokenClock
+    from pretrain.config.token_clock import TokenClock
     from pretrain.optim import lr_at
 
     history = runs["dp2"]["history"]

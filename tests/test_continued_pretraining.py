@@ -13,6 +13,7 @@ from distributed import REPO, free_port
 from docs_blocks import documented_block
 from toy_corpus import documents
 from pretrain.checkpoint.data_sequence import data_sequence_changes, data_sequence_problems
+from pretrain.checkpoint.starting_point import load_run_config
 from pretrain.config import DataConfig, load_config
 
 HEADING = "## Continue pretraining a Hugging Face BERT on your own text"
@@ -56,13 +57,13 @@ SYNTHETIC = ["data.kind=synthetic", "data.seq_length=64", "data.max_predictions_
 
 
 def test_the_model_shape_is_taken_from_init_from_unless_set(hf_model):
-    cfg = load_config("configs/continue-pretraining.yaml", [f"checkpoint.init_from={hf_model}"])
+    cfg = load_run_config("configs/continue-pretraining.yaml", [f"checkpoint.init_from={hf_model}"])
     m = cfg.model
     assert (m.vocab_size, m.hidden_size, m.num_layers, m.num_attention_heads, m.ffn_size,
             m.max_position_embeddings) == (len(SMALL_VOCAB), 64, 2, 4, 96, 128)
-    kept = load_config("configs/continue-pretraining.yaml", [f"checkpoint.init_from={hf_model}", "model.num_layers=6"])
+    kept = load_run_config("configs/continue-pretraining.yaml", [f"checkpoint.init_from={hf_model}", "model.num_layers=6"])
     assert kept.model.num_layers == 6 and kept.model.hidden_size == 64  # set: kept (and refused by the check)
-    scratch = load_config("configs/continue-pretraining.yaml", [])
+    scratch = load_run_config("configs/continue-pretraining.yaml", [])
     assert scratch.model.hidden_size == 768  # no init_from: the defaults
 
 

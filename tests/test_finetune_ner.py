@@ -188,7 +188,9 @@ def test_unknown_tags_and_a_wrong_scheme_are_named(tmp_path):
 
     bad = TaskSection(name="conll2003", data_dir=str(tmp_path), labels=["O", "B-PER"], tag_scheme="bio",
                       context="paragraph", tag_column=0)
-    assert bad.problems() == [
+    from finetune.tasks import TASKS
+
+    assert bad.problems(TASKS) == [
         "task.labels needs both B- and I- for every type (IOB2); missing for PER",
         "task.tag_scheme 'bio' must be one of auto, iob1, iob2",
         "task.context 'paragraph' must be one of document, sentence",
@@ -197,17 +199,18 @@ def test_unknown_tags_and_a_wrong_scheme_are_named(tmp_path):
 
 def test_feature_based_needs_a_token_task_and_no_data_parallelism(tmp_path):
     from finetune.config import FinetuneConfig, ModelSection, ParallelSection, TaskSection
+    from finetune.tasks import TASKS
     from pretrain.config import ConfigError
 
     (tmp_path / "ckpt").mkdir()
     model = ModelSection(init_from=str(tmp_path / "ckpt"))
     with pytest.raises(ConfigError, match="--feature-based trains a token tagger; rte is not token classification"):
-        FinetuneConfig(task=TaskSection(name="rte", data_dir=str(tmp_path)), model=model).validate(1, feature_based=True)
+        FinetuneConfig(task=TaskSection(name="rte", data_dir=str(tmp_path)), model=model).validate(1, TASKS, feature_based=True)
     ner = TaskSection(name="conll2003", data_dir=str(tmp_path))
     with pytest.raises(ConfigError, match=r"the world size \(2\) must equal parallel.tensor_parallel \(1\)"):
-        FinetuneConfig(task=ner, model=model).validate(2, feature_based=True)
-    FinetuneConfig(task=ner, model=model, parallel=ParallelSection(tensor_parallel=2)).validate(2, feature_based=True)
-    FinetuneConfig(task=ner, model=model).validate(2)  # fine-tuning takes DP
+        FinetuneConfig(task=ner, model=model).validate(2, TASKS, feature_based=True)
+    FinetuneConfig(task=ner, model=model, parallel=ParallelSection(tensor_parallel=2)).validate(2, TASKS, feature_based=True)
+    FinetuneConfig(task=ner, model=model).validate(2, TASKS)  # fine-tuning takes DP
 
 
 # ----------------------------------------------------------------------------- schemes and metrics

@@ -49,7 +49,7 @@ def test_the_first_run_works_as_documented(tmp_path):
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-5000:]
     assert "Traceback" not in output and "error" not in output.lower(), output[-5000:]
-    # launcher.sh prints what it runs (torchrun); DeepSpeed's CPU chatter is not shown (pretrain/observability/quiet.py)
+    # launcher.sh prints what it runs (torchrun); DeepSpeed's CPU chatter is not shown (pretrain/common/quiet.py)
     assert [line for line in done.stdout.splitlines() if line.startswith("+ ")][0].startswith(
         "+ python -m pretrain.resilience.torchrun --nnodes 1 --node-rank 0 --nproc-per-node 2")
     assert "built successfully" not in output and "Setting accelerator to CPU" not in output, output[-5000:]

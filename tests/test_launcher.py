@@ -35,7 +35,7 @@ def test_launch_two_ranks_with_deepspeed():
     printed = [line for line in result.stdout.splitlines() if line.startswith("+ ")]
     assert printed and "deepspeed" in printed[0]
     assert "step 2/2" in result.stdout
-    # DeepSpeed's CPU-only chatter (pretrain/observability/quiet.py) is not printed by the ranks; DeepSpeed's
+    # DeepSpeed's CPU-only chatter (pretrain/common/quiet.py) is not printed by the ranks; DeepSpeed's
     # own launcher process still logs its accelerator line
     output = result.stdout + result.stderr
     assert "built successfully" not in output, output[-3000:]

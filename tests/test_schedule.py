@@ -160,7 +160,7 @@ def test_one_minus_sqrt_decay_formula():
 
 @pytest.mark.parametrize("decay", ["linear", "cosine", "1-sqrt", "poly", "constant"])
 def test_token_counted_lengths_equal_their_step_equivalents_with_a_fixed_batch(decay):
-    from pretrain.data.samples.batch_ramp import TokenClock
+    from pretrain.config.token_clock import TokenClock
 
     clock = TokenClock(global_batch_size=24, seq_length=128)
     per_step = 24 * 128
@@ -173,7 +173,7 @@ def test_token_counted_lengths_equal_their_step_equivalents_with_a_fixed_batch(d
 
 
 def test_a_scheduler_on_a_token_clock_resumes_from_its_step_count():
-    from pretrain.data.samples.batch_ramp import TokenClock
+    from pretrain.config.token_clock import TokenClock
 
     clock = TokenClock(global_batch_size=8, seq_length=16, ramp_tokens=2000, ramp_min=2)
     kwargs = dict(decay="1-sqrt", decay_start=3000, clock=clock.schedule_clock)
@@ -187,7 +187,7 @@ def test_a_scheduler_on_a_token_clock_resumes_from_its_step_count():
 
 
 def test_the_token_clock_ramps_in_multiples_of_its_minimum():
-    from pretrain.data.samples.batch_ramp import TokenClock
+    from pretrain.config.token_clock import TokenClock
 
     clock = TokenClock(global_batch_size=64, seq_length=32, ramp_tokens=20_000, ramp_min=8)
     sizes = [clock.batch(k) for k in range(clock.ramp_steps + 3)]

@@ -2,7 +2,7 @@
 
 - Network-namespace tests (the multi-node ones) skip with the reason where namespaces cannot be
   made, and fail instead under REQUIRE_NETNS=1, which .ci/run sets.
-- Test workers hide only the library noise listed in pretrain/observability/quiet.py; what a rank prints as a
+- Test workers hide only the library noise listed in pretrain/common/quiet.py; what a rank prints as a
   warning is raised again in the test process, where pytest's summary shows it.
 """
 import os
@@ -90,19 +90,19 @@ def test_workers_hide_no_warning_wholesale():
     offenders = [str(p.relative_to(REPO)) for p in sorted((REPO / "tests").glob("*.py")) if blanket.search(p.read_text())]
     offenders += [str(p.relative_to(REPO)) for d in ("pretrain", "finetune", "tools") for p in sorted((REPO / d).rglob("*.py"))
                   if blanket.search(p.read_text())]
-    assert not offenders, f"blanket warning filters in {offenders}: list the noise in pretrain/observability/quiet.py instead"
+    assert not offenders, f"blanket warning filters in {offenders}: list the noise in pretrain/common/quiet.py instead"
 
 
 def test_a_rank_warning_reaches_the_test_session(tmp_path):
     script = tmp_path / "warns.py"
-    script.write_text("from pretrain.observability.quiet import hide_library_warnings\n"
+    script.write_text("from pretrain.common.quiet import hide_library_warnings\n"
                       "hide_library_warnings()\n"
                       "import warnings\n"
                       "warnings.warn('frobnicate() is deprecated', FutureWarning)\n"
                       "warnings.warn('Transformer Engine and Apex are not installed. Falling back', UserWarning)\n")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        from pretrain.observability.quiet import hide_library_warnings
+        from pretrain.common.quiet import hide_library_warnings
 
         hide_library_warnings()
         run_ranks([str(script)], 2, timeout=120)
@@ -119,7 +119,7 @@ def test_reraise_keeps_the_category():
 
 
 def test_listed_noise_is_valid_for_pytest_and_explained():
-    from pretrain.observability.quiet import LIBRARY_NOISE, pytest_filters
+    from pretrain.common.quiet import LIBRARY_NOISE, pytest_filters
 
     assert all(line.count(":") == 2 for line in pytest_filters())  # action:message:category
     assert all(len(reason) > 20 for _, _, reason in LIBRARY_NOISE)

@@ -489,29 +489,29 @@ def test_what_cannot_be_tiled_is_refused_naming_the_key(change, key):
 def test_config_rules_and_the_pre_start_check(tmp_path):
     """init_tiled needs init_from and takes weights only; the run's shape keys are its own (not
     inherited from the smaller checkpoint) and are checked before any rank starts."""
-    from pretrain.checkpoint.starting_point import starting_point_problems
-    from pretrain.config import ConfigError, load_config
+    from pretrain.checkpoint.starting_point import load_run_config, starting_point_problems
+    from pretrain.config import ConfigError
 
     small_model().save_pretrained(tmp_path / "small")
     init = [f"checkpoint.init_from={tmp_path / 'small'}", "checkpoint.init_tiled=true", "data.segment_pairs=none",
             "data.seq_length=32"]
-    cfg = load_config(None, init + ["model.hidden_size=64", "model.num_attention_heads=4", "model.num_layers=3",
+    cfg = load_run_config(None, init + ["model.hidden_size=64", "model.num_attention_heads=4", "model.num_layers=3",
                                     "model.ffn_hidden_size=64"])
     assert cfg.model.modern and cfg.model.vocab_size == VOCAB and cfg.model.local_attention == 8  # inherited
     assert (cfg.model.hidden_size, cfg.model.num_layers) == (64, 3)
     assert starting_point_problems(cfg) == []
     cfg.validate(world_size=2)
 
-    unset = load_config(None, init + ["model.num_layers=3"])  # hidden etc. not inherited: the defaults (768, ...)
+    unset = load_run_config(None, init + ["model.num_layers=3"])  # hidden etc. not inherited: the defaults (768, ...)
     assert unset.model.hidden_size == 768
-    bad = load_config(None, init + ["model.hidden_size=64", "model.num_attention_heads=4", "model.num_layers=5",
+    bad = load_run_config(None, init + ["model.hidden_size=64", "model.num_attention_heads=4", "model.num_layers=5",
                                     "model.ffn_hidden_size=32", "model.max_position_embeddings=128"])
     problems = starting_point_problems(bad)
     assert any(p.startswith("checkpoint.init_tiled: model.ffn_hidden_size: this run's 32 is smaller") for p in problems)
     assert any(p.startswith("checkpoint.init_tiled: model.num_layers: 2 -> 5 layers") for p in problems)
     assert any("model.max_position_embeddings: run 128, checkpoint 64" in p for p in problems)  # the usual check
 
-    bert = load_config(None, [f"checkpoint.init_from={tmp_path / 'small'}", "checkpoint.init_tiled=true",
+    bert = load_run_config(None, [f"checkpoint.init_from={tmp_path / 'small'}", "checkpoint.init_tiled=true",
                               "model.architecture=bert", "model.hidden_size=64", "model.num_attention_heads=4"])
     assert any("tiling grows ModernBERT models only; this run's is bert" in p for p in starting_point_problems(bert))
 
@@ -519,7 +519,7 @@ def test_config_rules_and_the_pre_start_check(tmp_path):
                         ([f"checkpoint.init_from={tmp_path / 'small'}", "checkpoint.init_optimizer_states=true"],
                          "remove checkpoint.init_optimizer_states")]:
         with pytest.raises(ConfigError, match=line):
-            load_config(None, ["checkpoint.init_tiled=true", "model.architecture=modernbert",
+            load_run_config(None, ["checkpoint.init_tiled=true", "model.architecture=modernbert",
                                "data.segment_pairs=none", *extra]).validate(world_size=1)
 
 
@@ -562,7 +562,7 @@ def test_trainer_start_tiles_into_a_tp2_pp2_run(tmp_path):
 
 def _rank_main(out_path: str, small_dir: str) -> None:
     """Rank entry point of the TP2 x PP2 test: start the run, gather what it loaded."""
-    from pretrain.observability.quiet import hide_library_warnings
+    from pretrain.common.quiet import hide_library_warnings
 
     hide_library_warnings()
     import torch.distributed as dist

@@ -54,7 +54,7 @@ def test_skip_policy_counts_fp16_overflows_without_ending_the_run():
 def test_a_rollback_during_a_batch_warmup_steps_over_the_batches_those_steps_would_have_had():
     """A rollback steps over spike_skip_batches global batches past the spike's, each of the size
     its step has on the run's clock: during a batch warmup, not train.global_batch_size each."""
-    from pretrain.data.samples.batch_ramp import TokenClock
+    from pretrain.config.token_clock import TokenClock
     from pretrain.training.spike_policy import SpikePolicy
 
     cfg = tiny_config("train.global_batch_size=16", "train.batch_warmup_tokens=512", "train.batch_warmup_min_size=4",

@@ -205,10 +205,10 @@ def row_line(index: int, row) -> str:
 
 
 def body(args) -> int:
-    from pretrain.config import load_config
+    from pretrain.checkpoint.starting_point import load_run_config
     from pretrain.plan.planner import NOT_MODELLED, Budget, plan, unmodelled
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides)
     choices_given = dict(precisions=args.precision, recompute=args.recompute, zero_stages=args.zero,
                          micro_batches=args.micro_batch)
     budget = Budget(args.device_memory, args.reserve)

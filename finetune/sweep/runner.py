@@ -208,8 +208,8 @@ def refuse_invalid(spec: SweepSpec, trials: list[Trial]) -> list[Trial]:
     the others are recorded as failed here, with their config's first problem, and never started."""
     from pretrain.config import ConfigError
 
-    from ..config import load_finetune_config
-    from ..main import task_config
+    from ..config import load_finetune_config, task_config
+    from ..tasks import TASKS
     from .worker import one_line
 
     valid = []
@@ -217,7 +217,7 @@ def refuse_invalid(spec: SweepSpec, trials: list[Trial]) -> list[Trial]:
         try:
             overrides = trial_entry(spec, trial)["overrides"]
             load_finetune_config(task_config(trial.task), [f"task.name={trial.task}", *overrides]).validate(
-                spec.ranks_per_trial)
+                spec.ranks_per_trial, TASKS)
         except ConfigError as error:
             write_trial_record(trial.output_dir(spec), record_for(trial, "failed", one_line(error)))
             logger.warning(f"trial {trial.id}: failed: {one_line(error)}")

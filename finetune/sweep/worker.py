@@ -84,15 +84,15 @@ def write_hparams(tensorboard_dir: str, point: dict, seed: int, metrics: dict[st
 
 def run_trial(entry: dict, parallel, checkpoints: dict) -> tuple[str, str | None]:
     """(status, one-line error) of one trial, run in this process group."""
-    from finetune.config import load_finetune_config
+    from finetune.config import load_finetune_config, task_config
     from finetune.finetuner import read_init_from, run
-    from finetune.main import task_config
     from finetune.sweep.selection import SelectionError, official_score
+    from finetune.tasks import TASKS
     from pretrain.config import ConfigError
 
     task = entry["task"]
     cfg = load_finetune_config(task_config(task), [f"task.name={task}", *entry["overrides"]])
-    cfg.validate(parallel.world_size)
+    cfg.validate(parallel.world_size, TASKS)
     if cfg.parallel.tensor_parallel != parallel.tp_size:  # the runner starts the groups from sweep.overrides
         raise ConfigError(f"parallel.tensor_parallel ({cfg.parallel.tensor_parallel}) differs from the sweep's "
                           f"process groups (TP {parallel.tp_size}): set it in sweep.overrides only")
@@ -158,7 +158,7 @@ def run_slot(queue: dict, slot: int, attempt: int, parallel) -> None:
 
 def main(argv=None) -> int:
     from pretrain.cli import run_distributed
-    from pretrain.observability.quiet import hide_library_warnings
+    from pretrain.common.quiet import hide_library_warnings
 
     hide_library_warnings()
     argv = sys.argv[1:] if argv is None else argv

@@ -4,8 +4,8 @@ heads it lacks.
 
 Continued pretraining (BioBERT, SciBERT, an in-house encoder from a published BERT) needs the model's
 shape exactly: every model.* key the config and the command line leave unset is taken from the
-checkpoint (load_config calls `inherit_model_keys`), and a key set to another value is refused by
-the pre-start check with both values, before any rank starts.
+checkpoint (`load_run_config`: the config layer's load_config with `inherit_model_keys`), and a key
+set to another value is refused by the pre-start check with both values, before any rank starts.
 
 checkpoint.init_tiled grows a smaller ModernBERT into this run's larger one (tiling.py): the shape
 keys (TILED_SHAPE_KEYS) are then the run's own, never inherited, and must be at least the
@@ -16,7 +16,9 @@ from __future__ import annotations
 import json
 import os
 
-from ..config import Config, ConfigError
+from typing import Sequence
+
+from ..config import Config, ConfigError, load_config
 from .errors import CheckpointError
 from .filenames import CONFIG_JSON, LATEST, META
 from .hf_config import ARCHITECTURE_HEADS, HF_MODEL_KEYS, config_from_hf, read_hf_config
@@ -103,6 +105,12 @@ def inherit_model_keys(tree: dict) -> dict:
     inherited = {key: theirs[key] for key in INHERITED_KEYS if key in theirs and key not in given
                  and not (tiled and key in TILED_SHAPE_KEYS)}
     return {**tree, "model": {**given, **inherited}}
+
+
+def load_run_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
+    """A run's config: the YAML and the overrides (pretrain.config.load_config), with every model.*
+    key they leave unset taken from checkpoint.init_from (inherit_model_keys)."""
+    return load_config(path, overrides, inherit=inherit_model_keys)
 
 
 def starting_point_problems(cfg: Config) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .choices import (ARCHITECTURES, ATTENTION_KERNELS, CLASSIFIER_POOLING, COMPILE_CHOICES, DATA_KINDS, DECAYS, MASKING_MODES, OPTIMIZERS, PARAMETER_KINDS, PRECISIONS, RECOMPUTE,
                       SEGMENT_PAIRS, SPIKE_POLICIES)
@@ -754,7 +754,7 @@ class Config:
         """The schedule's lengths against each other and the run: warmup within the run, the decay's
         start within [warmup, horizon), in the schedule's unit (token lengths with a fixed batch:
         samples x data.seq_length per step)."""
-        from ..data.samples.batch_ramp import TokenClock  # torch-free, as this module
+        from .token_clock import TokenClock
 
         s, t = self.scheduler, self.train
         unit = "tokens" if s.in_tokens else "steps"
@@ -892,16 +892,17 @@ def _build(clean: dict[str, dict[str, Any]]) -> Config:
     return Config(**{name: cls(**clean.get(name, {})) for name, cls in SECTIONS.items()})
 
 
-def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
+def load_config(path: str | None, overrides: Sequence[str] = (),
+                inherit: Callable[[dict], dict] | None = None) -> Config:
     """Load a YAML config (with its `base:` files) and apply `section.field=value` overrides.
 
     Checks keys and types and reports every problem in one ConfigError. Rule checks are
     separate: call cfg.validate(world_size) once the world size is known.
     `base:` paths are relative to the file naming them; this file's values win over its bases.
     Override values are parsed as YAML (`checkpoint.save_dir=null`, `optimizer.no_weight_decay=[bias]`).
-    A run with checkpoint.init_from takes every model shape key it leaves unset from that checkpoint
-    (pretrain/checkpoint/starting_point.py; its pre-start check refuses a key set to another value).
+    `inherit` takes the {section: {key: value}} tree and returns it with the keys it leaves unset
+    taken from elsewhere: a run's keys from its starting point are the layer above's business
+    (pretrain/checkpoint/starting_point.py's load_run_config passes inherit_model_keys).
     """
-    from ..checkpoint.starting_point import inherit_model_keys  # torch-free; imports this package
-
-    return _build(inherit_model_keys(load_sections(path, overrides, SECTIONS, MOVED_KEYS)))
+    tree = load_sections(path, overrides, SECTIONS, MOVED_KEYS)
+    return _build(inherit(tree) if inherit is not None else tree)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from .device import backend_for, barrier, select_device
 from .ports import free_port as _free_port
 from .internals import shared_memory_comm_buffer, uses_shared_memory_comm, without_shared_memory_comm
-from ..observability.quiet import without_noise_lines
+from ..common.quiet import without_noise_lines
 
 
 @dataclass(frozen=True)

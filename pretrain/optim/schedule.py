@@ -95,7 +95,7 @@ class WarmupDecayLR(LRScheduler):
     `lr_scheduler` (DeepSpeed calls step() after each optimizer step it does not skip).
 
     `clock(n)` is (position, size) of the schedule's step n+1 given n completed steps: steps_clock,
-    or the tokens of the run's batch sequence (data/samples/batch_ramp.py's TokenClock), a pure function
+    or the tokens of the run's batch sequence (config/token_clock.py's TokenClock), a pure function
     of n. The checkpoint keeps only the step count: the schedule itself comes from the run's config
     (one source of truth), so a resumed run may e.g. extend the decay horizon.
 

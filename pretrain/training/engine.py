@@ -28,7 +28,7 @@ from ..optim.groups import optimizer_param_groups
 from ..optim.guard import NonFiniteGuard, wrap_optimizer_step
 from ..optim.norms import counted_once, exact_clipping_for
 from ..optim.schedule import steps_clock
-from ..data.samples.batch_ramp import TokenClock
+from ..config.token_clock import TokenClock
 
 
 def initialize_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict, parallel: Parallel, *,

@@ -6,7 +6,8 @@ import logging
 import time
 
 from ..config import Config
-from ..data.samples.batch_ramp import MicroBatchesPerStep, TokenClock
+from ..config.token_clock import TokenClock
+from ..data.samples.batch_ramp import MicroBatchesPerStep
 from ..data.samples.batches import FixedMicroBatches, MicroBatchIterator
 from ..data.samples.skipped import Ranges
 from ..distributed.parallel import Parallel

@@ -21,7 +21,7 @@ import torch
 
 from ..common.errors import UserError
 from ..config import Config
-from ..data.samples.batch_ramp import TokenClock
+from ..config.token_clock import TokenClock
 from ..data.samples.skipped import Ranges, as_pairs, merged
 from ..distributed import device
 from ..distributed.parallel import Parallel

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from ..config import Config
-from ..data.samples.batch_ramp import TokenClock
+from ..config.token_clock import TokenClock
 from ..data.samples.provider import pretraining_datasets
 from ..data.samples.skipped import advance, skip_ahead
 from ..distributed import device, internals

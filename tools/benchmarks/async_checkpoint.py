@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     set_threads(args.threads)
-    from pretrain.observability.quiet import hide_library_warnings
+    from pretrain.common.quiet import hide_library_warnings
 
     hide_library_warnings()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",

@@ -167,7 +167,7 @@ def child(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from pretrain.observability.quiet import hide_library_warnings
+    from pretrain.common.quiet import hide_library_warnings
 
     hide_library_warnings()
     runs = {"ours-fixed": lambda: child_ours(args, fixed=True), "ours": lambda: child_ours(args, fixed=False),

@@ -210,7 +210,7 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.child:
-        from pretrain.observability.quiet import hide_library_warnings
+        from pretrain.common.quiet import hide_library_warnings
 
         hide_library_warnings()
         import torch

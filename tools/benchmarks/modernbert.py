@@ -165,7 +165,7 @@ def main() -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
-    from pretrain.observability.quiet import hide_library_warnings
+    from pretrain.common.quiet import hide_library_warnings
 
     hide_library_warnings()
     import torch

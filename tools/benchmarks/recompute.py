@@ -35,7 +35,7 @@ MODES = ("none", "selective", "full")
 
 def child(args) -> dict:
     set_threads(args.threads)
-    from pretrain.observability.quiet import hide_library_warnings
+    from pretrain.common.quiet import hide_library_warnings
 
     hide_library_warnings()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",

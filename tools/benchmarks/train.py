@@ -380,7 +380,7 @@ def run_child(kind: str, args, **extra) -> dict:
 
 def child_main(args) -> None:
     set_threads(args.threads)
-    from pretrain.observability.quiet import hide_library_warnings
+    from pretrain.common.quiet import hide_library_warnings
 
     hide_library_warnings()
     result = CHILDREN[args.child](args)

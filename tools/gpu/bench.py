@@ -430,7 +430,7 @@ def child_main(args) -> None:
 
     from pretrain.distributed.device import configure_math, device_memory_allocated, peak_memory_allocated, reset_peak_memory
     from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
-    from pretrain.observability.quiet import hide_library_warnings
+    from pretrain.common.quiet import hide_library_warnings
     from tools.benchmarks.train import _free_port
 
     hide_library_warnings()

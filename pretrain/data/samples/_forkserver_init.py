@@ -12,7 +12,7 @@ processes, so that nothing outlives the job holding memory or its log's pipe.
 It also installs the programs' list of library noise first: the forkserver then imports the
 dataset's module, and megatron-core warns on import once per process (4 lines per loader per rank).
 """
-from pretrain.observability.quiet import hide_library_warnings
+from pretrain.common.quiet import hide_library_warnings
 
 hide_library_warnings()
 
