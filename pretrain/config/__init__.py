@@ -1,7 +1,11 @@
 """Typed configuration, one module per job:
 
-- schema.py: the pretraining sections (dataclasses), each with the rules about its own fields,
-  and `Config` with the rules that tie sections together; `load_config`;
+- one module per part the sections configure, each with its dataclass, the rules about its own
+  fields and the keys that moved into it: model.py, parallel.py, optimizer.py, scheduler.py, data.py,
+  train.py (and fp16), checkpoint.py, reporting.py (eval, logging), resilience.py; checks.py holds
+  the small rules they share;
+- schema.py: their composition, `Config` with the rules that tie sections together; `load_config`;
+- token_clock.py: the run's batch sequence in tokens (the schedule's lengths are checked with it);
 - typed_yaml.py: the YAML loader for any set of dataclass sections (`base:` files, dotted
   overrides, key and type checks; fine-tuning's sections load through it too) and ConfigError;
 - choices.py: the valid names of the choice fields (optimizers, decays, precisions, ...);
