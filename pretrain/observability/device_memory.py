@@ -121,6 +121,16 @@ class FirstStepMemory:
         for p in stepped:
             self._stepped.setdefault((p.untyped_storage().data_ptr(), p.device), p)
 
+    def measured(self, run_step):
+        """`run_step()`'s result, the first step run under the activation meter's hooks."""
+        if self.steps == 0:
+            with self.meter.hooks():
+                result = run_step()
+        else:
+            result = run_step()
+        self.step_done()
+        return result
+
     def step_done(self) -> None:
         self.steps += 1
         if self.steps == 1:

@@ -11,6 +11,7 @@ The sequence (`initialize_engine`) is order-sensitive, which is why it lives onc
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,7 +19,7 @@ import deepspeed
 import torch
 
 from ..config import Config, build_deepspeed_config
-from ..distributed import internals
+from ..distributed import device, internals
 from ..distributed.parallel import Parallel
 from ..model.bert import PretrainingLoss, build_model, init_weights
 from ..model.names import logical_parameters
@@ -29,6 +30,20 @@ from ..optim.guard import NonFiniteGuard, wrap_optimizer_step
 from ..optim.norms import counted_once, exact_clipping_for
 from ..optim.schedule import steps_clock
 from ..config.token_clock import TokenClock
+
+logger = logging.getLogger(__name__)
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def prepare_device(cfg: Config, parallel: Parallel) -> None:
+    """The device's math settings (train.tf32), and a refusal of a precision it cannot run; says
+    where the run is."""
+    device.configure_math(parallel.device, cfg.train.tf32)
+    unsupported = device.precision_problem(parallel.device, cfg.train.precision)
+    if unsupported:
+        raise device.DeviceError(unsupported)
+    logger.info(f"{device.describe(parallel)}, ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}")
 
 
 def initialize_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict, parallel: Parallel, *,
@@ -115,5 +130,13 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
     if isinstance(optimizer, (Lamb, StableAdamW)):  # per-parameter terms over whole logical parameters
         optimizer.set_layout(layout_for_deepspeed(engine, par.tp_group if par.tp_size > 1 else None,
                                                   par.dp_group if par.dp_size > 1 else None, par.device))
+    accumulation, reduction = internals.gradient_dtypes(engine)
+    logger.info(f"optimizer {o.name} under DeepSpeed's {type(engine.optimizer).__name__}; "
+                f"gradients accumulated in {_dtype_name(accumulation)}, reduced in {_dtype_name(reduction)}, "
+                f"clipped {'exactly by the trainer' if exact else 'by DeepSpeed'}")
     return PretrainingEngine(engine, model, guard, ds_config, exact)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next((name for name, d in PRECISION_DTYPES.items() if d == dtype), str(dtype))
 

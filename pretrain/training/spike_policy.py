@@ -113,3 +113,23 @@ class SpikePolicy:
         end = spike_position + sum(self.clock.batch(k) for k in range(spike_step - 1, spike_step + self.skip_batches))
         self.skipped = merged(as_pairs(self.skipped) + [[checkpoint_position, end - checkpoint_position]])
         return checkpoint_position, end
+
+    def roll_back(self, checkpointer, reporter, spike_step: int, spike_position: int) -> tuple[int, int] | None:
+        """Reload the run's latest checkpoint (`checkpointer.roll_back`) and add the samples from it to
+        past the spike's batch to those stepped over (roll_back_range), saying so; the checkpoint's
+        (step, consumed samples), or None when the run has no checkpoint to go back to yet."""
+        loaded = checkpointer.roll_back()
+        if loaded is None:
+            if self.parallel.rank == self.parallel.logging_rank:
+                logger.warning(f"step {spike_step}: no checkpoint of this run to roll back to yet; training goes on")
+            return None
+        tag_dir, step, consumed_samples = loaded
+        self.load(checkpointer.loaded_state)
+        first, end = self.roll_back_range(consumed_samples, spike_position, spike_step)
+        logger.info(f"step {spike_step}: rolled back to {tag_dir} (step {step}); the sample sequence steps over samples "
+                    f"{first}-{end - 1} ({spike_step - step + self.skip_batches} global batches: from the checkpoint "
+                    f"to {self.skip_batches} past the spike's), rollback {self.rollbacks} of at most "
+                    f"{self.max_rollbacks}")
+        reporter.scalars("resilience", {"rollback_from_step": spike_step, "rollback_to_step": step,
+                                        "skipped_samples": end - first}, spike_step, end)
+        return step, consumed_samples

@@ -1,5 +1,7 @@
 """The pretraining loop: it wires the parts (engine, loaders, step runner, skip policy, evaluator,
-stop requests, checkpointer, reporter) and calls them in order; each part owns its state.
+stop requests, checkpointer, reporter, spike policy, phase timers) and calls them in order; each part
+owns its state. A new concern gets its own part beside them, not lines here: this file stays within
+250 lines and `train` within 80 (tests/test_structure.py).
 
 The rules every change here keeps: one metric collective and one host sync per log window
 (metrics.reduce_metrics); every collective through pretrain/distributed/device.py; every private
@@ -12,7 +14,6 @@ import math
 import time
 from typing import Callable
 
-import torch
 
 from ..config import Config
 from ..config.token_clock import TokenClock
@@ -24,25 +25,21 @@ from ..model.bert import PretrainingLoss
 from ..model.rng import RngTracker, seed_streams
 from ..observability.device_memory import FirstStepMemory
 from ..observability.profiling import step_profiler
-from ..observability.stragglers import StragglerWatch
-from ..observability.timers import NoTimers, PhaseTimers, time_communication
 from ..optim.norms import params_norm
 from ..optim.skips import SkipPolicy
 from ..resilience.stops import StopRequests
 from ..resilience.watchdog import Watchdog
 from .checkpointer import Checkpointer
-from .engine import build_pretraining_engine
+from .engine import build_pretraining_engine, prepare_device
 from .evaluator import Evaluator
 from .loaders import Loaders
 from .metrics import TOKEN_COUNTS, ThroughputWindow, reduce_metrics, reduce_window
 from .reporter import Reporter
 from .spike_policy import SpikePolicy
 from .steps import StepResult, StepRunner
+from .timing import phase_timers
 
 logger = logging.getLogger(__name__)
-
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 class Trainer:
     def __init__(self, cfg: Config, parallel: Parallel):
@@ -58,21 +55,13 @@ class Trainer:
 
         # what the device held before this run (another run's leftovers in a test process): not its memory
         self._allocated_before = device.device_memory_allocated(parallel.device) or 0
-        device.configure_math(parallel.device, cfg.train.tf32)
-        unsupported = device.precision_problem(parallel.device, cfg.train.precision)
-        if unsupported:
-            raise device.DeviceError(unsupported)
-        logger.info(f"{device.describe(parallel)}, ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}")
+        prepare_device(cfg, parallel)
         self.tracker = RngTracker(parallel.device)
         seed_streams(self.tracker, cfg.train.seed, parallel.tp_rank, parallel.pp_rank, parallel.dp_rank)
         self.loss_fn = PretrainingLoss(parallel.tp_group, parallel.tp_rank, cfg.model.compile)
         built = build_pretraining_engine(cfg, parallel, self.tracker, self.loss_fn)
         self.engine, self.model = built.engine, built.model
-        accumulation, reduction = internals.gradient_dtypes(self.engine)
-        logger.info(f"optimizer {cfg.optimizer.name} under DeepSpeed's {type(self.engine.optimizer).__name__}; "
-                    f"gradients accumulated in {_dtype_name(accumulation)}, reduced in {_dtype_name(reduction)}, "
-                    f"clipped {'exactly by the trainer' if built.exact_clipping else 'by DeepSpeed'}")
-        self.timers, self.stragglers = self._phase_timers()
+        self.timers, self.stragglers = phase_timers(cfg.logging, parallel, self.engine)
 
         # Rank 0 builds missing sample indices while the others wait; all then map the cache.
         self.train_data, self.valid_data, self.test_data = pretraining_datasets(
@@ -88,27 +77,6 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, parallel, self.engine, self.model, self.tracker, self.watchdog)
         self.spikes = SpikePolicy(cfg, parallel, built.guard, self.loss_fn)
         self.checkpointer.trainer_state = lambda: dict(self.spikes.state(), **self._token_state())
-
-    def _phase_timers(self) -> tuple[PhaseTimers | NoTimers, StragglerWatch | None]:
-        """The phase timers and the straggler watch that reads them.
-
-        logging.timers: time each phase, also inside DeepSpeed (the calls in which a rank waits
-        for the others: gradient reduction, ZeRO-3's parameter gathers, pipeline transfers; the
-        optimizer wrapper's step, which the pipeline engine calls from train_batch), synchronising
-        a GPU at every phase boundary. logging.stragglers alone (more than one rank): the same
-        phases, a GPU synchronised only where the step's work starts and ends and around those
-        waits (timers.py), for every rank's own step time; every rank's host and device are
-        gathered here, once (a collective)."""
-        c, p = self.cfg.logging, self.parallel
-        watches = c.stragglers and p.world_size > 1
-        if not (c.timers or watches):
-            return NoTimers(), None
-        timers = PhaseTimers(lambda: device.synchronize(p.device), every_boundary=c.timers)
-        time_communication(timers, self.engine)
-        if c.timers:
-            timers.time_optimizer(internals.client_optimizer(self.engine))
-        watch = StragglerWatch(c.straggler_share, c.straggler_windows, p, timed_phases=c.timers) if watches else None
-        return timers, watch
 
     # ----------------------------------------------------------------------------- parts' views
     @property
@@ -165,7 +133,8 @@ class Trainer:
                     profiler.before_step(self.step + 1)
                     batch = self.clock.batch(self.step)
                     self.steps.set_batch(batch)
-                    result = self._measured_step(data_iter, memory)
+                    run_step = lambda: self.steps.run(data_iter, self.step + 1)  # noqa: E731
+                    result = run_step() if memory is None else memory.measured(run_step)
                     self.step += 1
                     position, self.consumed_samples = self.consumed_samples, advance(
                         self.consumed_samples, batch, self.spikes.skipped)
@@ -192,7 +161,7 @@ class Trainer:
                     if spike and self.spikes.rolls_back:  # every rank decided alike
                         self._log_window(pending, window, data_iter)
                         pending = []
-                        data_iter = self._roll_back(spike, position, data_iter)
+                        data_iter = self._roll_back(position, data_iter)
                         window.restart()
                         continue
                     self.watchdog.doing("agreeing on a stop (SIGTERM, time limit) with the other ranks", self.step)
@@ -226,37 +195,14 @@ class Trainer:
         """What a checkpoint keeps of the token count (a later phase counts on from it)."""
         return {"tokens_before_phase": self.checkpointer.tokens_before_phase, "tokens_seen": self.tokens_seen(self.step)}
 
-    def _measured_step(self, data_iter, memory: FirstStepMemory | None) -> StepResult:
-        """One step; the first one under the activation meter's hooks (memory logged once)."""
-        if memory is None:
-            return self.steps.run(data_iter, self.step + 1)
-        if memory.steps == 0:
-            with memory.meter.hooks():
-                result = self.steps.run(data_iter, self.step + 1)
-        else:
-            result = self.steps.run(data_iter, self.step + 1)
-        memory.step_done()
-        return result
-
-    def _roll_back(self, reason: str, spike_position: int, data_iter):
-        """Reload the run's latest checkpoint and step over the samples from it to past the spike's
-        batch (spike_policy.py); the training iterator to go on with."""
-        loaded = self.checkpointer.roll_back()
-        if loaded is None:
-            if self.parallel.rank == self.parallel.logging_rank:
-                logger.warning(f"step {self.step}: no checkpoint of this run to roll back to yet; training goes on")
+    def _roll_back(self, spike_position: int, data_iter):
+        """Back to the run's latest checkpoint, past the spike's samples (spike_policy.py); the
+        training iterator to go on with."""
+        back = self.spikes.roll_back(self.checkpointer, self.reporter, self.step, spike_position)
+        if back is None:
             return data_iter
-        tag_dir, step, consumed_samples = loaded
-        spike_step = self.step
-        self.spikes.load(self.checkpointer.loaded_state)
-        first, end = self.spikes.roll_back_range(consumed_samples, spike_position, spike_step)
-        self.step, self.consumed_samples = step, skip_ahead(consumed_samples, self.spikes.skipped)
-        logger.info(f"step {spike_step}: rolled back to {tag_dir} (step {step}); the sample sequence steps over samples "
-                    f"{first}-{end - 1} ({spike_step - step + self.cfg.resilience.spike_skip_batches} global batches: from the "
-                    f"checkpoint to {self.cfg.resilience.spike_skip_batches} past the spike's), rollback "
-                    f"{self.spikes.rollbacks} of at most {self.cfg.resilience.spike_max_rollbacks}")
-        self.reporter.scalars("resilience", {"rollback_from_step": spike_step, "rollback_to_step": step,
-                                             "skipped_samples": end - first}, spike_step, end)
+        self.step, consumed_samples = back
+        self.consumed_samples = skip_ahead(consumed_samples, self.spikes.skipped)
         return self.loaders.training(self.train_data, self.consumed_samples, self.spikes.skipped, self.step)
 
     def _check_position(self, data_iter) -> None:
@@ -299,6 +245,3 @@ class Trainer:
                 self.checkpointer.save(step, self.consumed_samples)
         return evaluated or saved
 
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return next((name for name, d in PRECISION_DTYPES.items() if d == dtype), str(dtype))

@@ -1,5 +1,6 @@
-"""The packages point one way: every import in pretrain/ and finetune/ goes to its own part or to a
-part below it in LAYERS, and no modules import each other in a circle.
+"""The code's shape: the packages point one way (every import in pretrain/ and finetune/ goes to its
+own part or to a part below it in LAYERS, and no modules import each other in a circle), and the
+trainer stays a wiring of parts (TRAINER_LINES, TRAIN_LINES).
 
 Every import counts: at the top of a module, inside a function, under `if TYPE_CHECKING:`. A part
 that needs something from above takes it as an argument (finetune/config.py's `validate` takes the
@@ -94,7 +95,7 @@ def import_graph() -> dict[str, set[str]]:
 
 def layer_of(name: str) -> int:
     matches = [i for i, entry in enumerate(LAYERS) if name == entry or name.startswith(entry + ".")]
-    assert matches, f"{name} is in no entry of LAYERS (tests/test_import_layers.py): place it there"
+    assert matches, f"{name} is in no entry of LAYERS (tests/test_structure.py): place it there"
     return max(matches, key=lambda i: len(LAYERS[i]))
 
 
@@ -158,3 +159,20 @@ def test_the_walk_sees_every_kind_of_import():
     assert "finetune.tasks.base" in graph["finetune.tasks"]  # under TYPE_CHECKING
     assert "pretrain.checkpoint.starting_point" in graph["pretrain.main"]
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# pretrain/training/trainer.py wires the parts and calls them in order: a new concern gets its own
+# part beside it (a module of pretrain/training/ or the package it belongs to), not lines here
+TRAINER_LINES, TRAIN_LINES = 250, 80
+
+
+def test_the_trainer_stays_a_wiring_of_parts():
+    path = REPO / "pretrain" / "training" / "trainer.py"
+    source = path.read_text()
+    lines = len(source.splitlines())
+    assert lines <= TRAINER_LINES, (f"{path.relative_to(REPO)} has {lines} lines, more than {TRAINER_LINES}: give the "
+                                    "new concern its own part")
+    train = next(node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)
+                 and node.name == "train")
+    length = train.end_lineno - train.lineno + 1
+    assert length <= TRAIN_LINES, f"Trainer.train has {length} lines, more than {TRAIN_LINES}"
