@@ -28,8 +28,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-
-from tools.benchmarks.train import CONFIGS, _free_port, bench_config, make_batches, set_threads  # noqa: E402
+from tools.benchmarks.harness import one_rank_world  # noqa: E402
+from tools.benchmarks.train import CONFIGS, bench_config, make_batches, set_threads  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -42,21 +42,14 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     set_threads(args.threads)
-    from pretrain.common.quiet import hide_library_warnings
-
-    hide_library_warnings()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+    parallel = one_rank_world()
     from pretrain.checkpoint import exact
-    from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
+    from pretrain.distributed.parallel import shutdown_parallel
     from pretrain.plan.memory import predict_rank_memory
     from pretrain.training.trainer import Trainer
 
     cfg = bench_config(args.config, args.batch, 128, "fp32", "lamb", 1000)
     cfg.checkpoint.async_save = True  # for the planner's prediction; the saves below are called directly
-    launch = discover_launch_env()
-    launch.export_to(os.environ)
-    parallel = init_parallel(launch, 1, 1)
     trainer = Trainer(cfg, parallel)
     batches = iter(make_batches(cfg, 2 + args.repeats * 2 * args.steps, parallel.device))
     for _ in range(2):

@@ -25,8 +25,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-
-from tools.benchmarks.train import CONFIGS, _free_port, bench_config, make_batches, set_threads  # noqa: E402
+from tools.benchmarks.harness import one_rank_world  # noqa: E402
+from tools.benchmarks.train import CONFIGS, bench_config, make_batches, set_threads  # noqa: E402
 
 
 def timed(fn) -> tuple[float, object]:
@@ -43,21 +43,14 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
     set_threads(args.threads)
-    from pretrain.common.quiet import hide_library_warnings
-
-    hide_library_warnings()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+    parallel = one_rank_world()
     from pretrain.checkpoint import exact
     from pretrain.checkpoint.format import checkpoint_files, content_problems, fingerprints, read_meta
-    from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
+    from pretrain.distributed.parallel import shutdown_parallel
     from pretrain.training.trainer import Trainer
 
     cfg = bench_config(args.config, 1, 128, "fp32", "lamb", 1)
     cfg.validate(world_size=1)
-    launch = discover_launch_env()
-    launch.export_to(os.environ)
-    parallel = init_parallel(launch, 1, 1)
     trainer = Trainer(cfg, parallel)
     trainer.train_step(iter(make_batches(cfg, 1, parallel.device)))
     root = tempfile.mkdtemp(dir=args.dir, prefix="ckpt-bench-")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from tools.benchmarks.harness import one_rank_world  # noqa: E402
 DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "austen"
 
 
@@ -83,7 +84,7 @@ def trainer_wait(prefix: str, vocab_file: str, config: str, steps: int, workers:
 
     from pretrain.config import load_config
     from pretrain.data.samples.token_ids import WordPieceVocab
-    from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
+    from pretrain.distributed.parallel import shutdown_parallel
     from pretrain.training.trainer import Trainer
 
     vocab = WordPieceVocab.from_file(vocab_file)
@@ -93,9 +94,7 @@ def trainer_wait(prefix: str, vocab_file: str, config: str, steps: int, workers:
         "train.micro_batch_size=32", f"train.train_steps={steps + 2}", "scheduler.warmup_steps=1",
         "eval.interval=0", "checkpoint.save_interval=0"])
     cfg.validate(1)
-    launch = discover_launch_env()
-    launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
-    parallel = init_parallel(launch, 1, 1)
+    parallel = one_rank_world()
     try:
         trainer = Trainer(cfg, parallel)
         data = trainer.loaders.training(trainer.train_data, 0)
@@ -121,8 +120,6 @@ def main() -> None:
     p.add_argument("--train-steps", type=int, default=20)
     p.add_argument("--config", default=str(REPO / "configs/bert-mini.yaml"))
     args = p.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         if args.prefix:

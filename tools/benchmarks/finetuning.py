@@ -33,9 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-from pretrain.distributed.ports import free_port as _free_port
-
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # tools.benchmarks.harness
+from tools.benchmarks.harness import one_rank_world, write_json  # noqa: E402
 SIDES = ("ours-fixed", "ours", "hf-fixed", "hf-dynamic")
 LR = 5e-5
 
@@ -72,11 +72,10 @@ def peak_rss_mb() -> float:
 
 
 def child_ours(args, fixed: bool) -> dict:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
     from finetune.config import load_finetune_config
     from finetune.finetuner import Finetuner
-    from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
+    from finetune.tasks import TASKS
+    from pretrain.distributed.parallel import shutdown_parallel
 
     overrides = [
         "task.name=mrpc", f"task.data_dir={args.data}", f"model.init_from={args.model}", f"task.max_seq_length={args.seq}",
@@ -86,10 +85,8 @@ def child_ours(args, fixed: bool) -> dict:
         *(["train.padding=max_length", "train.group_by_length=false"] if fixed else []),
     ]
     cfg = load_finetune_config(None, overrides)
-    cfg.validate(1)
-    launch = discover_launch_env()
-    launch.export_to(os.environ)
-    parallel = init_parallel(launch, 1, 1)
+    cfg.validate(1, TASKS)
+    parallel = one_rank_world()
     runner = Finetuner(cfg, parallel)
     accounting = token_accounting(runner, args) if not fixed else None
     started = time.perf_counter()
@@ -227,8 +224,7 @@ def main() -> None:
                       f"process {result['wall_seconds'] / results['ours']['wall_seconds']:.2f}x")
     print(f"{args.train} training pairs (one epoch) and {args.dev} dev pairs, batch {args.batch}, seq {args.seq}, fp32, "
           f"{args.threads} threads, MiniLM-L6 shape (L6/H384/A12), each side in a fresh process")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tools.benchmarks.train import _free_port  # noqa: E402
+from pretrain.distributed.ports import free_port  # noqa: E402
+from tools.benchmarks.harness import one_rank_world, write_json  # noqa: E402
 
 CONFIGS = {"mini": REPO / "configs" / "bert-mini.yaml", "small": REPO / "configs" / "bert-small.yaml"}
 # name -> (tensor parallel, pipeline parallel, ranks); ranks share the machine's 2 cores
@@ -83,7 +84,7 @@ def child_rate(args) -> dict:
     import torch
 
     from pretrain.model.flops import encoder_flops_per_row, head_flops_per_sample
-    from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
+    from pretrain.distributed.parallel import shutdown_parallel
     from pretrain.plan.shapes import stage_parameters
     from pretrain.plan.step_time import OPTIMIZER_BYTES_PER_ELEMENT, layer_elementwise_bytes
     from pretrain.training.trainer import Trainer
@@ -102,9 +103,7 @@ def child_rate(args) -> dict:
     cfg.train.global_batch_size = args.micro_batch
     cfg.logging.timers = True
     cfg.validate(world_size=1)
-    launch = discover_launch_env()
-    launch.export_to(os.environ)
-    parallel = init_parallel(launch, 1, 1)
+    parallel = one_rank_world()
     trainer = Trainer(cfg, parallel)
     batches = trainer.loaders.training(trainer.train_data, 0)
     compute, optimizer = [], []
@@ -159,7 +158,7 @@ def launch_children(kind: str, ranks: int, threads: int, args) -> dict:
                "--config", args.config, "--seq", str(args.seq), "--micro-batch", str(args.micro_batch),
                "--global-batch", str(args.global_batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--threads", str(threads)]
-        port = str(_free_port())
+        port = str(free_port())
         procs = []
         for rank in range(ranks):
             env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), RANK=str(rank),
@@ -241,9 +240,7 @@ def main(argv=None) -> None:
               f"{order_measured.index(name) + 1:>10}{order_predicted.index(name) + 1:>10}")
     print(f"order measured:  {' < '.join(order_measured)}")
     print(f"order predicted: {' < '.join(order_predicted)} ({'agrees' if order_measured == order_predicted else 'DIFFERS'})")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"measured": measured, "predicted": predicted, "rates": rates,
-                                               "link": link}, indent=1))
+    write_json(args.json, {"measured": measured, "predicted": predicted, "rates": rates, "link": link})
 
 
 if __name__ == "__main__":

@@ -23,16 +23,13 @@ Real (non-padding) tokens per second of each and the ratios; the issue's targets
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from pretrain.distributed.ports import free_port as _free_port
-
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # tools.benchmarks.harness
+from tools.benchmarks.harness import alternate, one_rank_world, token_rates, write_json  # noqa: E402
 VOCAB = 8000
 
 
@@ -121,30 +118,26 @@ def speed(args, cfgs: dict) -> dict:
                for s in range(args.steps + 1)]
     peers = {"transformers padded": transformers_model(padded, sparse=False),
              "transformers sparse": transformers_model(padded, sparse=True)}
-    names = [*trainers, *peers]
-    totals = {name: {"seconds": 0.0, "real": 0.0, "computed": 0.0} for name in names}
-    for step in range(args.steps + 1):
-        real = float(batches[step][0][2].sum())
-        for name in names:
-            started = time.perf_counter()
-            if name in trainers:
-                metrics = trainers[name].train_step(iterators[name])
-                got_real, computed = metrics["real_tokens"], metrics["computed_tokens"]
-                assert got_real == real, f"{name} step {step}: {got_real} real tokens, the peers {real}"
-            else:
-                transformers_step(*peers[name], batches[step])
-                computed = batches[step][0][0].numel()
-            if step:  # the first step of each is untimed
-                totals[name]["seconds"] += time.perf_counter() - started
-                totals[name]["real"] += real
-                totals[name]["computed"] += computed
+
+    def ours(name):
+        def step(round_: int) -> tuple[float, float]:
+            metrics = trainers[name].train_step(iterators[name])
+            real = float(batches[round_][0][2].sum())
+            assert metrics["real_tokens"] == real, f"{name} step {round_}: {metrics['real_tokens']} real tokens, the peers {real}"
+            return real, metrics["computed_tokens"]
+        return step
+
+    def peer(name):
+        def step(round_: int) -> tuple[float, float]:
+            transformers_step(*peers[name], batches[round_])
+            return float(batches[round_][0][2].sum()), batches[round_][0][0].numel()
+        return step
+
+    timed = alternate({**{name: ours(name) for name in trainers}, **{name: peer(name) for name in peers}}, args.steps)
     for name, t in trainers.items():
         iterators[name].close()
         t.close_loaders()
-    return {name: {"real_tokens_per_second": v["real"] / v["seconds"], "seconds_per_step": v["seconds"] / args.steps,
-                   "real_share_of_computed": v["real"] / v["computed"]} for name, v in totals.items()}
-
-
+    return {name: token_rates(rounds) for name, rounds in timed.items()}
 
 
 PARALLEL = None
@@ -163,22 +156,13 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
-    from pretrain.common.quiet import hide_library_warnings
-
-    hide_library_warnings()
+    PARALLEL = one_rank_world()
     import torch
-
-    from pretrain.distributed.parallel import discover_launch_env, init_parallel
 
     torch.set_num_threads(args.threads)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     prefix, tokenizer = prepare(work)
-    launch = discover_launch_env()
-    launch.export_to(os.environ)
-    PARALLEL = init_parallel(launch, 1, 1)
     results = []
     for seq in (int(s) for s in args.seqs.split(",")):
         cfgs = {name: config(args, prefix, tokenizer, seq, name == "ours packed", work)
@@ -198,8 +182,7 @@ def main() -> None:
               f"{100 * row['ours packed']['real_share_of_computed']:.0f}%", flush=True)
     print(f"config {args.config} (vocabulary {VOCAB}), {args.tokens} tokens per step, {args.steps} timed steps "
           f"each, {args.threads} threads, fp32, AdamW, one process")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

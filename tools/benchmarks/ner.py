@@ -36,6 +36,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+from tools.benchmarks.harness import one_rank_world  # noqa: E402
 
 SIZES = {"mini": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024),
          "base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072)}
@@ -71,21 +72,6 @@ def write_inputs(root: str, model: str, words: int, seed: int = 0) -> None:
             lines.append("")
     with open(os.path.join(root, "train.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
-
-
-def one_rank_world():
-    import logging
-
-    from deepspeed.utils import logger as ds_logger
-
-    from pretrain.distributed.parallel import discover_launch_env, init_parallel
-    from pretrain.distributed.ports import free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    ds_logger.setLevel(logging.WARNING)
-    launch = discover_launch_env()
-    launch.export_to(os.environ)
-    return init_parallel(launch, 1, 1)
 
 
 def config(args, root: str, **overrides):

@@ -22,16 +22,13 @@ data is kept in --work-dir and reused.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from pretrain.distributed.ports import free_port as _free_port
-
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # tools.benchmarks.harness
+from tools.benchmarks.harness import alternate, one_rank_world, token_rates, write_json  # noqa: E402
 WINDOWS = (32, 64, 128)
 SAMPLES = 3000  # the padding figures' samples
 
@@ -105,24 +102,18 @@ def speed(args, cfgs: dict) -> dict:
 
     trainers = {name: Trainer(cfg, PARALLEL) for name, cfg in cfgs.items()}
     iterators = {name: t.loaders.training(t.train_data, 0) for name, t in trainers.items()}
-    totals = {name: {"seconds": 0.0, "real_tokens": 0.0, "computed_tokens": 0.0} for name in trainers}
-    for step in range(args.steps + 1):
-        for name, trainer in trainers.items():
-            started = time.perf_counter()
-            metrics = trainer.train_step(iterators[name])
-            if step:  # the first step of each is untimed
-                totals[name]["seconds"] += time.perf_counter() - started
-                totals[name]["real_tokens"] += metrics["real_tokens"]
-                totals[name]["computed_tokens"] += metrics["computed_tokens"]
+
+    def step_of(name):
+        def step(_round: int) -> tuple[float, float]:
+            metrics = trainers[name].train_step(iterators[name])
+            return metrics["real_tokens"], metrics["computed_tokens"]
+        return step
+
+    timed = alternate({name: step_of(name) for name in trainers}, args.steps)
     for name, t in trainers.items():
         iterators[name].close()
         t.close_loaders()
-    return {name: {"real_tokens_per_second": v["real_tokens"] / v["seconds"],
-                   "computed_tokens_per_second": v["computed_tokens"] / v["seconds"],
-                   "seconds_per_step": v["seconds"] / args.steps,
-                   "real_share_of_computed": v["real_tokens"] / v["computed_tokens"]} for name, v in totals.items()}
-
-
+    return {name: token_rates(rounds) for name, rounds in timed.items()}
 
 
 PARALLEL = None
@@ -144,22 +135,13 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
-    from pretrain.common.quiet import hide_library_warnings
-
-    hide_library_warnings()
+    PARALLEL = one_rank_world()
     import torch
-
-    from pretrain.distributed.parallel import discover_launch_env, init_parallel
 
     torch.set_num_threads(args.threads)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     corpora = prepare(work, args.austen)
-    launch = discover_launch_env()
-    launch.export_to(os.environ)
-    PARALLEL = init_parallel(launch, 1, 1)
     results = []
     for corpus, (prefix, vocab) in corpora.items():
         for seq in (int(s) for s in args.seqs.split(",")):
@@ -176,8 +158,7 @@ def main() -> None:
                   f" | packed rows {100 * row['packed']['real_share_of_computed']:.1f}% real", flush=True)
     print(f"config {args.config}, global batch {args.batch} samples in 2 micro-batches, {args.steps} timed steps "
           f"each, {args.threads} threads, fp32, ZeRO-0, one process")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-
-from tools.benchmarks.train import (CONFIGS, _free_port, bench_config, device_memory, make_batches,  # noqa: E402
+from tools.benchmarks.harness import one_rank_world  # noqa: E402
+from tools.benchmarks.train import (CONFIGS, bench_config, device_memory, make_batches,  # noqa: E402
                                     peak_rss_mb, set_threads, time_steps)
 
 MODES = ("none", "selective", "full")
@@ -35,20 +35,13 @@ MODES = ("none", "selective", "full")
 
 def child(args) -> dict:
     set_threads(args.threads)
-    from pretrain.common.quiet import hide_library_warnings
-
-    hide_library_warnings()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
-    from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
+    parallel = one_rank_world()
+    from pretrain.distributed.parallel import shutdown_parallel
     from pretrain.training.trainer import Trainer
 
     cfg = bench_config(args.config, args.batch, args.seq, "fp32", "adamw", args.warmup + args.steps)
     cfg.model.recompute = args.child
     cfg.validate(world_size=1)
-    launch = discover_launch_env()
-    launch.export_to(os.environ)
-    parallel = init_parallel(launch, 1, 1)
     trainer = Trainer(cfg, parallel)
     before_steps = peak_rss_mb()
     batches = iter(make_batches(cfg, args.warmup + args.steps, parallel.device))

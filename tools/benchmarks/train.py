@@ -62,9 +62,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from pretrain.distributed.ports import free_port as _free_port  # the other benchmarks import it from here
-
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # tools.benchmarks.harness
+from tools.benchmarks.harness import one_rank_world, write_json  # noqa: E402
 CONFIGS = {"base": (REPO / "configs" / "bert-base.yaml", 8), "mini": (REPO / "configs" / "bert-mini.yaml", 16)}
 PRECISIONS = ("fp32", "bf16")
 FLOPS_NOTE = ("FLOPs: pretrain.model.flops.model_flops_per_sample (matmul FLOPs the model needs, fwd+bwd = 3 x fwd, "
@@ -198,20 +198,16 @@ def child_ours(args) -> dict:
     """Our Trainer's real step under a one-process gloo world."""
     import logging
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+    parallel = one_rank_world()
     from deepspeed.utils import logger as ds_logger
 
     from pretrain.distributed.device import configure_math
-    from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
+    from pretrain.distributed.parallel import shutdown_parallel
     from pretrain.model.flops import model_flops_per_sample
     from pretrain.training.trainer import Trainer
 
     ds_logger.setLevel(logging.WARNING)
     cfg = bench_config(args.config, args.batch, args.seq, args.precision, args.optimizer, args.warmup + args.steps)
-    launch = discover_launch_env()
-    launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
-    parallel = init_parallel(launch, 1, 1)
     device = parallel.device
     configure_math(device, cfg.train.tf32)  # as the Trainer below does, before the peak is measured
     peak = gemm_peak(args.precision, device)
@@ -497,11 +493,9 @@ def parent_main(args) -> None:
             rows.append(row)
     print()
     print_table(rows, peak, measured.get("other_load"))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"threads": args.threads, "optimizer": args.optimizer,
-                                               "steps": args.steps, "warmup": args.warmup, "peak_gflops": peak,
-                                               "peak_other_load": measured.get("other_load"),
-                                               "flops_note": FLOPS_NOTE, "rows": rows}, indent=1))
+    write_json(args.json, {"threads": args.threads, "optimizer": args.optimizer, "steps": args.steps,
+                           "warmup": args.warmup, "peak_gflops": peak, "peak_other_load": measured.get("other_load"),
+                           "flops_note": FLOPS_NOTE, "rows": rows})
 
 
 def parse_args(argv=None):

@@ -429,18 +429,12 @@ def child_main(args) -> None:
     import torch
 
     from pretrain.distributed.device import configure_math, device_memory_allocated, peak_memory_allocated, reset_peak_memory
-    from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel
-    from pretrain.common.quiet import hide_library_warnings
-    from tools.benchmarks.train import _free_port
+    from pretrain.distributed.parallel import shutdown_parallel
+    from tools.benchmarks.harness import one_rank_world
 
-    hide_library_warnings()
     plan = json.loads(Path(args.child).read_text())
     settings, calibration = plan["settings"], plan.get("calibration")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
-    launch = discover_launch_env()
-    launch.export_to(os.environ)
-    parallel = init_parallel(launch, 1, 1)
+    parallel = one_rank_world()
     device = parallel.device
     configure_math(device, tf32=True)
     results = open(args.child_results, "a", buffering=1)
