@@ -110,12 +110,19 @@ def reraise_warnings(outputs: list[str]) -> None:
 ZYGOTE_ENV = "BERT_TESTS_ZYGOTE"
 
 
+# Zygotes per session: forked children share their server's string-hash secret, so the ranks of a
+# job alternate between two servers to differ in it as fresh interpreters do (a set iterated in
+# another order on another rank stays visible)
+ZYGOTES = 2
+
+
 @functools.lru_cache(maxsize=None)
-def session_zygote():
-    """The session's zygote (started on first use, ended when the session's process exits)."""
+def session_zygote(index: int = 0):
+    """The session's zygote `index` (started on first use, ended when the session's process exits)."""
     from zygote import Zygote
 
-    server_env = child_env(dict(PYTHONPATH=ranks_pythonpath(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+    server_env = child_env(dict(PYTHONPATH=ranks_pythonpath(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                                PYTHONHASHSEED=None))
     zygote = Zygote(str(REPO), server_env, os.path.join(tempfile.mkdtemp(prefix="bert-zygote-"), "socket"))
     atexit.register(zygote.close)
     reraise_warnings([zygote.import_output])  # the imports' warnings, printed once by the server
@@ -133,9 +140,11 @@ def _path_entries(value: str | None) -> set[str]:
 def forkable(env: dict) -> bool:
     """Whether a program with `env` may be forked from the zygote: not on the GPU tier (a process
     whose CUDA is its own from the start), nothing on its PYTHONPATH the server's lacks (a stand-in
-    torch or sitecustomize there must be loaded at start-up), and not BERT_TESTS_ZYGOTE=0."""
+    torch or sitecustomize there must be loaded at start-up), no other LD_PRELOAD and no fixed
+    PYTHONHASHSEED (both act at start-up), and not BERT_TESTS_ZYGOTE=0."""
     return (env.get("CUDA_VISIBLE_DEVICES", "") == "" and os.environ.get(ZYGOTE_ENV, "1") not in ("", "0")
-            and _path_entries(env.get("PYTHONPATH")) <= _path_entries(ranks_pythonpath()))
+            and _path_entries(env.get("PYTHONPATH")) <= _path_entries(ranks_pythonpath())
+            and env.get("LD_PRELOAD") == os.environ.get("LD_PRELOAD") and "PYTHONHASHSEED" not in env)
 
 
 def start_python(args: list[str], env: dict, cwd=REPO, separate_stderr: bool = False):
@@ -144,7 +153,8 @@ def start_python(args: list[str], env: dict, cwd=REPO, separate_stderr: bool = F
     if not forkable(env):
         return subprocess.Popen([sys.executable, *args], env=env, cwd=cwd, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE if separate_stderr else subprocess.STDOUT, text=True)
-    return session_zygote().start(args, env, cwd, separate_stderr)
+    rank = env.get("RANK", "0")
+    return session_zygote(int(rank) % ZYGOTES if rank.isdigit() else 0).start(args, env, cwd, separate_stderr)
 
 
 def run_python(args: list[str], env: dict | None = None, cwd=REPO, timeout: float = 600

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from distributed import REPO, free_port, run_ranks
+from distributed import free_port, REPO, run_python, run_ranks
 from _train_worker import TINY
 
 ZERO3 = "train.deepspeed_config=tests/zero3-partition-everything.json"
@@ -425,9 +425,8 @@ def test_sigterm_during_a_background_save_publishes_it_and_exits_0(tmp_path):
 def pretrain(tmp, overrides) -> subprocess.CompletedProcess:
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "pretrain", "--config", "configs/bert-tiny.yaml", *TINY, *COMMON,
-                           "checkpoint.async_save=true", *overrides],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return run_python(["-m", "pretrain", "--config", "configs/bert-tiny.yaml", *TINY, *COMMON,
+                       "checkpoint.async_save=true", *overrides], env, timeout=300)
 
 
 @pytest.mark.slow

@@ -8,13 +8,11 @@ issue saw: a second `python -m pretrain` without checkpoint.load_dir into the fi
 import hashlib
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from _train_worker import TINY
-from distributed import REPO
+from distributed import REPO, run_python
 from pretrain.checkpoint.series import new_series, own_tags, save_dir_problems, series_of
 from pretrain.config import Config
 
@@ -94,8 +92,7 @@ def _sums(directory) -> dict[str, str]:
 
 def _pretrain(*overrides, check=True):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "pretrain", "--config", "configs/bert-tiny.yaml", *TINY, *overrides],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = run_python(["-m", "pretrain", "--config", "configs/bert-tiny.yaml", *TINY, *overrides], env, timeout=300)
     if check:
         assert done.returncode == 0, done.stderr[-3000:]
     return done

@@ -11,12 +11,11 @@ fine-tuning run's best weights.
 """
 import os
 import subprocess
-import sys
 
 import pytest
 
 from _train_worker import TINY
-from distributed import REPO, free_port
+from distributed import free_port, run_python
 from test_finetune_tasks import QUIET, repeat_task, tiny_bert
 from toy_corpus import write_jsonl
 
@@ -53,7 +52,7 @@ def small_disk(tmp_path):
 
 
 def run(args, **kwargs):
-    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300, **kwargs)
+    return run_python(list(args), timeout=300, **kwargs)
 
 
 def assert_one_line(done, path, program=""):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from distributed import REPO, run_ranks
+from distributed import REPO, run_python, run_ranks
 from finetune.ner_metrics import tagging_scores
 from finetune.tasks.tagging import (CONLL2003_LABELS, Document, Sentence, chunk_starts, conll_text, detect_scheme,
                               read_tagged, to_iob1, to_iob2)
@@ -82,7 +82,7 @@ def tiny_ner(tmp_path_factory):
 def finetune(overrides, nprocs=1, extra_args=()):
     args = ["-m", "finetune", "conll2003", *extra_args, *QUIET, *overrides]
     if nprocs == 1:
-        done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+        done = run_python(args, timeout=600)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         return done
     return run_ranks(args, nprocs, timeout=600)

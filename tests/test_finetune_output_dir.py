@@ -7,12 +7,10 @@ not share the directory, the logging rank (the one that writes there) decides fo
 import hashlib
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from distributed import REPO, child_env, run_ranks
+from distributed import child_env, REPO, run_python, run_ranks
 
 from finetune.config import load_finetune_config, output_dir_problems, previous_outputs
 
@@ -65,9 +63,8 @@ def test_a_second_run_is_refused_in_one_line_before_it_starts_and_changes_nothin
     out = tmp_path / "out"
     previous_run(out)
     before = fingerprint(out)
-    done = subprocess.run([sys.executable, "-m", "finetune", "rte", *config(tmp_path, out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120,
-                          env=child_env({key: None for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}))
+    done = run_python(["-m", "finetune", "rte", *config(tmp_path, out)], timeout=120,
+                      env=child_env({key: None for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}))
     assert done.returncode == 2, done.stderr[-3000:]
     # the config report's heading, then the refusal: one line naming the directory, what it found, the ways out
     assert done.stderr.splitlines() == [f"invalid configuration ({REPO / 'configs/finetune/rte.yaml'} + command line):",

@@ -4,7 +4,6 @@ TP2 agree; a Hugging Face checkpoint and its native conversion fine-tune alike; 
 load in transformers and predict what we predicted."""
 import csv
 import json
-import os
 import random
 import re
 import subprocess
@@ -14,7 +13,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 import torch
 
-from distributed import REPO, run_ranks
+from distributed import REPO, run_python, run_ranks
 
 pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
 
@@ -64,8 +63,7 @@ def repeat_task(root, seed=2, train=1500, dev=200):
 
 def finetune(task, overrides, nprocs=1, expect_success=True):
     if nprocs == 1:
-        done = subprocess.run([sys.executable, "-m", "finetune", task, *QUIET, *overrides], cwd=REPO,
-                              capture_output=True, text=True, timeout=600)
+        done = run_python(["-m", "finetune", task, *QUIET, *overrides], timeout=600)
         if expect_success:
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         return done
@@ -246,9 +244,8 @@ def test_feature_extraction_gives_hugging_face_hidden_states(tiny, tmp_path):
     lines = tmp_path / "lines.txt"
     lines.write_text("w1 w2 w3\nw4 w5 ||| w6 w7 w8\n")
     out = tmp_path / "features.jsonl"
-    done = subprocess.run([sys.executable, "tools/extract_features.py", "--checkpoint", str(tiny / "hf"),
-                           "--input-file", str(lines), "--output-file", str(out), "--layers=-1,-2,0",
-                           "--max-seq-length", "16"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = run_python(["tools/extract_features.py", "--checkpoint", str(tiny / "hf"), "--input-file", str(lines),
+                       "--output-file", str(out), "--layers=-1,-2,0", "--max-seq-length", "16"], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["linex_index"] for r in records] == [0, 1]
@@ -265,9 +262,8 @@ def test_feature_extraction_gives_hugging_face_hidden_states(tiny, tmp_path):
 
     bad = tmp_path / "bad.txt"
     bad.write_text("w1\n\nw2\n")
-    done = subprocess.run([sys.executable, "tools/extract_features.py", "--checkpoint", str(tiny / "hf"),
-                           "--input-file", str(bad), "--output-file", str(tmp_path / "x.jsonl"), "--layers=-1"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    done = run_python(["tools/extract_features.py", "--checkpoint", str(tiny / "hf"), "--input-file", str(bad),
+                       "--output-file", str(tmp_path / "x.jsonl"), "--layers=-1"], timeout=300)
     assert done.returncode == 1 and "bad.txt:2: empty line" in done.stderr
     assert not (tmp_path / "x.jsonl").exists()
 

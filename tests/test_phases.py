@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from distributed import REPO, free_port
+from distributed import free_port, REPO, run_python
 from docs_blocks import documented_block
 from toy_corpus import documents
 
@@ -22,7 +22,7 @@ HEADING = "### The three phases on one machine"
 
 
 def tool(*args, **kwargs):
-    done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300, **kwargs)
+    done = run_python(list(args), timeout=300, **kwargs)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from distributed import REPO, free_port
+from distributed import free_port, REPO, run_python
 from toy_corpus import write_jsonl
 
 from pretrain.data.samples.bert_dataset import TokenStore
@@ -26,7 +26,7 @@ EVAL = re.compile(r"eval at step (\d+) \| lm ([\d.]+) \| perplexity [\d.]+ \| ns
 
 
 def run(args, timeout=600):
-    done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    done = run_python(list(args), timeout=timeout)
     assert done.returncode == 0, f"{args[0]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout + done.stderr
 

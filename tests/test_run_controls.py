@@ -5,12 +5,10 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from distributed import REPO, free_port, run_ranks
+from distributed import free_port, REPO, run_python, run_ranks
 from _train_worker import TINY
 
 pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
@@ -67,8 +65,7 @@ def test_without_the_guard_a_nan_step_poisons_the_weights(single):
 def pretrain(tmp_path, overrides):
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "pretrain", "--config", "configs/bert-tiny.yaml", *TINY, *overrides],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return run_python(["-m", "pretrain", "--config", "configs/bert-tiny.yaml", *TINY, *overrides], env, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,15 @@ def test_a_forked_program_sees_its_own_arguments_environment_directory_and_outpu
     assert second["env"] == "run3" and first["random"] != second["random"]  # reseeded in every child
 
 
+def test_the_ranks_of_a_job_differ_in_their_string_hashes(tmp_path):
+    """As fresh interpreters do: a set of names iterated in another order on another rank stays
+    visible (the two ranks come from the session's two zygotes)."""
+    script = tmp_path / "hashes.py"
+    script.write_text("print(hash('layers.0.attention'))\n")
+    hashes = {rank: run_python([str(script)], env_with(RANK=str(rank))).stdout for rank in (0, 1)}
+    assert hashes[0] != hashes[1], hashes
+
+
 def test_a_module_run_a_kill_and_a_fresh_interpreter_where_the_server_cannot_serve(tmp_path):
     done = run_python(["-m", "json.tool", "--help"], env_with())
     assert done.returncode == 0 and "json.tool" in done.stdout, done.stderr
