@@ -5,7 +5,7 @@ that starts ranks pays those imports (about 5 s of CPU per process) once per ses
 Run as a script, this file is the server: it imports the libraries, then listens on a Unix socket.
 A request is one JSON line {"argv", "env", "cwd"} with one file descriptor (the child's stdout and
 stderr) or two (stdout, stderr). The server forks; the child takes the environment, directory, arguments and output of the
-request and runs the program as `python ARGV...` would (a script as `__main__`, or `-m module`),
+request and runs the program as `python ARGV...` would (a script as `__main__`, `-m module`, `-c code`),
 at the top of its own stack, so the interpreter exits as usual (atexit, non-daemon threads). The
 server answers {"pid": ...} at once and {"returncode": ...} when the child ends, as
 subprocess.Popen reports it (negative: killed by that signal).
@@ -108,20 +108,27 @@ def _become(request: dict, fds: list[int]) -> tuple[str, str]:
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     argv = request["argv"]
-    kind, target = ("module", argv[1]) if argv[0] == "-m" else ("script", argv[0])
-    first = os.getcwd() if kind == "module" else os.path.dirname(os.path.abspath(target))
+    kind = {"-m": "module", "-c": "command"}.get(argv[0], "script")
+    target = argv[1] if kind != "script" else argv[0]
+    # sys.path[0] as the interpreter sets it: the script's folder, the directory for -m, "" for -c
+    first = {"module": os.getcwd(), "command": "", "script": os.path.dirname(os.path.abspath(target))}[kind]
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [first, *(os.path.abspath(p) for p in extra), *_INSTALLATION_PATH]
-    sys.argv = argv[1:] if kind == "module" else list(argv)
+    sys.argv = {"module": argv[1:], "command": ["-c", *argv[2:]], "script": list(argv)}[kind]
     return kind, target
 
 
 def _run_as_main(kind: str, target: str) -> None:
     import runpy
+    import types
 
     if kind == "module":
         sys.argv[0] = target  # runpy replaces it with the module's file, as `python -m` does
         runpy.run_module(target, run_name="__main__", alter_sys=True)
+    elif kind == "command":
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(target, "<string>", "exec"), main.__dict__)
     else:
         runpy.run_path(target, run_name="__main__")
 
