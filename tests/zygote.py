@@ -283,5 +283,6 @@ class Zygote:
                 self.server.kill()
         try:
             os.unlink(self.socket_path)
-        except FileNotFoundError:
+            os.rmdir(os.path.dirname(self.socket_path))  # the session's own folder (distributed.session_zygote)
+        except OSError:
             pass
