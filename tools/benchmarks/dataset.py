@@ -95,6 +95,7 @@ def trainer_wait(prefix: str, vocab_file: str, config: str, steps: int, workers:
         "eval.interval=0", "checkpoint.save_interval=0"])
     cfg.validate(1)
     parallel = one_rank_world()
+    trainer = None
     try:
         trainer = Trainer(cfg, parallel)
         data = trainer.loaders.training(trainer.train_data, 0)
@@ -107,6 +108,8 @@ def trainer_wait(prefix: str, vocab_file: str, config: str, steps: int, workers:
         elapsed = time.perf_counter() - started
         return elapsed / steps, data.wait_seconds / elapsed
     finally:
+        if trainer is not None:  # its loader processes, or the program waits for them at exit
+            trainer.close_loaders()
         if dist.is_initialized():
             shutdown_parallel()
 
