@@ -73,6 +73,17 @@ def pytest_configure(config):
         "markers", "slow: multi-process or end-to-end; `pytest -m \"not slow\"` is the fast tier.")
 
 
+def pytest_collection_finish(session):
+    """Every test module is imported (torch, DeepSpeed, megatron-core, transformers: about a million
+    objects): out of the collector's generations with them, as the zygote does (tests/zygote.py), so
+    that a full collection in an in-process test (DeepSpeed forces six per bf16 optimizer it builds)
+    scans what the tests made, not 0.2-0.5 s of objects that live as long as the session."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def gpu_shortfall(config, needed: int) -> str | None:
     """Why a test needing `needed` GPUs cannot run here, or None when it can (the GPUs the session
     found, counted once, in a child: this process keeps them hidden)."""

@@ -16,6 +16,7 @@ import builtins
 import functools
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -129,6 +130,41 @@ def session_zygote(index: int = 0):
     return zygote
 
 
+@functools.lru_cache(maxsize=None)
+def _zygote_python() -> tuple[str, dict] | None:
+    """A folder holding `python` (and `python3`) that forks programs from the session's zygotes
+    (tests/zygote_python.py), and the variables it reads; None with BERT_TESTS_ZYGOTE=0."""
+    if os.environ.get(ZYGOTE_ENV, "1") in ("", "0"):
+        return None
+    folder = tempfile.mkdtemp(prefix="bert-zygote-python-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    for name in ("python", "python3"):
+        wrapper = os.path.join(folder, name)
+        with open(wrapper, "w") as f:
+            f.write(f'#!/bin/sh\nexec "{sys.executable}" -S -E "{REPO / "tests" / "zygote_python.py"}" '
+                    f'"{sys.executable}" "{wrapper}" "$@"\n')
+        os.chmod(wrapper, 0o755)
+    return folder, {"BERT_TESTS_ZYGOTE_SOCKETS": os.pathsep.join(session_zygote(i).socket_path for i in range(ZYGOTES)),
+                    "BERT_TESTS_ZYGOTE_PYTHONPATH": ranks_pythonpath(),
+                    "BERT_TESTS_ZYGOTE_LD_PRELOAD": os.environ.get("LD_PRELOAD", "")}
+
+
+def shell_env(**variables: str) -> dict:
+    """The environment of a shell command a test runs as a user would (a documented block): this
+    session's Python first on PATH, one thread per process, and `python` (with launcher.sh and the
+    ranks torchrun starts from it) forked from the session's zygote as `start_python` forks the
+    tests' own programs, where `forkable` allows."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **variables)
+    path = [os.path.dirname(sys.executable), os.environ["PATH"]]
+    served = _zygote_python()
+    if served is not None:
+        folder, zygote_variables = served
+        path.insert(0, folder)
+        env.update(zygote_variables)
+    env["PATH"] = os.pathsep.join(path)
+    return env
+
+
 def ranks_pythonpath() -> str:
     return f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
 
@@ -147,14 +183,24 @@ def forkable(env: dict) -> bool:
             and env.get("LD_PRELOAD") == os.environ.get("LD_PRELOAD") and "PYTHONHASHSEED" not in env)
 
 
-def start_python(args: list[str], env: dict, cwd=REPO, separate_stderr: bool = False):
-    """`python ARGS...` (text output; stderr with stdout, or apart): forked from the session's zygote
-    where `forkable`, else a fresh interpreter."""
+def start_python(args: list[str], env: dict, cwd=REPO, separate_stderr: bool = False, children_too: bool = False,
+                 output=None):
+    """`python ARGS...` (text output; stderr with stdout, or apart; or both into the open file
+    `output`): forked from the session's zygote where `forkable`, else a fresh interpreter. children_too: the Python processes it starts itself
+    (multiprocessing's forkserver of the data loaders) come from the zygote as well, through the
+    `python` of `shell_env` as its sys.executable (not for a program that ends its children with a
+    process group's SIGKILL: the zygote's child would outlive the `python` standing for it)."""
     if not forkable(env):
-        return subprocess.Popen([sys.executable, *args], env=env, cwd=cwd, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE if separate_stderr else subprocess.STDOUT, text=True)
+        return subprocess.Popen([sys.executable, *args], env=env, cwd=cwd, stdout=output or subprocess.PIPE,
+                                stderr=subprocess.PIPE if separate_stderr and output is None else subprocess.STDOUT,
+                                text=True)
+    executable, served = None, _zygote_python() if children_too else None
+    if served is not None:
+        folder, zygote_variables = served
+        env, executable = {**env, **zygote_variables}, os.path.join(folder, "python")
     rank = env.get("RANK", "0")
-    return session_zygote(int(rank) % ZYGOTES if rank.isdigit() else 0).start(args, env, cwd, separate_stderr)
+    return session_zygote(int(rank) % ZYGOTES if rank.isdigit() else 0).start(args, env, cwd, separate_stderr,
+                                                                             executable, output)
 
 
 def run_python(args: list[str], env: dict | None = None, cwd=REPO, timeout: float = 600
@@ -182,7 +228,7 @@ def run_ranks(args: list[str], nprocs: int, timeout: float = 600, env: dict | No
     procs = []
     for rank in range(nprocs):
         rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
-        procs.append(start_python(args, rank_env))
+        procs.append(start_python(args, rank_env, children_too=True))
     deadline = time.monotonic() + timeout
     outputs = []
     try:

@@ -24,7 +24,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import OrderedDict, namedtuple
@@ -33,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from distributed import free_port, REPO, run_python, run_ranks
+from distributed import free_port, REPO, run_python, run_ranks, start_python
 from _train_worker import TINY
 
 ZERO3 = "train.deepspeed_config=tests/zero3-partition-everything.json"
@@ -297,9 +296,8 @@ class Job:
                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(REPO),
                             OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
             with open(self.logs[rank], "w") as log:
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "tests/_async_save_worker.py", str(self.out), "train", *COMMON, *overrides],
-                    cwd=REPO, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+                self.procs.append(start_python(["tests/_async_save_worker.py", str(self.out), "train", *COMMON,
+                                                *overrides], rank_env, output=log))
 
     def log(self, rank=0) -> str:
         return self.logs[rank].read_text()

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from _train_worker import TINY
-from distributed import REPO, free_port
+from distributed import REPO, free_port, run_python, start_python
 from pretrain.checkpoint.exact import _drop_recovery_scripts, _prune, _recovery_scripts
 from test_file_modes import assert_modes
 from pretrain.checkpoint.format import CheckpointError, latest_tag, resolve_tag_dir, tag_for, verify_checkpoint
@@ -43,9 +43,8 @@ class Job:
                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(REPO),
                             OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
             with open(self.logs[rank], "w") as log:
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "tests/_crash_worker.py", str(self.out), *COMMON, *overrides],
-                    cwd=REPO, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+                self.procs.append(start_python(["tests/_crash_worker.py", str(self.out), *COMMON, *overrides],
+                                               rank_env, output=log))
 
     def log(self, rank=0) -> str:
         return self.logs[rank].read_text()
@@ -177,8 +176,12 @@ def pretrain(tmp, overrides, umask=-1) -> subprocess.CompletedProcess:
     config.write_text("train:\n  train_steps: 1000\n")
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "pretrain", "--config", str(config), *TINY, *COMMON, *overrides],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300, umask=umask)
+    args = ["-m", "pretrain", "--config", str(config), *TINY, *COMMON, *overrides]
+    if umask == -1:
+        return run_python(args, env, timeout=300)
+    # the zygote's children have its umask: this one needs its own
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                          umask=umask)
 
 
 def truncate(path):
@@ -270,8 +273,8 @@ def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path, saved_checkpoin
     assert sorted(p.name for p in ckpt.rglob("*")) == before
     assert (ckpt / "latest").read_text() == "iter_0000002"
 
-    converted = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "native-to-hf", "--input", str(ckpt),
-                                "--output", str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    converted = run_python(["tools/convert_checkpoint.py", "native-to-hf", "--input", str(ckpt),
+                            "--output", str(tmp_path / "hf")], timeout=300)
     assert converted.returncode == 1 and str(path) in converted.stderr, converted.stdout + converted.stderr
     assert len(converted.stderr.strip().splitlines()) == 1 and not (tmp_path / "hf").exists()
 

@@ -2,16 +2,13 @@
 resuming in another layout (transformers is the independent reference)."""
 import json
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import BertConfig, BertForMaskedLM, BertForPreTraining, BertModel
 
-from distributed import REPO, run_ranks
+from distributed import run_python, run_ranks
 from pretrain.checkpoint.format import CheckpointError
 from pretrain.checkpoint.hf import read_hf, write_hf
 from pretrain.checkpoint.logical import read_native, write_native
@@ -210,10 +207,8 @@ def test_layout_errors_and_nothing_half_written(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_command_line_tool(tmp_path):
     source = save_hf(hf_model(), tmp_path / "hf")
-    tool = [sys.executable, str(REPO / "tools" / "convert_checkpoint.py")]
-
     def run(*args):
-        return subprocess.run(tool + [str(a) for a in args], capture_output=True, text=True, cwd=REPO)
+        return run_python(["tools/convert_checkpoint.py", *map(str, args)])
 
     done = run("hf-to-native", "--input", source, "--output", tmp_path / "native", "--tp", 2, "--pp", 2)
     assert done.returncode == 0, done.stderr

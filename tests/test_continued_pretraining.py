@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from distributed import REPO, free_port
+from distributed import REPO, free_port, shell_env
 from docs_blocks import documented_block
 from toy_corpus import documents
 from pretrain.checkpoint.data_sequence import data_sequence_changes, data_sequence_problems
@@ -150,8 +150,7 @@ def test_the_continued_pretraining_guide_works_as_documented(tmp_path):
     tokens = (tmp_path / "vocab" / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1]
     model = bert_model_directory(tmp_path / "model", tokens)
     out = tmp_path / "run"
-    env = dict(os.environ, MODEL=str(model), CORPUS=str(corpus), STEPS="4", OUT=str(out), MASTER_PORT=str(free_port()),
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], OMP_NUM_THREADS="1")
+    env = shell_env(MODEL=str(model), CORPUS=str(corpus), STEPS="4", OUT=str(out), MASTER_PORT=str(free_port()))
     # the recipe's batch (256 x 128) for a 2-layer model of hidden 64: a few seconds a step here
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", documented_block("training.md", HEADING)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)

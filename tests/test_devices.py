@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from distributed import REPO, child_env, gpu_env, run_ranks, session_gpu_count
+from distributed import REPO, child_env, gpu_env, run_python, run_ranks, session_gpu_count
 from test_fill_mask import SENTENCES, VOCAB, check_against_transformers, models  # noqa: F401 (fixture)
 from test_finetune_ner import synthetic_files, tiny_ner  # noqa: F401 (fixture)
 from test_finetune_tasks import QUIET, repeat_task, tiny  # noqa: F401 (fixture)
@@ -262,10 +262,9 @@ def test_extract_features(tiny, tmp_path, device_type):  # noqa: F811
     features = {}
     for name, env in (("cpu", CPU_ENV), (device_type, DEVICES[device_type][0])):
         out = tmp_path / f"{name}.jsonl"
-        done = subprocess.run([sys.executable, "tools/extract_features.py", "--checkpoint", str(tiny / "hf"),
-                               "--input-file", str(lines), "--output-file", str(out), "--layers=-1,0",
-                               "--max-seq-length", "16"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                              env=child_env({"PYTHONPATH": str(REPO)}, env))
+        done = run_python(["tools/extract_features.py", "--checkpoint", str(tiny / "hf"), "--input-file", str(lines),
+                           "--output-file", str(out), "--layers=-1,0", "--max-seq-length", "16"],
+                          child_env({"PYTHONPATH": str(REPO)}, env), timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         features[name] = [json.loads(line) for line in out.read_text().splitlines()]
     for ours, cpu in zip(features[device_type], features["cpu"]):

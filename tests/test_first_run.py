@@ -4,15 +4,13 @@ of .txt files, MRPC-layout files, STEPS=6 and an output directory. Every command
 must work as the docs print it (vocabulary, preprocessing, pretraining stopped half way and
 resumed by the same command, conversion, fill-mask, fine-tuning)."""
 import json
-import os
 import random
 import re
 import subprocess
-import sys
 
 import pytest
 
-from distributed import REPO, free_port
+from distributed import REPO, free_port, shell_env
 from docs_blocks import documented_block
 from toy_corpus import documents
 
@@ -41,9 +39,8 @@ def test_the_first_run_works_as_documented(tmp_path):
         (books / f"part{part}.txt").write_text("\n".join(documents(400, seed=part)) + "\n", encoding="utf-8")
     mrpc_files(tmp_path / "MRPC")
     out = tmp_path / "run"
-    env = dict(os.environ, CORPUS=str(books), GLUE_MRPC=str(tmp_path / "MRPC"), STEPS="6", OUT=str(out),
-               MASTER_PORT=str(free_port()),  # launcher.sh's default when set: other jobs run side by side
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], OMP_NUM_THREADS="1")
+    env = shell_env(CORPUS=str(books), GLUE_MRPC=str(tmp_path / "MRPC"), STEPS="6", OUT=str(out),
+                    MASTER_PORT=str(free_port()))  # launcher.sh's default when set: other jobs run side by side
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", documented_block("training.md", HEADING)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     output = done.stdout + done.stderr

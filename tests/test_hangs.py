@@ -9,15 +9,13 @@ write. Three DP2 jobs side by side, the pretraining ones at the default data.num
 """
 import os
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
 
-from distributed import REPO, free_port
+from distributed import REPO, free_port, start_python
 from _train_worker import TINY
 from test_finetune_tasks import QUIET, repeat_task, tiny_bert
 
@@ -43,9 +41,8 @@ def start_job(tmp_path, name):
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        log = open(tmp_path / f"{name}-rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, *command], cwd=REPO, env=env, stdout=log,
-                                      stderr=subprocess.STDOUT))
+        with open(tmp_path / f"{name}-rank{rank}.log", "w") as log:
+            procs.append(start_python(command, env, output=log))
     return procs
 
 

@@ -159,8 +159,7 @@ def test_build_optimizer():
 # --- two processes ----------------------------------------------------------------------------
 
 
-
-# Generous: on a fresh machine DeepSpeed JIT-builds its CPU shm comm op (~45 s) once.
+# a bound for a hang, not a speed: two processes of a few seconds each
 WORKER_TIMEOUT_S = 300
 
 

@@ -28,8 +28,8 @@ def test_launch_two_ranks_with_deepspeed():
     result = launch("--launcher", "deepspeed", "--nproc-per-node", "2", "--master-port", str(port),
                     "pretrain", *COMMON, "parallel.pipeline_parallel=2", "parallel.zero_stage=1")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    # DeepSpeed's CPU shared-memory all-reduce (its launcher sets LOCAL_SIZE) leaves a 69 MB file per
-    # rank in /dev/shm unless the ranks unlink them (pretrain/distributed/parallel.py)
+    # DeepSpeed's CPU shared-memory all-reduce (its launcher sets LOCAL_SIZE) would leave a 69 MB file
+    # per rank in /dev/shm: the ranks start DeepSpeed's backend without it (pretrain/distributed/parallel.py)
     left = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
     assert not left, left
     printed = [line for line in result.stdout.splitlines() if line.startswith("+ ")]

@@ -4,14 +4,12 @@ small generated corpus, MRPC-layout files, STEPS=6 and an output directory (BPE 
 preprocessing, packed TP2 x DP2 pretraining, conversion, transformers' own fill-mask pipeline,
 our fill-mask, fine-tuning exported as ModernBertForSequenceClassification)."""
 import json
-import os
 import re
 import subprocess
-import sys
 
 import pytest
 
-from distributed import REPO, free_port
+from distributed import REPO, free_port, shell_env
 from docs_blocks import documented_block
 from test_first_run import mrpc_files
 from toy_corpus import documents
@@ -28,9 +26,8 @@ def test_the_modernbert_guide_works_as_documented(tmp_path):
         (books / f"part{part}.txt").write_text("\n".join(documents(400, seed=part)) + "\n", encoding="utf-8")
     mrpc_files(tmp_path / "MRPC")
     out = tmp_path / "run"
-    env = dict(os.environ, CORPUS=str(books), GLUE_MRPC=str(tmp_path / "MRPC"), STEPS="6", OUT=str(out),
-               MASTER_PORT=str(free_port()), PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
-               OMP_NUM_THREADS="1")
+    env = shell_env(CORPUS=str(books), GLUE_MRPC=str(tmp_path / "MRPC"), STEPS="6", OUT=str(out),
+                    MASTER_PORT=str(free_port()))
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", documented_block("modernbert.md", HEADING)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     output = done.stdout + done.stderr

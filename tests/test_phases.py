@@ -5,14 +5,12 @@ batch in tokens, phase 2 extends the context to 4x at TP2 with a new rotary base
 each phase starts from the last with its overrides logged, the tokens seen count on, and every
 phase's transformers export loads in transformers and reads a sequence of the phase's length."""
 import json
-import os
 import re
 import subprocess
-import sys
 
 import pytest
 
-from distributed import free_port, REPO, run_python
+from distributed import REPO, free_port, run_python, shell_env
 from docs_blocks import documented_block
 from toy_corpus import documents
 
@@ -34,9 +32,8 @@ def test_the_three_phases_run_as_documented(tmp_path):
     tool("tools/preprocess_data.py", "--input", str(corpus), "--input-format", "text-lines", "--split-sentences",
          "--tokenizer-json", str(tmp_path / "vocab" / "tokenizer.json"), "--output-prefix", str(tmp_path / "data" / "toy"))
     out = tmp_path / "recipe"
-    env = dict(os.environ, DATA=str(tmp_path / "data" / "toy_text_sentence"), VOCAB=str(tmp_path / "vocab" / "tokenizer.json"),
-               OUT=str(out), MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    env = shell_env(DATA=str(tmp_path / "data" / "toy_text_sentence"), VOCAB=str(tmp_path / "vocab" / "tokenizer.json"),
+                    OUT=str(out), MASTER_PORT=str(free_port()))
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", documented_block("modernbert.md", HEADING)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=900)
     output = done.stdout + done.stderr

@@ -4,7 +4,8 @@ that starts ranks pays those imports (about 5 s of CPU per process) once per ses
 
 Run as a script, this file is the server: it imports the libraries, then listens on a Unix socket.
 A request is one JSON line {"argv", "env", "cwd"} with one file descriptor (the child's stdout and
-stderr) or two (stdout, stderr). The server forks; the child takes the environment, directory, arguments and output of the
+stderr) or two (stdout, stderr); with "stdin": true a first one more, the child's stdin (else it reads
+/dev/null), and with "executable" the child's sys.executable (tests/zygote_python.py's wrapper). The server forks; the child takes the environment, directory, arguments and output of the
 request and runs the program as `python ARGV...` would (a script as `__main__`, `-m module`, `-c code`),
 at the top of its own stack, so the interpreter exits as usual (atexit, non-daemon threads). The
 server answers {"pid": ...} at once and {"returncode": ...} when the child ends, as
@@ -22,6 +23,7 @@ read at import time) is started with subprocess as before; `Zygote.start` is the
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import select
@@ -66,7 +68,7 @@ def _serve(listener: socket.socket) -> tuple[dict, int] | None:
         if listener not in ready:
             continue
         conn, _ = listener.accept()
-        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 64)
         request = json.loads(message.decode())
         pid = os.fork()
         if pid == 0:
@@ -91,13 +93,23 @@ def _become(request: dict, fds: list[int]) -> tuple[str, str]:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(fds[0], 1)
-    os.dup2(fds[-1], 2)
-    os.close(null)
-    for fd in set(fds):
+    if request.get("stdin"):  # zygote_python.py: stdin, stdout, stderr, then descriptors at their numbers
+        stdin, out, err, passed = fds[0], fds[1], fds[2], fds[3:]
+    else:
+        stdin, out, err, passed = os.open(os.devnull, os.O_RDONLY), fds[0], fds[-1], []
+    # out of the way of every number they go to first, then each to its own
+    above = max([stdin, out, err, *passed, *request.get("fds", [])]) + 1
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, above) for fd in (stdin, out, err, *passed)]
+    for fd in {stdin, out, err, *passed}:
         os.close(fd)
+    for fd, number in zip(moved, [0, 1, 2, *request.get("fds", [])]):
+        os.dup2(fd, number, inheritable=True)
+        os.close(fd)
+    if request.get("executable"):  # started through zygote_python.py: its wrapper is this interpreter,
+        sys.executable = request["executable"]  # for the programs it starts, multiprocessing's too
+        import multiprocessing
+
+        multiprocessing.set_executable(request["executable"])
     unbuffered = os.environ.get("PYTHONUNBUFFERED", "") != ""
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=unbuffered)
@@ -139,6 +151,12 @@ if __name__ == "__main__":
     _INSTALLATION_PATH = [p for p in sys.path[1:] if os.path.abspath(p) not in _pythonpath]
     for _name in PRELOAD:
         __import__(_name)
+    # the imports' objects (about 400k) leave the collector's generations: a full collection in a
+    # child (DeepSpeed forces six per bf16 optimizer it builds) then scans only what the child made,
+    # not 0.1-0.3 s of objects that live as long as the process anyway; and no collection writes to
+    # (and so copies) the pages the children share with the server
+    import gc
+    gc.freeze()
     _listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     _listener.bind(sys.argv[1])
     _listener.listen(64)
@@ -225,7 +243,7 @@ class ZygoteProcess:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not self._read_code(left):
             raise subprocess.TimeoutExpired(self.args, timeout)
-        texts = [b"".join(chunks).decode(errors="replace") for chunks in self._read]
+        texts = [b"".join(chunks).decode(errors="replace") for chunks in self._read] or [None]  # into a file
         return texts[0], (texts[1] if len(texts) > 1 else None)
 
 
@@ -250,14 +268,18 @@ class Zygote:
         threading.Thread(target=lambda: self.later_output.extend(iter(self.server.stdout.readline, b"")),
                          daemon=True).start()
 
-    def start(self, argv: list[str], env: dict, cwd: str, separate_stderr: bool = False) -> ZygoteProcess:
-        """`python ARGV...` in `cwd` with exactly `env`; its stdout and stderr together, or apart."""
-        pipes = [os.pipe() for _ in range(2 if separate_stderr else 1)]
+    def start(self, argv: list[str], env: dict, cwd: str, separate_stderr: bool = False,
+              executable: str | None = None, output=None) -> ZygoteProcess:
+        """`python ARGV...` in `cwd` with exactly `env`; its stdout and stderr together, or apart,
+        or both into the open file `output`; `executable`: its sys.executable and multiprocessing's
+        (tests/zygote_python.py's wrapper)."""
+        pipes = [] if output is not None else [os.pipe() for _ in range(2 if separate_stderr else 1)]
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.socket_path)
-            socket.send_fds(conn, [json.dumps({"argv": list(argv), "env": dict(env), "cwd": str(cwd)}).encode()],
-                            [write for _, write in pipes])
+            request = {"argv": list(argv), "env": dict(env), "cwd": str(cwd), "executable": executable}
+            outputs = [output.fileno()] if output is not None else [write for _, write in pipes]
+            socket.send_fds(conn, [json.dumps(request).encode()], outputs)
         finally:
             for _, write in pipes:
                 os.close(write)

@@ -10,7 +10,6 @@ there, in one place, instead of deep inside a training run.
 from __future__ import annotations
 
 import contextlib
-import os
 import types
 from typing import NamedTuple
 
@@ -53,9 +52,11 @@ PINNED: dict[str, tuple[str, ...]] = {
 # ----------------------------------------------------------------------------- deepspeed.comm
 @contextlib.contextmanager
 def without_shared_memory_comm():
-    """DeepSpeed's CPU backend JIT-builds its shared-memory all-reduce op (20-30 s of compiling the
-    first time in an extensions directory) in every process it starts, also in a one-process tool
-    that never reduces anything: inside this block its backend starts without it."""
+    """DeepSpeed's CPU backend JIT-builds its shared-memory all-reduce op in every process it starts
+    (30-40 s of compiling on 2 cores, once per extensions directory) and maps a 69 MB /dev/shm
+    buffer per rank that it never unlinks, for `inference_all_reduce` alone: DeepSpeed's inference
+    kernels call it, its training engine never does (every reduction goes through
+    torch.distributed). Inside this block its backend starts without the op."""
     import importlib
 
     # by name: `import deepspeed.comm.torch as m` gives the torch package (deepspeed.comm's attribute)
@@ -69,24 +70,11 @@ def without_shared_memory_comm():
         ds_comm_torch.build_shm_op = build
 
 
-# deepspeed/ops/csrc/cpu/comm/shm.cpp: shm_initialize names each rank's buffer
-# "<SHM_BUFFER_NAME>_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>"
-SHM_BUFFER_NAME = "deepspeed_allreduce_buffer"
-SHM_DIRECTORY = "/dev/shm"  # where Linux keeps POSIX shared memory (shm_open)
-
-
 def uses_shared_memory_comm() -> bool:
-    """Whether deepspeed.init_distributed started its CPU shared-memory all-reduce op (the CPU
-    accelerator; the same on every rank of a job)."""
+    """Whether deepspeed.init_distributed started its CPU shared-memory all-reduce op."""
     import deepspeed.comm.comm as ds_comm
 
     return getattr(getattr(ds_comm, "cdb", None), "shm_comm_op", None) is not None
-
-
-def shared_memory_comm_buffer(rank: int, environ) -> str:
-    """The path of `rank`'s all-reduce buffer, as DeepSpeed's op names it from the environment."""
-    addr, port = environ.get("MASTER_ADDR", ""), environ.get("MASTER_PORT", "")
-    return f"{SHM_DIRECTORY}/{SHM_BUFFER_NAME}_{os.getuid()}_{addr}_{port}_{rank}"
 
 
 # ----------------------------------------------------------------------------- megatron-core

@@ -7,11 +7,9 @@ that the two agree, because another order silently pairs the wrong ranks.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import math
 import os
-import pathlib
 import re
 import socket
 from dataclasses import dataclass
@@ -20,9 +18,9 @@ from typing import MutableMapping
 import torch
 import torch.distributed as dist
 
-from .device import backend_for, barrier, select_device
+from .device import backend_for, select_device
 from .ports import free_port as _free_port
-from .internals import shared_memory_comm_buffer, uses_shared_memory_comm, without_shared_memory_comm
+from .internals import without_shared_memory_comm
 from ..common.quiet import without_noise_lines
 
 
@@ -187,18 +185,6 @@ def _ranks(group) -> list[int]:
     return sorted(dist.get_process_group_ranks(group))
 
 
-def _release_shared_memory_comm_buffer() -> None:
-    """DeepSpeed's CPU shared-memory all-reduce (when every rank is on one node: LOCAL_SIZE = world
-    size, as its launcher sets) creates a 69 MB POSIX shared-memory file per rank and never unlinks
-    it, so every run would leave them in /dev/shm, in memory, until the node reboots. Once every rank
-    has mapped the others' buffers (inside deepspeed.init_distributed: hence the barrier) the names
-    can go: the mappings live on until the processes end, and a killed job leaves nothing behind."""
-    if not uses_shared_memory_comm():
-        return
-    barrier()
-    pathlib.Path(shared_memory_comm_buffer(dist.get_rank(), os.environ)).unlink(missing_ok=True)
-
-
 def init_parallel(launch: LaunchEnv, tensor_parallel: int, pipeline_parallel: int,
                   timeout_minutes: float = 10.0, rendezvous_timeout_minutes: float = 10.0) -> Parallel:
     """Start torch.distributed (gloo on CPU, NCCL on GPU) and build the TP/PP/DP groups.
@@ -224,11 +210,10 @@ def init_parallel(launch: LaunchEnv, tensor_parallel: int, pipeline_parallel: in
         bound = dict(device_id=device) if device.type == "cuda" and launch.world_size > 1 else {}
         dist.init_process_group(backend, store=store, rank=launch.rank, world_size=launch.world_size,
                                 timeout=timeout, **bound)
-    # DeepSpeed's communication layer over the group just started (it starts none of its own)
-    one_process = without_shared_memory_comm() if launch.world_size == 1 else contextlib.nullcontext()
-    with without_noise_lines(), one_process:  # its CPU communication op's "built successfully", per rank
+    # DeepSpeed's communication layer over the group just started (it starts none of its own),
+    # without the CPU inference op training never calls (internals.without_shared_memory_comm)
+    with without_noise_lines(), without_shared_memory_comm():
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
-    _release_shared_memory_comm_buffer()
     world = dist.get_world_size()
     model_parallel = tensor_parallel * pipeline_parallel
     if world % model_parallel:

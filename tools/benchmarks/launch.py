@@ -8,8 +8,9 @@ pretrain`) that saves a checkpoint, then the one-process fill-mask tool on it. T
 the caller's: with TORCH_EXTENSIONS_DIR unset, DeepSpeed's JIT-built CPU communication op goes to
 torch's default ~/.cache/torch_extensions, shared by both checkouts, in code before issue 37, and
 to each environment's own `.venv/torch_extensions` since (pretrain/distributed/device.py:
-prepare_extensions_dir); one-process tools no longer build it at all (distributed/internals.py:
-without_shared_memory_comm). Run it on two checkouts of the old commit, then of the new one.
+prepare_extensions_dir); one-process tools stopped building it, and since then no process does
+(distributed/internals.py: without_shared_memory_comm). Run it on two checkouts of the old commit,
+then of the new one.
 
 Prints the seconds from the command's start to the trainer's first log line, and fill-mask's wall
 time, per launch, and their medians without the first round (which may build the op once).
