@@ -12,7 +12,6 @@ differences as JSON.
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -297,8 +296,9 @@ def test_varlen_path_calls_the_kernel_with_each_document(monkeypatch, half_windo
 
 def run_device_check(device_type: str, env: dict) -> dict:
     """This file as a child process checking `device_type` (it must not enable either device here)."""
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), device_type], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+    from distributed import run_python
+
+    done = run_python([os.path.abspath(__file__), device_type], env, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["device"].startswith(device_type), result["device"]

@@ -8,14 +8,12 @@ ModernBertForMaskedLM (its `head` from the MLM head's transform, its `classifier
 import csv
 import json
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from distributed import REPO, run_ranks
+from distributed import run_python, run_ranks
 from test_finetune_ner import synthetic_files
 from test_finetune_squad import marker_task
 from test_finetune_tasks import QUIET, WORDS, repeat_task
@@ -137,9 +135,8 @@ def runs(tmp_path_factory):
     native = {}
     for shape, model in models.items():
         native[shape] = root / f"native-tp2-{shape}"
-        done = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "hf-to-native", "--input", str(model),
-                               "--output", str(native[shape]), "--tp", "2", "--pp", "1"], cwd=REPO,
-                              capture_output=True, text=True, timeout=300)
+        done = run_python(["tools/convert_checkpoint.py", "hf-to-native", "--input", str(model),
+                           "--output", str(native[shape]), "--tp", "2", "--pp", "1"], timeout=300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = root / "tp2.json"
     run_ranks(["tests/_finetune_modern_worker.py", str(out), "2",
@@ -291,8 +288,7 @@ def test_the_export_predicts_alone_in_a_fresh_process(runs):
         "    logits = model(input_ids=batch['input_ids'], attention_mask=batch['attention_mask']).logits\n"
         "print(json.dumps({'class': type(model).__name__, 'input_ids': batch['input_ids'].tolist(),\n"
         "                  'labels': [model.config.id2label[i] for i in logits.argmax(-1).tolist()]}))\n")
-    done = subprocess.run([sys.executable, "-c", script, str(directory), str(runs["data"]["rte"]["dev"])], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    done = run_python(["-c", script, str(directory), str(runs["data"]["rte"]["dev"])], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["class"] == "ModernBertForSequenceClassification"
@@ -344,8 +340,7 @@ def test_classifier_pooling_is_refused_for_a_bert_checkpoint(tmp_path):
 
     bert = tiny_bert(tmp_path)
     files = repeat_task(tmp_path, train=8, dev=8)
-    done = subprocess.run([sys.executable, "-m", "finetune", "rte", *QUIET, f"model.init_from={bert}",
-                           f"task.train_file={files['train']}", f"task.dev_files=[{files['dev']}]",
-                           "model.classifier_pooling=mean", f"train.output_dir={tmp_path / 'out'}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    done = run_python(["-m", "finetune", "rte", *QUIET, f"model.init_from={bert}", f"task.train_file={files['train']}",
+                       f"task.dev_files=[{files['dev']}]", "model.classifier_pooling=mean",
+                       f"train.output_dir={tmp_path / 'out'}"], timeout=300)
     assert done.returncode == 1 and "model.classifier_pooling is ModernBERT's" in done.stderr, done.stderr[-2000:]

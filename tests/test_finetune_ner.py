@@ -6,15 +6,13 @@ transformers) and feature-based (a BiLSTM over cached frozen features)."""
 import json
 import random
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from distributed import REPO, run_python, run_ranks
+from distributed import run_python, run_ranks
 from finetune.ner_metrics import tagging_scores
 from finetune.tasks.tagging import (CONLL2003_LABELS, Document, Sentence, chunk_starts, conll_text, detect_scheme,
                               read_tagged, to_iob1, to_iob2)
@@ -438,8 +436,9 @@ def test_tp1_and_tp2_give_the_same_losses_and_metrics(tiny_ner, tmp_path):
     """The same run at TP1 from the Hugging Face directory and at TP2 from its native conversion."""
     files = synthetic_files(tmp_path, seed=4, train_docs=40, dev_docs=8)
     native = tmp_path / "native"
-    subprocess.run([sys.executable, "tools/convert_checkpoint.py", "hf-to-native", "--input", str(tiny_ner),
-                    "--output", str(native), "--tp", "1", "--pp", "1"], cwd=REPO, check=True, capture_output=True)
+    converted = run_python(["tools/convert_checkpoint.py", "hf-to-native", "--input", str(tiny_ner),
+                            "--output", str(native), "--tp", "1", "--pp", "1"])
+    assert converted.returncode == 0, converted.stderr[-3000:]
     common = [f"task.train_file={files['train']}", f"task.dev_files=[{files['dev']}]", "train.epochs=2",
               "train.lr=1e-3", "task.max_seq_length=24", "task.doc_stride=8", "train.keep_best=false",
               "train.global_batch_size=16", "train.micro_batch_size=8"]

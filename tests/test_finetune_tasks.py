@@ -6,14 +6,12 @@ import csv
 import json
 import random
 import re
-import subprocess
-import sys
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 import torch
 
-from distributed import REPO, run_python, run_ranks
+from distributed import run_python, run_ranks
 
 pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
 
@@ -138,8 +136,9 @@ def test_tp1_and_tp2_agree_and_a_converted_checkpoint_fine_tunes(tiny, tmp_path)
     """The same run at TP1 from the Hugging Face directory and at TP2 from its native conversion."""
     files = repeat_task(tmp_path, seed=5, train=256, dev=64)
     native = tmp_path / "native"
-    subprocess.run([sys.executable, "tools/convert_checkpoint.py", "hf-to-native", "--input", str(tiny / "hf"),
-                    "--output", str(native), "--tp", "1", "--pp", "1"], cwd=REPO, check=True, capture_output=True)
+    converted = run_python(["tools/convert_checkpoint.py", "hf-to-native", "--input", str(tiny / "hf"),
+                            "--output", str(native), "--tp", "1", "--pp", "1"])
+    assert converted.returncode == 0, converted.stderr[-3000:]
     common = [f"task.train_file={files['train']}", f"task.dev_files=[{files['dev']}]", "train.epochs=2",
               "train.lr=1e-3", "task.max_seq_length=12", "train.keep_best=false", "train.global_batch_size=32",
               "train.micro_batch_size=8"]

@@ -6,14 +6,12 @@ sequence, biases off (ModernBERT's own setting) and on; transformers' eager and 
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed import REPO, run_ranks
+from distributed import REPO, run_python, run_ranks
 
 VOCAB, SEQ = 300, 32  # byte-level BPE: 256 bytes + specials + merges
 SHAPES = {
@@ -175,12 +173,10 @@ def test_transformers_fill_mask_on_our_export_gives_our_fill_mask(tmp_path):
     script = ("import json, sys; from transformers import pipeline; "
               "p = pipeline('fill-mask', model=sys.argv[1], top_k=5); "
               "print(json.dumps([r['token'] for r in p(sys.argv[2])]))")
-    env = dict(os.environ, PYTHONPATH=REPO)
-    theirs = subprocess.run([sys.executable, "-c", script, str(tmp_path / "out"), sentence], capture_output=True,
-                            text=True, env=env, timeout=300)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    theirs = run_python(["-c", script, str(tmp_path / "out"), sentence], env, timeout=300)
     assert theirs.returncode == 0, theirs.stderr[-3000:]
-    ours = subprocess.run([sys.executable, "tools/fill_mask.py", "--checkpoint", str(path), "--json", sentence],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    ours = run_python(["tools/fill_mask.py", "--checkpoint", str(path), "--json", sentence], env, timeout=300)
     assert ours.returncode == 0, ours.stderr[-3000:]
     predictions = json.loads(ours.stdout)["masks"][0]["predictions"]
     assert [p["id"] for p in predictions] == json.loads(theirs.stdout.strip().splitlines()[-1])

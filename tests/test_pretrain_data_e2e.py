@@ -139,8 +139,7 @@ def test_separate_validation_and_test_corpora(prepared, tmp_path):
     assert [e.step for e in events.Scalars("eval/lm_loss")] == [2, 4]
 
     # without them the split's empty validation share is refused, naming the fix
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
-                           f"--master-port={free_port()}", "-m", "pretrain", "--config", "configs/bert-tiny.yaml",
-                           *overrides], cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = run_python(["-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={free_port()}", "-m",
+                       "pretrain", "--config", "configs/bert-tiny.yaml", *overrides], timeout=600)
     assert done.returncode != 0
     assert "leaves no validation documents (set data.valid_paths" in done.stdout + done.stderr
