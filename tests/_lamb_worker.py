@@ -305,7 +305,10 @@ def main(out_dir):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     import deepspeed
-    deepspeed.init_distributed(dist_backend="gloo")
+    from pretrain.distributed.internals import without_shared_memory_comm
+
+    with without_shared_memory_comm():  # as init_parallel starts it: no inference op compiled
+        deepspeed.init_distributed(dist_backend="gloo")
     results = {}
     for use_layout in (True, False):
         suffix = "" if use_layout else "_naive"

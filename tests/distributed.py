@@ -155,14 +155,19 @@ def shell_env(**variables: str) -> dict:
     ranks torchrun starts from it) forked from the session's zygote as `start_python` forks the
     tests' own programs, where `forkable` allows."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **variables)
-    path = [os.path.dirname(sys.executable), os.environ["PATH"]]
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])
+    return with_zygote_python(env)
+
+
+def with_zygote_python(env: dict) -> dict:
+    """`env` with the zygote's `python` first on its PATH (see shell_env); for a launch whose
+    processes are ended by the programs themselves, not by a test signalling a process group or
+    looking processes up by pid (zygote_python.py)."""
     served = _zygote_python()
-    if served is not None:
-        folder, zygote_variables = served
-        path.insert(0, folder)
-        env.update(zygote_variables)
-    env["PATH"] = os.pathsep.join(path)
-    return env
+    if served is None:
+        return env
+    folder, zygote_variables = served
+    return dict(env, **zygote_variables, PATH=folder + os.pathsep + env.get("PATH", os.environ["PATH"]))
 
 
 def ranks_pythonpath() -> str:

@@ -480,6 +480,8 @@ def _run_dist_worker(mode: str) -> None:
 
     import time
 
+    from pretrain.distributed.internals import without_shared_memory_comm
+
     local_rank = int(os.environ["LOCAL_RANK"])
     res = {}
     t0 = time.monotonic()
@@ -499,7 +501,8 @@ def _run_dist_worker(mode: str) -> None:
 
         res["accelerator"] = [get_accelerator().device_name(), get_accelerator().communication_backend_name(),
                               get_accelerator().current_device_name()]
-        deepspeed.init_distributed(dist_backend=fakegpu.BACKEND)
+        with without_shared_memory_comm():  # as init_parallel starts it
+            deepspeed.init_distributed(dist_backend=fakegpu.BACKEND)
         stamp("init")
         res["backend"] = torch.distributed.get_backend()
         res["collectives"] = _collectives(torch.device(fakegpu.DEVICE_TYPE, local_rank))
@@ -507,7 +510,8 @@ def _run_dist_worker(mode: str) -> None:
     else:
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="gloo")
+        with without_shared_memory_comm():  # as init_parallel starts it: no inference op compiled
+            deepspeed.init_distributed(dist_backend="gloo")
     for stage in (1, 3):
         res[f"zero{stage}"] = _ds_run(stage)
         stamp(f"zero{stage}")

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +16,7 @@ import torch
 
 import _lamb_worker as W
 from _lamb_worker import assert_rel, new_state
-from distributed import wait_or_kill
+from distributed import start_python, wait_or_kill
 from pretrain.distributed.ports import free_port as _free_port
 from pretrain.optim import Lamb, NormLayout, Segment, build_optimizer, layout_for_params
 
@@ -174,8 +172,7 @@ def ranks(tmp_path_factory):
                    OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
         log = open(out / f"log{rank}.txt", "w")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "_lamb_worker.py"), str(out)],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+        procs.append(start_python([str(REPO / "tests" / "_lamb_worker.py"), str(out)], env, output=log))
     try:
         wait_or_kill(procs, WORKER_TIMEOUT_S)
     finally:

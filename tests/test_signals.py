@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from distributed import REPO, free_port
+from distributed import REPO, free_port, with_zygote_python
 from _train_worker import TINY
 from pretrain.checkpoint.format import read_meta
 from pretrain.checkpoint.logical import read_native
@@ -50,7 +50,10 @@ def job(launcher, ckpt, steps, bin_dir, save_interval=100000, config=()):
 
 
 def run(launcher, ckpt, steps, bin_dir, log, save_interval=100000):
+    """A launch that runs to its end (the straight run, the relaunch): no signal, so its Python
+    processes may come from the session's zygote."""
     command, env = job(launcher, ckpt, steps, bin_dir, save_interval)
+    env = with_zygote_python(env)
     with open(log, "w") as out:
         code = subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600).returncode
     return code, log.read_text()
