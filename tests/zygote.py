@@ -4,9 +4,11 @@ that starts ranks pays those imports (about 5 s of CPU per process) once per ses
 
 Run as a script, this file is the server: it imports the libraries, then listens on a Unix socket.
 A request is one JSON line {"argv", "env", "cwd"} with one file descriptor (the child's stdout and
-stderr) or two (stdout, stderr); with "stdin": true a first one more, the child's stdin (else it reads
-/dev/null), and with "executable" the child's sys.executable (tests/zygote_python.py's wrapper). The server forks; the child takes the environment, directory, arguments and output of the
-request and runs the program as `python ARGV...` would (a script as `__main__`, `-m module`, `-c code`),
+stderr) or two (stdout, stderr). From tests/zygote_python.py's wrapper it also has "stdin": true (the
+descriptors are stdin, stdout, stderr, then those listed in "fds", which the child gets at those
+numbers; otherwise stdin is /dev/null) and "executable" (the child's sys.executable and
+multiprocessing's). The server forks; the child takes the environment, directory, arguments and
+output of the request and runs the program as `python ARGV...` would (a script as `__main__`, `-m module`, `-c code`),
 at the top of its own stack, so the interpreter exits as usual (atexit, non-daemon threads). The
 server answers {"pid": ...} at once and {"returncode": ...} when the child ends, as
 subprocess.Popen reports it (negative: killed by that signal).
