@@ -65,6 +65,13 @@ def is_inherited(fd: int) -> bool:
         return False
 
 
+def forward(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:  # it ended already; its return code is on the way
+        pass
+
+
 def main() -> None:
     real, wrapper, args = sys.argv[1], sys.argv[2], sys.argv[3:]
     env = dict(os.environ)
@@ -76,7 +83,16 @@ def main() -> None:
     sockets = env["BERT_TESTS_ZYGOTE_SOCKETS"].split(os.pathsep)
     rank = env.get("RANK", "0")  # a job's ranks alternate between the servers (their hash secrets)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(sockets[int(rank) % len(sockets) if rank.isdigit() else 0])
+    try:
+        conn.connect(sockets[int(rank) % len(sockets) if rank.isdigit() else 0])
+    except OSError:  # the session that served it has ended: a fresh interpreter, as without it
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+        os.execv(real, [real, *args])
+    for fd in (0, 1, 2):  # a caller may have closed one: the program gets /dev/null there, as a fresh one would
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.dup2(os.open(os.devnull, os.O_RDWR), fd)
     # descriptors the caller passed on beyond 0-2 (multiprocessing's forkserver gets its listener and
     # the pipe that tells it its parent ended), at the same numbers in the program
     passed = sorted(int(fd) for fd in os.listdir("/proc/self/fd") if int(fd) > 2 and is_inherited(int(fd)))
@@ -91,7 +107,7 @@ def main() -> None:
         if pid is None and replies:
             pid = replies[0]["pid"]
             for sig in FORWARDED:
-                signal.signal(sig, lambda signum, frame: os.kill(pid, signum))
+                signal.signal(sig, lambda signum, frame: forward(pid, signum))
             signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         if len(replies) == 2:
             break
