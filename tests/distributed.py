@@ -24,7 +24,11 @@ import time
 import warnings
 from pathlib import Path
 
-from pretrain.distributed.ports import free_port  # noqa: F401 (the tests take it from here)
+from pretrain.distributed.ports import PortPicker
+
+# The session's one picker: tests start jobs side by side (and a job binds its port seconds after
+# the draw), so no two draws of the session may return the same port. The tests take it from here.
+free_port = PortPicker()
 
 REPO = Path(__file__).resolve().parents[1]
 # CUDA_VISIBLE_DEVICES as the test session found it ("" for unset: every GPU), for the GPU tier
@@ -118,15 +122,30 @@ ZYGOTES = 2
 
 
 @functools.lru_cache(maxsize=None)
-def session_zygote(index: int = 0):
-    """The session's zygote `index` (started on first use, ended when the session's process exits)."""
+def _spawned_zygote(index: int):
+    """The session's zygote `index`, started and not waited for (ended when the session's process exits)."""
     from zygote import Zygote
 
     server_env = child_env(dict(PYTHONPATH=ranks_pythonpath(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                                 PYTHONHASHSEED=None))
     zygote = Zygote(str(REPO), server_env, os.path.join(tempfile.mkdtemp(prefix="bert-zygote-"), "socket"))
     atexit.register(zygote.close)
-    reraise_warnings([zygote.import_output])  # the imports' warnings, printed once by the server
+    return zygote
+
+
+def start_session_zygotes() -> None:
+    """Start every zygote of the session without waiting for their imports (about 4 s each), so
+    that they load on a free core while the first tests run (conftest, after collection)."""
+    if os.environ.get(ZYGOTE_ENV, "1") not in ("", "0"):
+        for index in range(ZYGOTES):
+            _spawned_zygote(index)
+
+
+def session_zygote(index: int = 0):
+    """The session's zygote `index`, ready (started on first use unless start_session_zygotes did)."""
+    zygote = _spawned_zygote(index)
+    if zygote.wait_ready():
+        reraise_warnings([zygote.import_output])  # the imports' warnings, printed once by the server
     return zygote
 
 

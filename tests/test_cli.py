@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 
 import pretrain.distributed.parallel
-from distributed import REPO
+from distributed import REPO, run_python
 from pretrain.cli import run_command, run_distributed
 from pretrain.distributed.device import MAX_CONNECTIONS_ENV
 from pretrain.common.errors import UsageError, UserError
@@ -103,8 +103,7 @@ PROGRAM = textwrap.dedent("""
     ("bug", 1, None),  # a traceback
 ])
 def test_exit_status_of_a_real_process(fail, status, lines):
-    done = subprocess.run([sys.executable, "-c", PROGRAM.format(tests=str(REPO / "tests")), "--fail", fail],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    done = run_python(["-c", PROGRAM.format(tests=str(REPO / "tests")), "--fail", fail], timeout=60)
     assert done.returncode == status, done.stderr
     if lines is not None:
         assert done.stderr.splitlines() == lines

@@ -16,8 +16,7 @@ import torch
 
 import _lamb_worker as W
 from _lamb_worker import assert_rel, new_state
-from distributed import start_python, wait_or_kill
-from pretrain.distributed.ports import free_port as _free_port
+from distributed import free_port, start_python, wait_or_kill
 from pretrain.optim import Lamb, NormLayout, Segment, build_optimizer, layout_for_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,7 +163,7 @@ WORKER_TIMEOUT_S = 300
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("lamb")
-    port = _free_port()
+    port = free_port()
     procs, logs = [], []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",

@@ -114,6 +114,29 @@ def test_free_port_skips_ports_in_use_and_reads_the_range(tmp_path, monkeypatch)
     range_file.write_text("1024 65535\n")  # no gap left: the kernel's pick
     assert ports.free_port(range_file=str(range_file)) >= 1024
 
+def test_a_picker_never_hands_out_one_port_twice(monkeypatch):
+    """Jobs started side by side (a sweep's slots, the signal tests' six launches) draw before any
+    binds: independent draws repeated a port about once in 20,000 pairs and the second job died of
+    EADDRINUSE. Draws forced to repeat: the picker still returns distinct, non-overlapping spans,
+    from threads too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pretrain.distributed import ports
+
+    draws = iter([5, 5, 5, 6, 6, 7, 8, 9, 10, 11, 12, 13] + list(range(20, 10000)))
+    monkeypatch.setattr(ports.secrets, "randbelow", lambda n: next(draws))
+    pick = ports.PortPicker()
+    first, second = pick(), pick()
+    assert first == ports.LOWEST_PORT + 5 and second == ports.LOWEST_PORT + 6  # the repeated 5 skipped
+    block = pick(span=3)
+    assert not {first, second} & set(range(block, block + 3))
+    assert pick() >= block + 3  # nothing inside the span either
+    monkeypatch.undo()
+    with ThreadPoolExecutor(8) as pool:
+        drawn = list(pool.map(lambda _: pick(), range(400)))
+    assert len(set(drawn)) == 400
+
+
 def test_extensions_are_built_in_the_environment_unless_the_user_chose(tmp_path):
     environ = {}
     prepare_extensions_dir(environ)

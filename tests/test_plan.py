@@ -20,14 +20,16 @@ A100 = Hardware(gpus_per_node=8, flops={"bf16": 156e12, "fp16": 156e12, "fp32": 
 def test_parameters_are_hugging_faces_plus_the_vocabulary_padding(config):
     """Independent reference: transformers' BertForPreTraining of the same shape holds every
     parameter ours does, less the padded vocabulary rows (embedding and decoder bias)."""
+    import torch
     from transformers import BertConfig, BertForPreTraining
 
     cfg = load_config(config)
     m = cfg.model
-    hf = BertForPreTraining(BertConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
-                                       num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-                                       intermediate_size=m.ffn_size, max_position_embeddings=m.max_position_embeddings,
-                                       type_vocab_size=m.type_vocab_size))
+    with torch.device("meta"):  # shapes only: 110M (340M) parameters never allocated nor initialised
+        hf = BertForPreTraining(BertConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+                                           num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                                           intermediate_size=m.ffn_size, max_position_embeddings=m.max_position_embeddings,
+                                           type_vocab_size=m.type_vocab_size))
     hf_numel = sum(p.numel() for p in hf.parameters())  # the decoder weight is tied: counted once
     padding = m.padded_vocab_size(1) - m.vocab_size
     (whole,) = stage_parameters(cfg, 1, 1)

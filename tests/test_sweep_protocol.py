@@ -580,13 +580,14 @@ def _ended(code: int):
 
 def test_a_dead_worker_fails_its_trial_and_is_replaced_unless_it_took_none(tmp_path, monkeypatch):
     from finetune.sweep.runner import Queue, Slot
+    from pretrain.distributed.ports import PortPicker
 
     spec = spec_of("sweep.tasks=[rte]", "sweep.grid={train.lr: [1e-5, 2e-5, 3e-5]}", output_dir=str(tmp_path / "s"))
     trials = expand(spec)
     queue = Queue(spec, trials)
     starts = []
     monkeypatch.setattr(Slot, "start", lambda self: starts.append(self.index))
-    slot = Slot(0, spec, {}, queue)
+    slot = Slot(0, spec, {}, queue, PortPicker())
     slot.attempt = 1
 
     def claim(position, who, attempt):

@@ -250,7 +250,8 @@ class ZygoteProcess:
 
 
 class Zygote:
-    """The test session's server (started on first use, ended with the session)."""
+    """The test session's server: started by the constructor, which does not wait for its imports
+    (the session starts its servers while the first tests run); `wait_ready` waits for them."""
 
     def __init__(self, repo: str, env: dict, socket_path: str):
         import subprocess
@@ -258,17 +259,27 @@ class Zygote:
         self.socket_path = socket_path
         self.server = subprocess.Popen([sys.executable, os.path.abspath(__file__), socket_path], cwd=repo, env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        lines = []  # what the imports printed (their warnings), then "ready"
-        while not lines or lines[-1].strip() != b"ready":
-            line = self.server.stdout.readline()
-            if not line:
-                raise RuntimeError(f"the zygote did not start: {b''.join(lines).decode(errors='replace')[-3000:]}")
-            lines.append(line)
-        self.import_output = b"".join(lines[:-1]).decode(errors="replace")
-        # anything the server prints later (its own failure) is kept, never left to fill the pipe
-        self.later_output: list[bytes] = []
-        threading.Thread(target=lambda: self.later_output.extend(iter(self.server.stdout.readline, b"")),
-                         daemon=True).start()
+        self.import_output: str | None = None  # what the imports printed (their warnings), once ready
+        self._ready_lock = threading.Lock()
+
+    def wait_ready(self) -> bool:
+        """Wait until the server has imported everything and listens; True on the call that saw it
+        become ready (the caller reports the imports' warnings once), False on every later call."""
+        with self._ready_lock:
+            if self.import_output is not None:
+                return False
+            lines = []  # what the imports printed, then "ready"
+            while not lines or lines[-1].strip() != b"ready":
+                line = self.server.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"the zygote did not start: {b''.join(lines).decode(errors='replace')[-3000:]}")
+                lines.append(line)
+            # anything the server prints later (its own failure) is kept, never left to fill the pipe
+            self.later_output: list[bytes] = []
+            threading.Thread(target=lambda: self.later_output.extend(iter(self.server.stdout.readline, b"")),
+                             daemon=True).start()
+            self.import_output = b"".join(lines[:-1]).decode(errors="replace")
+            return True
 
     def start(self, argv: list[str], env: dict, cwd: str, separate_stderr: bool = False,
               executable: str | None = None, output=None) -> ZygoteProcess:

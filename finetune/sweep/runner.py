@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from pretrain.distributed.ports import free_port as _free_port
+from pretrain.distributed.ports import PortPicker
 
 from .manifest import claim_directory, sole_sweep
 from .spec import SweepSpec, load_sweep_spec
@@ -121,8 +121,9 @@ class Queue:
 class Slot:
     """One worker process group, taking trials from the queue until none is left."""
 
-    def __init__(self, index: int, spec: SweepSpec, env: dict[str, str], queue: Queue):
+    def __init__(self, index: int, spec: SweepSpec, env: dict[str, str], queue: Queue, ports: PortPicker):
         self.index, self.spec, self.env, self.queue = index, spec, env, queue
+        self.ports = ports  # shared by the slots: two workers starting together never draw one port
         self.process: subprocess.Popen | None = None
         self.attempt = 0
         self.log_path = os.path.join(spec.output_dir, "logs", f"slot-{index}.log")
@@ -130,7 +131,7 @@ class Slot:
     def start(self) -> None:
         self.attempt += 1
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
-        port, ranks = _free_port(), self.spec.ranks_per_trial
+        port, ranks = self.ports(), self.spec.ranks_per_trial
         env = dict(os.environ, **self.env, PYTHONUNBUFFERED="1")
         worker = ["-m", "finetune.sweep.worker", self.queue.path, str(self.index), str(self.attempt)]
         if ranks == 1:
@@ -257,7 +258,8 @@ def _run_claimed(spec: SweepSpec, environ, retry_failed: bool) -> dict:
     logger.info(f"sweep {spec.output_dir}: {len(trials)} trials ({len(trials) - len(left)} finished before), "
                 f"{len(envs)} slot(s) of {spec.ranks_per_trial} rank(s)")
     queue = Queue(spec, left)
-    slots = [Slot(k, spec, env, queue) for k, env in enumerate(envs)]
+    ports = PortPicker()
+    slots = [Slot(k, spec, env, queue, ports) for k, env in enumerate(envs)]
     stop = {"signal": None}
 
     def on_signal(signum, frame):

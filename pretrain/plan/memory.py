@@ -90,7 +90,8 @@ def _workspace(cfg, layout: Layout, kernels) -> int:
     flowing = 2 * B * b * s * (h + m.ffn_size // layout.tp)  # activation gradients of one layer
     recomputed = 0
     if m.recompute != "none":  # one layer's activations exist again during its backward
-        plain = copy.deepcopy(cfg)
+        plain = copy.copy(cfg)  # only the model section changes
+        plain.model = copy.copy(cfg.model)
         plain.model.recompute = "none"
         recomputed = layer_bytes(plain, layout.tp, b, layout.precision, kernels)
     return logits + flowing + recomputed
