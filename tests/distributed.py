@@ -227,12 +227,13 @@ def start_python(args: list[str], env: dict, cwd=REPO, separate_stderr: bool = F
                                                                              executable, output)
 
 
-def run_python(args: list[str], env: dict | None = None, cwd=REPO, timeout: float = 600
+def run_python(args: list[str], env: dict | None = None, cwd=REPO, timeout: float = 600, children_too: bool = False
                ) -> subprocess.CompletedProcess:
-    """subprocess.run([python, *args], capture_output=True, text=True) through start_python: a
-    CompletedProcess with stdout and stderr apart; a process past `timeout` is killed and
-    TimeoutExpired raised, as subprocess.run does."""
-    proc = start_python(args, dict(os.environ) if env is None else env, cwd, separate_stderr=True)
+    """subprocess.run([python, *args], capture_output=True, text=True) through start_python (with
+    its children_too): a CompletedProcess with stdout and stderr apart; a process past `timeout` is
+    killed and TimeoutExpired raised, as subprocess.run does."""
+    proc = start_python(args, dict(os.environ) if env is None else env, cwd, separate_stderr=True,
+                        children_too=children_too)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -24,7 +24,7 @@ import zipfile
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from distributed import REPO
+from distributed import REPO, run_python
 from test_finetune_tasks import WORDS, repeat_task, tiny_bert, write_tsv
 
 pytestmark = pytest.mark.slow  # worker processes and real fine-tuning
@@ -74,11 +74,14 @@ def spec(data, out, grid=None, tasks=("rte", "sst2"), restarts=2, **extra):
 
 
 def sweep(config, *overrides, wait=True):
-    command = [sys.executable, "-m", "finetune", "sweep", "--config", str(config), *overrides]
+    """The sweep command. Run to its end (wait): the runner and its workers forked from the session's
+    zygote. Left running (not wait), for a test that kills the runner's process group or a worker by
+    pid: fresh processes, in a session of their own."""
+    command = ["-m", "finetune", "sweep", "--config", str(config), *overrides]
     if not wait:
-        return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+        return subprocess.Popen([sys.executable, *command], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    return run_python(command, timeout=600, children_too=True)
 
 
 def trial_dirs(out):
