@@ -83,10 +83,13 @@ def pytest_collection_finish(session):
     gc.collect()
     gc.freeze()
     # the zygotes (tests/zygote.py) load torch & co. on the other core while the first tests run,
-    # where a selected test can start programs from them (its module took the helpers that do)
+    # where a selected test can start programs from them: its module took the helpers that do, and
+    # it is not a GPU test (those start fresh interpreters; a test's own pytest run selecting one
+    # GPU test to see it skip must not pay for two servers)
     helpers = ("start_python", "run_python", "run_ranks", "shell_env", "with_zygote_python", "session_zygote")
     if not session.config.option.collectonly and any(
-            any(hasattr(item.module, name) for name in helpers) for item in session.items if hasattr(item, "module")):
+            any(hasattr(item.module, name) for name in helpers) and item.get_closest_marker("gpu") is None
+            for item in session.items if hasattr(item, "module")):
         from distributed import start_session_zygotes
 
         start_session_zygotes()

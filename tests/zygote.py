@@ -310,6 +310,9 @@ class Zygote:
         return proc
 
     def close(self) -> None:
+        if self.server.poll() is None and self.import_output is None:  # still importing: nothing to end
+            self.server.kill()
+            self.server.wait()
         if self.server.poll() is None:
             self.server.stdin.close()  # the server's signal to stop
             try:

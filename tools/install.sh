@@ -23,4 +23,8 @@ quietly() {  # run a pip step into the log; on failure show the log and fail
 quietly python -m pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || quietly python -m pip install -q "torch==2.13.0"
 quietly python -m pip install -q -e ".[test]" -e tests/bert-fakegpu
+# the project's bytecode, written once: nobody compiles an editable install, and where
+# PYTHONDONTWRITEBYTECODE is set (CI images often set it) every process would compile the ~300
+# modules it imports from source again (about 1 s of each rank's start)
+quietly python -m compileall -q -j 0 pretrain finetune tools tests
 python -c "import torch, deepspeed, megatron.core; print(f'installed: torch {torch.__version__}, deepspeed {deepspeed.__version__}, megatron-core {megatron.core.__version__} (pip log: $log)')" 2>&1 | tail -1
