@@ -63,6 +63,10 @@ install() {
   # of the image stay as they are
   "$VPY" -m pip install --no-index --no-deps --no-compile --disable-pip-version-check -q "$KIT"/wheels/*.whl \
     || return 1
+  # their bytecode, on every core at once (pip compiles one file after another): where
+  # PYTHONDONTWRITEBYTECODE is set, each benchmark child and rank would compile DeepSpeed,
+  # megatron-core and ours from source again
+  "$VPY" -m compileall -q -j 0 "$venv_site" > /dev/null || return 1
   # from a folder without the sources, so that what is imported is what was installed
   (cd "$WORK" && "$VPY" - "$KIT") <<'EOF' || return 1
 import subprocess, sys
