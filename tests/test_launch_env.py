@@ -1,4 +1,5 @@
 """Rank discovery for every launcher: torchrun/deepspeed variables, SLURM, and mpirun (mpi4py)."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -153,15 +154,35 @@ def test_export_to_writes_exactly_the_launch_variables():
                        "MASTER_PORT": "4000"}
 
 
+def gloo_event_loops() -> int:
+    """Threads of this process running a gloo transport device's event loop."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as f:
+            names.append(f.read().strip())
+    return names.count("gloo_tcp_loop")
+
+
 def test_init_parallel_leaves_the_environment_alone(monkeypatch):
     """The rendezvous comes from the LaunchEnv argument; exporting it is the caller's visible step."""
     for key in LAUNCH_KEYS:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     before = dict(os.environ)
+    loops_before = gloo_event_loops()
     parallel = init_parallel(LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "single"), 1, 1, timeout_minutes=1)
     try:
         assert (parallel.rank, parallel.world_size, parallel.tp_size, parallel.dp_size) == (0, 1, 1, 1)
+        # megatron-core's groups (18 here) share one gloo device, so one event-loop thread that
+        # wakes every 10 ms instead of one per group (none more if an earlier test made it)
+        import torch
+        import torch.distributed as dist
+
+        assert len(dist.distributed_c10d._world.pg_map) > 10
+        assert gloo_event_loops() - loops_before <= 1, gloo_event_loops() - loops_before
+        total = torch.ones(2)
+        dist.all_reduce(total, group=parallel.tp_group)
+        assert total.tolist() == [1.0, 1.0]
         # DeepSpeed's CPU shared-memory inference op is not built (30-40 s of compiling; training never
         # calls it): neither here nor in a job of several ranks (test_launcher.py: no /dev/shm buffer)
         from pretrain.distributed.internals import uses_shared_memory_comm

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .device import backend_for, select_device
 from .ports import free_port as _free_port
-from .internals import without_shared_memory_comm
+from .internals import one_gloo_device_per_process, without_shared_memory_comm
 from ..common.quiet import without_noise_lines
 
 
@@ -203,6 +203,7 @@ def init_parallel(launch: LaunchEnv, tensor_parallel: int, pipeline_parallel: in
     device = select_device(launch.local_rank)
     backend = backend_for(device)
     timeout = datetime.timedelta(minutes=timeout_minutes)
+    one_gloo_device_per_process()  # the CPU's groups; NCCL builds no gloo group
     if not dist.is_initialized():
         store = join(launch.master_addr, launch.master_port, launch.rank, launch.world_size,
                      rendezvous_timeout_minutes)

@@ -173,9 +173,11 @@ def _allow_cpu_tensors_in_backend(allow: bool) -> None:
 
 # --------------------------------------------------------------------------- fakeccl
 def _create_fakeccl(store, rank, size, timeout):
-    from torch.distributed import ProcessGroupGloo
+    # through distributed_c10d: the class there is the one the program chose (the product makes
+    # its gloo groups share one transport device: pretrain/distributed/internals.py)
+    from torch.distributed import distributed_c10d
 
-    gloo = ProcessGroupGloo(store, rank, size, timeout=timeout)
+    gloo = distributed_c10d.ProcessGroupGloo(store, rank, size, timeout=timeout)
     return _ext_module().FakeCCLBackend(gloo, rank, size)
 
 
