@@ -2,6 +2,7 @@
 account (step, phase, what last finished), every thread's stack and exit status 124; progress keeps
 it quiet; a timeout of 0 starts no thread. The trainers' use of it, end to end: test_hangs.py."""
 import io
+import json
 import threading
 import time
 
@@ -97,3 +98,26 @@ def test_start_up_steps_and_saves_each_have_their_own_limit(tmp_path):
     assert "(save: resilience.save_timeout_minutes=0.04): at step 4, saving the checkpoint of step 4" in out, out
     with pytest.raises(ValueError, match="unknown kind"):
         dog.limit("evaluation")
+
+
+FLIGHT_RECORDER = """
+import json, sys, torch, torch.distributed as dist
+from pretrain.resilience.watchdog import flight_recorder_status
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+for _ in range(50):
+    dist.all_reduce(torch.ones(4))
+print(json.dumps([flight_recorder_status(with_last=False), flight_recorder_status()]))
+"""
+
+
+def test_heartbeats_read_the_flight_recorders_counters_and_its_last_entry_only_when_asked():
+    """A heartbeat reads the counters alone (the whole recorder is ~1 MB of JSON to parse at its 2,000
+    entries); the rank's own account at the end reads the last collective too."""
+    from distributed import REPO, child_env, run_python
+
+    done = run_python(["-c", FLIGHT_RECORDER], child_env(dict(TORCH_FR_BUFFER_SIZE="2000", PYTHONPATH=str(REPO))),
+                      timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counters_only, with_last = json.loads(done.stdout.splitlines()[-1])
+    assert counters_only == [{"0": [50, 50]}, ""]
+    assert with_last == [{"0": [50, 50]}, "gloo:all_reduce (collective #50 of process group 0, sizes [[4]], completed)"]

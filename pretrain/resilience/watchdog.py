@@ -39,14 +39,16 @@ KEY_PREFIX = "bert-watchdog/"
 
 
 # ----------------------------------------------------------------------------- collectives
-def flight_recorder_status() -> tuple[dict[str, list[int]], str]:
+def flight_recorder_status(with_last: bool = True) -> tuple[dict[str, list[int]], str]:
     """({process group: [last enqueued, last completed] collective}, the last collective recorded)
     from torch's flight recorder (TORCH_FR_BUFFER_SIZE > 0, set by pretrain/cli.py); ({}, "") when
-    it records nothing."""
+    it records nothing. Without `with_last` only the counters are read (and "" given for the last):
+    the recorder's entries are ~1 MB of JSON at 2,000 of them, 35-140 ms of this process's GIL to
+    dump and parse (measured on the CPU), which a heartbeat every few seconds must not spend."""
     try:
         from torch._C._distributed_c10d import _dump_fr_trace_json
 
-        trace = json.loads(_dump_fr_trace_json())
+        trace = json.loads(_dump_fr_trace_json(includeCollectives=with_last))
     except Exception:  # an older torch, or no recorder: the heartbeat goes without
         return {}, ""
     groups = {pg: [int(s.get("last_enqueued_collective", -1)), int(s.get("last_completed_collective", -1))]
@@ -247,16 +249,18 @@ class Watchdog:
         self.stop()
 
     # the thread
-    def _record(self) -> dict:
+    def _record(self, with_last: bool = False) -> dict:
+        """This rank's heartbeat: the peers read its collective counters; the last collective is
+        read only for this rank's own account (_fire)."""
         a = self._activity
-        collectives, last = flight_recorder_status()
+        collectives, last = flight_recorder_status(with_last)
         self._beat += 1
         return {"beat": self._beat, "step": a.step, "phase": a.phase, "pid": os.getpid(), "host": socket.gethostname(),
                 "idle_seconds": round(time.monotonic() - a.last_progress, 1), "collectives": collectives,
                 "last_collective": last}
 
-    def _publish(self) -> dict:
-        record = self._record()
+    def _publish(self, with_last: bool = False) -> dict:
+        record = self._record(with_last)
         if self.heartbeats is not None:
             try:
                 self.heartbeats.publish(record)
@@ -282,7 +286,7 @@ class Watchdog:
         through a failed collective), then who the job waits for; then stay a few heartbeats so
         that the others can still read this rank's heartbeat (and store) for their own accounts."""
         a = self._activity
-        record = self._publish()
+        record = self._publish(with_last=True)
         idle = time.monotonic() - a.last_progress
         seconds, key = self._current_limit()
         lines = [f"watchdog: rank {self.rank} (host {record['host']}, pid {record['pid']}) made no progress for "
