@@ -12,7 +12,7 @@ import sys
 
 from .cli import accept_launcher_args, positive_int, run_command, run_distributed
 from .checkpoint.starting_point import load_run_config
-from .config import ConfigError
+from .config import ConfigError, rule_problems
 
 
 def parse_args(argv=None):
@@ -42,7 +42,10 @@ def start(args: argparse.Namespace) -> int:
 
         world_size = discover_launch_env().world_size
     try:
-        cfg = load_run_config(args.config, args.overrides)  # the keys init_from's checkpoint gives
+        try:
+            cfg = load_run_config(args.config, args.overrides)  # the keys init_from's checkpoint gives
+        except ConfigError as error:  # an unknown key or a wrong type: the rules the rest breaks as well
+            raise ConfigError(error.problems + rule_problems(error, world_size)) from None
         # every rule the file breaks, and every missing file, in one report: not one round per kind
         problems = []
         try:

@@ -278,6 +278,25 @@ def test_config_check_reports_every_problem_in_one_round(capsys):
     assert "data.paths: /nonexistent/corpus.bin does not exist" in err, err
 
 
+def test_an_unknown_key_does_not_hide_the_rules_the_other_keys_break(capsys):
+    """Issue 52, item 6: a misspelt key and a rule broken by another key in one report (before, the
+    rule came only once the key was fixed)."""
+    from pretrain.main import main
+
+    status = main(["--check-config", "--world-size", "1", "--config", str(REPO / "configs" / "bert-tiny.yaml"),
+                   "model.hiden_size=64", "train.train_steps=10"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "model.hiden_size" in err and "scheduler.warmup_steps (100) must be <= train.train_steps (10)" in err, err
+    assert err.count("hiden_size") == 1, err  # each problem once
+    # a key refused for its type is not judged by the rules at its default value
+    assert main(["--check-config", "--world-size", "1", "--config", str(REPO / "configs" / "bert-tiny.yaml"),
+                 "train.train_steps=ten", "optimizer.lr=-1"]) == 2
+    err = capsys.readouterr().err
+    assert "train.train_steps" in err and "optimizer.lr (-1" in err, err
+    assert "must be <= train.train_steps" not in err, err
+
+
 def test_an_old_train_key_is_one_line_naming_its_new_place_and_exit_2(capsys):
     """The keys that moved out of `train` into checkpoint/eval/logging/resilience (no silent alias)."""
     from pretrain.main import main

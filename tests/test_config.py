@@ -56,7 +56,9 @@ def test_shipped_yaml_loads_and_validates(path):
     if cfg.data.kind == "indexed":  # the phase configs leave the data to the command line
         with pytest.raises(ConfigError, match="data.paths must list.*\n.*data.vocab_file is required"):
             cfg.validate()
-        cfg = load_config(str(path), ["data.paths=[corpus_text_sentence]", "data.vocab_file=vocab.txt"])
+        # model.vocab_size null (the ModernBERT demo's): the tokenizer's size, read by python -m pretrain
+        size = [] if cfg.model.vocab_size is not None else ["model.vocab_size=8000"]
+        cfg = load_config(str(path), ["data.paths=[corpus_text_sentence]", "data.vocab_file=vocab.txt", *size])
     cfg.validate()
     model_parallel = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel  # the demo's is TP2
     cfg.validate(world_size=model_parallel)
@@ -329,7 +331,8 @@ def cfg_with(*overrides: str) -> Config:
     (["data.seq_length=1024", "model.max_position_embeddings=1024", "data.masked_lm_prob=0.3",
       "data.max_predictions_per_seq=160"],
      "data.max_predictions_per_seq (160) caps the masking rate 0.3 (about 307 positions at data.seq_length 1024): "
-     "raise it, or leave it unset to follow the rate"),
+     "raise it, or set data.max_predictions_per_seq=null (on the command line, or in the config file that sets it) "
+     "to follow the rate"),
     (["data.eval_masked_lm_prob=0"], "data.eval_masked_lm_prob (0.0) must be in (0, 1]"),
     (["data.mask_token_share=0.9", "data.random_token_share=0.2"],
      "data.mask_token_share (0.9) + data.random_token_share (0.2) must be <= 1 (the rest keep their token)"),
@@ -724,6 +727,11 @@ def test_grad_clip_default_follows_the_optimizer():
     assert build_deepspeed_config(stable, world_size=1)["gradient_clipping"] == 0.0
     assert cfg_with("optimizer.name=stable_adamw", "optimizer.grad_clip=0.5").optimizer.clip() == 0.5
     assert cfg_with("optimizer.name=lamb", "optimizer.grad_clip=0").optimizer.clip() == 0.0
+    # the start-up line says so (it said "clipped by DeepSpeed" for StableAdamW, whose clipping is off)
+    assert stable.optimizer.clipping_words() == "not clipped (optimizer.grad_clip 0: StableAdamW bounds each update itself)"
+    assert cfg_with("optimizer.name=lamb").optimizer.clipping_words() == "clipped at norm 1"
+    assert cfg_with("optimizer.name=adamw", "optimizer.grad_clip=0").optimizer.clipping_words() == \
+        "not clipped (optimizer.grad_clip 0)"
 
 
 @pytest.mark.parametrize("key", ["optimizer.decouple_lr=true", "optimizer.max_lr=0.01", "optimizer.kahan_sum=true"])
@@ -740,6 +748,8 @@ RECIPES = sorted((CONFIGS / "recipes").glob("*.yaml"))
 
 def recipe(name: str, *overrides):
     data = ["data.paths=[corpus_text_sentence]", "data.vocab_file=tokenizer.json"]
+    if "tiny" in name:  # its model.vocab_size is null: the tokenizer's size, read by python -m pretrain
+        data.append("model.vocab_size=8000")
     return load_config(str(CONFIGS / "recipes" / name), data + (["checkpoint.init_from=ckpt"] if "phase1" not in name else [])
                        + list(overrides))
 

@@ -269,6 +269,15 @@ def test_hard_wrapped_text_read_as_text_lines_is_pointed_out(tmp_path, vocabs, c
     assert preprocess_data.main(["--input", book, "--input-format", "text-blank-lines", "--output-prefix",
                                  str(tmp_path / "blocks"), "--vocab-file", vocabs["a"], "--workers", "1", "--quiet"]) == 0
     assert "looks hard-wrapped" not in capsys.readouterr().err
+    # the vocabulary builder says it too (issue 52, item 6)
+    from tools import build_vocab
+
+    assert build_vocab.main(["--input", book, "--input-format", "text-lines", "--vocab-size", "120",
+                             "--output-dir", str(tmp_path / "vocab")]) == 0
+    assert f"warning: {book} looks hard-wrapped: " in capsys.readouterr().err
+    assert build_vocab.main(["--input", book, "--input-format", "text-blank-lines", "--vocab-size", "120",
+                             "--output-dir", str(tmp_path / "vocab2")]) == 0
+    assert "looks hard-wrapped" not in capsys.readouterr().err
 
 
 def test_the_layout_hints_stay_quiet_on_what_fits(tmp_path):
@@ -284,3 +293,31 @@ def test_the_layout_hints_stay_quiet_on_what_fits(tmp_path):
     book = _hard_wrapped(tmp_path / "book.txt")
     assert layout_hint(book, "text-blank-lines") is None and layout_hint(book, "jsonl") is None
     assert layout_hint(book, "text-lines").startswith(f"{book} looks hard-wrapped: ")
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_before_launch_and_null_takes_its_size(tmp_path, vocabs, corpus,
+                                                                                             capsys):
+    """Issue 52, item 1: a tokenizer with more entries than model.vocab_size is named by the pre-start
+    check (not after the ranks started); model.vocab_size null (the ModernBERT demo's) takes the
+    tokenizer's size."""
+    from pretrain.checkpoint.starting_point import load_run_config
+    from pretrain.config import ConfigError
+    from pretrain.main import main
+
+    run([corpus], tmp_path / "a", vocab_file=vocabs["a"])
+    prefix = str(tmp_path / "a_text_sentence")
+    size = WordPieceVocab.from_file(vocabs["a"]).size
+    too_small = (f"data.vocab_file {vocabs['a']} has {size} tokens but model.vocab_size is {size - 50}: set "
+                 f"model.vocab_size={size}, or null to take the tokenizer's size")
+    assert check(vocabs["a"], prefix, extra=(f"model.vocab_size={size - 50}",)) == [too_small]
+    assert check(vocabs["a"], prefix, extra=(f"model.vocab_size={size}",)) == []
+    demo = ["--config", os.path.join(REPO, "configs", "modernbert-demo.yaml"), f"data.paths=[{prefix}]",
+            f"data.vocab_file={vocabs['a']}"]
+    assert main(["--check-config", "--world-size", "4", *demo, f"model.vocab_size={size - 50}"]) == 2
+    assert too_small in capsys.readouterr().err
+    assert main(["--check-config", "--world-size", "4", *demo]) == 0
+    assert load_run_config(*demo[1:2], demo[2:]).model.vocab_size == size
+    # null with no tokenizer to read it from: named, not a crash deep inside
+    no_file = load_run_config(os.path.join(REPO, "configs", "modernbert-demo.yaml"), ["data.kind=synthetic"])
+    with pytest.raises(ConfigError, match="model.vocab_size is null .* no readable data.vocab_file"):
+        no_file.validate(world_size=4)

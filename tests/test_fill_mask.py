@@ -77,6 +77,26 @@ def reference(root, sentence, k):
     return tokenizer.convert_ids_to_tokens(ids), masks
 
 
+def tokenizer_of(root):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(root / "hf")
+
+
+def test_predictions_are_shown_as_transformers_shows_them():
+    """Issue 52, item 6: a byte-level BPE token is shown decoded (' man', as transformers' token_str),
+    not as its vocabulary entry ('Ġman'); the JSON keeps both."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, decoders, models
+
+    bpe = Tokenizer(models.BPE(vocab={"Ġman": 0, "man": 1, "<mask>": 2}, merges=[]))
+    bpe.decoder = decoders.ByteLevel()
+    info = SimpleNamespace(tokenizer=bpe)
+    assert (fill_mask.token_name(info, 0), fill_mask.token_text(info, 0)) == ("Ġman", " man")
+    assert fill_mask.token_text(info, 1) == "man" and fill_mask.token_text(info, 7) == "[id 7]"
+
+
 def check_against_transformers(root, records, k, ordered=None):
     """Our top-k ids are transformers' (in order: the first `ordered` of them, default all), with
     the probabilities transformers gives those ids (1e-5)."""
@@ -90,6 +110,7 @@ def check_against_transformers(root, records, k, ordered=None):
             got = [p["id"] for p in ours["predictions"]]
             assert got[:ordered] == ids[:ordered] and sorted(got) == sorted(ids)
             assert [p["token"] for p in ours["predictions"]] == [VOCAB[i] for i in got]
+            assert [p["token_str"] for p in ours["predictions"]] == [tokenizer_of(root).decode([i]) for i in got]
             assert [p["probability"] for p in ours["predictions"]] == pytest.approx([probabilities[i] for i in got],
                                                                                      abs=1e-5)
 
@@ -112,7 +133,7 @@ def test_hugging_face_directory_gives_transformers_predictions(models, run):
     text = out.splitlines()
     assert text[0] == SENTENCES[0] and text[2] == SENTENCES[1] and len(text) == 5
     best = records[1]["masks"][1]["predictions"]
-    assert text[4] == "  [MASK] #2: " + " | ".join(f"{p['token']} {p['probability']:.3f}" for p in best)
+    assert text[4] == "  [MASK] #2: " + " | ".join(f"{p['token_str']} {p['probability']:.3f}" for p in best)
     prediction = r"\S+ \d\.\d{3}"
     assert all(re.fullmatch(rf"  \[MASK\] #\d: {prediction}( \| {prediction}){{3}}", line)
                for line in text[1::2] + [text[4]])

@@ -71,8 +71,17 @@ def main(argv=None) -> int:
 
 
 def build(args: argparse.Namespace) -> None:
+    from pretrain.data.preprocess.corpus import CorpusError, expand_inputs, layout_hint
     from pretrain.data.preprocess.vocab_builder import VocabOptions, build_vocab
 
+    try:
+        files = expand_inputs(args.input)
+    except CorpusError:
+        files = []  # build_vocab names the input that is missing
+    for path in files:  # as preprocess_data.py says it: a vocabulary learnt from such documents is off too
+        hint = layout_hint(path, args.input_format)
+        if hint:
+            print(f"warning: {hint}", file=sys.stderr)
     options = VocabOptions(vocab_size=args.vocab_size, min_frequency=args.min_frequency,
                            limit_alphabet=args.limit_alphabet, lowercase=args.lowercase, model=args.model)
     started = time.perf_counter()

@@ -180,19 +180,28 @@ def token_name(info, token_id: int) -> str:
     return token if token is not None else f"[id {token_id}]"  # beyond the tokenizer, inside the model's vocabulary
 
 
+def token_text(info, token_id: int) -> str:
+    """The prediction as transformers' fill-mask pipeline shows it (its token_str: the tokenizer's
+    decoding of the one id): ' man' for byte-level BPE's 'Ġman', '##ing' for WordPiece's."""
+    if info.tokenizer.id_to_token(token_id) is None:
+        return token_name(info, token_id)
+    return info.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
 def report(sentences, encodings, results, info, as_json: bool) -> list[str]:
     lines = []
     for (_, text), e, masks in zip(sentences, encodings, results):
         if as_json:
             lines.append(json.dumps({"sentence": text, "tokens": e.tokens, "masks": [
                 {"mask": n, "position": position, "predictions": [
-                    {"token": token_name(info, i), "id": i, "probability": p} for i, p in best]}
+                    {"token": token_name(info, i), "token_str": token_text(info, i), "id": i, "probability": p}
+                    for i, p in best]}
                 for n, (position, best) in enumerate(masks, start=1)]}, ensure_ascii=False))
             continue
         lines.append(text)
         for n, (_, best) in enumerate(masks, start=1):
             lines.append(f"  {info.specials.token('mask')} #{n}: "
-                         + " | ".join(f"{token_name(info, i)} {p:.3f}" for i, p in best))
+                         + " | ".join(f"{token_text(info, i)} {p:.3f}" for i, p in best))
     return lines
 
 

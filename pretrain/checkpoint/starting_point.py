@@ -19,6 +19,7 @@ import os
 from typing import Sequence
 
 from ..config import Config, ConfigError, load_config
+from ..data.samples.provider import vocab_size_from_tokenizer
 from .errors import CheckpointError
 from .filenames import CONFIG_JSON, LATEST, META
 from .hf_config import ARCHITECTURE_HEADS, HF_MODEL_KEYS, config_from_hf, read_hf_config
@@ -109,8 +110,9 @@ def inherit_model_keys(tree: dict) -> dict:
 
 def load_run_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
     """A run's config: the YAML and the overrides (pretrain.config.load_config), with every model.*
-    key they leave unset taken from checkpoint.init_from (inherit_model_keys)."""
-    return load_config(path, overrides, inherit=inherit_model_keys)
+    key they leave unset taken from checkpoint.init_from (inherit_model_keys), and model.vocab_size
+    null from data.vocab_file's tokenizer (vocab_size_from_tokenizer)."""
+    return load_config(path, overrides, inherit=lambda tree: vocab_size_from_tokenizer(inherit_model_keys(tree)))
 
 
 def starting_point_problems(cfg: Config) -> list[str]:

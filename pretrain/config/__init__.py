@@ -22,9 +22,9 @@ The names below are the package's API; the modules are where they live.
 from .choices import PARAMETER_KINDS
 from .deepspeed import build_deepspeed_config, deepspeed_settings
 from .schema import (Config, DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, SchedulerConfig, TrainConfig,
-                     load_config)
+                     load_config, rule_problems)
 from .typed_yaml import ConfigError, load_sections
 
 __all__ = ["PARAMETER_KINDS", "ConfigError", "ModelConfig", "ParallelConfig", "OptimizerConfig", "SchedulerConfig",
-           "DataConfig", "TrainConfig", "Config", "load_config", "load_sections", "build_deepspeed_config",
-           "deepspeed_settings"]
+           "DataConfig", "TrainConfig", "Config", "load_config", "load_sections", "rule_problems",
+           "build_deepspeed_config", "deepspeed_settings"]

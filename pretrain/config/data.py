@@ -83,7 +83,8 @@ class DataConfig:
                     self.highest_masking_rate() * self.seq_length) - 3:
                 p.append(f"data.max_predictions_per_seq ({self.max_predictions_per_seq}) caps the masking rate "
                          f"{self.highest_masking_rate():g} (about {round(self.highest_masking_rate() * self.seq_length)} "
-                         f"positions at data.seq_length {self.seq_length}): raise it, or leave it unset to follow the rate")
+                         f"positions at data.seq_length {self.seq_length}): raise it, or set data.max_predictions_per_seq=null "
+                         "(on the command line, or in the config file that sets it) to follow the rate")
         positive(p, "data.num_samples", self.num_samples)
         if not 0.0 < self.synthetic_min_fraction <= 1.0:
             p.append(f"data.synthetic_min_fraction ({self.synthetic_min_fraction}) must be in (0, 1]")

@@ -11,7 +11,9 @@ from .choices import ARCHITECTURES, ATTENTION_KERNELS, CLASSIFIER_POOLING, COMPI
 @dataclass
 class ModelConfig:
     architecture: str = "bert"  # "bert" (Devlin et al. 2018) | "modernbert" (Warner et al. 2024)
-    vocab_size: int = 30522  # tokenizer vocabulary (before padding)
+    # tokenizer vocabulary (before padding); null: data.vocab_file's size, read before the run starts
+    # (pretrain/data/samples/provider.py: vocab_size_from_tokenizer)
+    vocab_size: int | None = 30522
     hidden_size: int = 768
     num_layers: int = 12
     num_attention_heads: int = 12
@@ -71,10 +73,14 @@ class ModelConfig:
 
     def problems(self) -> list[str]:
         p: list[str] = []
+        if self.vocab_size is None:
+            p.append("model.vocab_size is null (the size of data.vocab_file's tokenizer) but no readable "
+                     "data.vocab_file gives it: set data.vocab_file, or model.vocab_size to a number")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
                      "max_position_embeddings", "type_vocab_size", "make_vocab_size_divisible_by",
                      "layernorm_epsilon", "init_std"):
-            positive(p, f"model.{name}", getattr(self, name))
+            if getattr(self, name) is not None:
+                positive(p, f"model.{name}", getattr(self, name))
         if self.ffn_hidden_size is not None:
             positive(p, "model.ffn_hidden_size", self.ffn_hidden_size)
         for name in ("hidden_dropout", "attention_dropout"):

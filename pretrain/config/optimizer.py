@@ -39,6 +39,13 @@ class OptimizerConfig:
             return self.grad_clip
         return 0.0 if self.name == "stable_adamw" else 1.0
 
+    def clipping_words(self) -> str:
+        """The gradient clipping in effect, in the start-up line's words."""
+        if self.clip() > 0:
+            return f"clipped at norm {self.clip():g}"
+        own = ": StableAdamW bounds each update itself" if self.name == "stable_adamw" else ""
+        return f"not clipped (optimizer.grad_clip 0{own})"
+
     def problems(self) -> list[str]:
         p: list[str] = []
         one_of(p, "optimizer.name", self.name, OPTIMIZERS)

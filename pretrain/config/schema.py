@@ -11,6 +11,7 @@ reporting.py (eval and logging), resilience.py.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -254,5 +255,28 @@ def load_config(path: str | None, overrides: Sequence[str] = (),
     taken from elsewhere: a run's keys from its starting point are the layer above's business
     (pretrain/checkpoint/starting_point.py's load_run_config passes inherit_model_keys).
     """
-    tree = load_sections(path, overrides, SECTIONS, MOVED_KEYS)
+    try:
+        tree = load_sections(path, overrides, SECTIONS, MOVED_KEYS)
+    except ConfigError as error:
+        if error.checked_tree is not None:  # the rest of the file, for the rule checks (rule_problems)
+            try:
+                error.partial = _build(inherit(error.checked_tree) if inherit is not None else error.checked_tree)
+            except (TypeError, ValueError):
+                pass
+        raise
     return _build(inherit(tree) if inherit is not None else tree)
+
+
+def rule_problems(error: ConfigError, world_size: int | None) -> list[str]:
+    """The rules broken by the keys of a config that load_config refused for others (an unknown key,
+    a wrong type): the rest of the file checked too, so that one report names every problem."""
+    partial = getattr(error, "partial", None)
+    if partial is None:
+        return []
+    try:
+        partial.validate(world_size=world_size)
+    except ConfigError as more:
+        # a rule about a key that was refused would judge its default, not the value given
+        refused = set(re.findall(r"\b[a-z_][a-z0-9_]*\.[a-z_][a-z0-9_]*\b", " ".join(error.problems)))
+        return [p for p in more.problems if p not in error.problems and not any(key in p for key in refused)]
+    return []

@@ -21,8 +21,11 @@ from ..common.errors import UserError
 class ConfigError(UserError, ValueError):
     """All configuration problems found, one per line (``.problems`` holds the list)."""
 
-    def __init__(self, problems: str | Sequence[str]):
+    def __init__(self, problems: str | Sequence[str], checked_tree: dict | None = None):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
+        # load_sections: the keys and values that passed their checks (the others left out), so
+        # that a caller can still check the rules between them and report every problem at once
+        self.checked_tree = checked_tree
         super().__init__("\n".join(self.problems))
 
 
@@ -233,5 +236,5 @@ def load_sections(path: str | None, overrides: Sequence[str], sections: dict[str
     tree = _load_tree(path, (), problems, sections, moved) if path is not None else {}
     tree = deep_merge(tree, _parse_overrides(overrides, problems, sections, moved))
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(problems, checked_tree=tree)
     return tree

@@ -133,7 +133,7 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
     accumulation, reduction = internals.gradient_dtypes(engine)
     logger.info(f"optimizer {o.name} under DeepSpeed's {type(engine.optimizer).__name__}; "
                 f"gradients accumulated in {_dtype_name(accumulation)}, reduced in {_dtype_name(reduction)}, "
-                f"clipped {'exactly by the trainer' if exact else 'by DeepSpeed'}")
+                + o.clipping_words() + ((" exactly by the trainer" if exact else " by DeepSpeed") if o.clip() > 0 else ""))
     return PretrainingEngine(engine, model, guard, ds_config, exact)
 
 

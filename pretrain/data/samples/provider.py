@@ -24,6 +24,8 @@ def data_file_problems(cfg: Config) -> list[str]:
             vocab = Vocabulary.from_file(d.vocab_file)
         except VocabError as err:
             problems.append(f"data.vocab_file: {err}")
+    if vocab is not None and cfg.model.vocab_size is not None and vocab.size > cfg.model.vocab_size:
+        problems.append(_vocab_size_problem(d.vocab_file, vocab.size, cfg.model.vocab_size))
     for key in ("paths", "valid_paths", "test_paths"):
         for prefix in getattr(d, key):
             missing = [prefix + suffix for suffix in (".bin", ".idx") if not os.path.isfile(prefix + suffix)]
@@ -34,6 +36,26 @@ def data_file_problems(cfg: Config) -> list[str]:
                                              d.accept_dataset_vocab, special_ids=vocab.special_ids if vocab else None,
                                              pad_id=vocab.pad_id if vocab else None)
     return problems
+
+
+def _vocab_size_problem(vocab_file: str, tokens: int, vocab_size: int) -> str:
+    return (f"data.vocab_file {vocab_file} has {tokens} tokens but model.vocab_size is {vocab_size}: set "
+            f"model.vocab_size={tokens}, or null to take the tokenizer's size")
+
+
+def vocab_size_from_tokenizer(tree: dict) -> dict:
+    """The config's {section: {key: value}} tree with model.vocab_size null replaced by the size of
+    data.vocab_file's tokenizer (every id it gives is below it); left null when there is no file to
+    read (the model's check names that, the data checks an unreadable file). Torch-free: applied
+    when the run's config is loaded (pretrain/checkpoint/starting_point.py: load_run_config)."""
+    model, vocab_file = tree.get("model", {}), tree.get("data", {}).get("vocab_file")
+    if "vocab_size" not in model or model["vocab_size"] is not None or not vocab_file:
+        return tree
+    try:
+        size = Vocabulary.from_file(vocab_file).size
+    except VocabError:
+        return tree
+    return {**tree, "model": {**model, "vocab_size": size}}
 
 
 # What a separate validation or test corpus contributes: all of its documents, at its position
@@ -68,8 +90,7 @@ def pretraining_datasets(cfg: Config, is_builder: bool, barrier: Callable[[], No
     except VocabError as err:
         raise DataError(f"data.vocab_file: {err}") from None
     if vocab.size > cfg.model.vocab_size:
-        raise DataError(f"data.vocab_file {d.vocab_file} has {vocab.size} tokens but model.vocab_size is "
-                        f"{cfg.model.vocab_size}: set model.vocab_size={vocab.size}")
+        raise DataError(_vocab_size_problem(d.vocab_file, vocab.size, cfg.model.vocab_size))
     settings = SampleSettings(
         seq_length=d.seq_length, segment_pairs=d.segment_pairs, short_seq_prob=d.short_seq_prob,
         masked_lm_prob=d.masked_lm_prob, max_predictions=d.max_predictions(),
