@@ -270,11 +270,10 @@ def load_config(path: str | None, overrides: Sequence[str] = (),
 def rule_problems(error: ConfigError, world_size: int | None) -> list[str]:
     """The rules broken by the keys of a config that load_config refused for others (an unknown key,
     a wrong type): the rest of the file checked too, so that one report names every problem."""
-    partial = getattr(error, "partial", None)
-    if partial is None:
+    if error.partial is None:
         return []
     try:
-        partial.validate(world_size=world_size)
+        error.partial.validate(world_size=world_size)
     except ConfigError as more:
         # a rule about a key that was refused would judge its default, not the value given
         refused = set(re.findall(r"\b[a-z_][a-z0-9_]*\.[a-z_][a-z0-9_]*\b", " ".join(error.problems)))

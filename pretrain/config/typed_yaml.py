@@ -24,8 +24,10 @@ class ConfigError(UserError, ValueError):
     def __init__(self, problems: str | Sequence[str], checked_tree: dict | None = None):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         # load_sections: the keys and values that passed their checks (the others left out), so
-        # that a caller can still check the rules between them and report every problem at once
+        # that a caller can still check the rules between them and report every problem at once;
+        # `partial` is the config built from them, where the caller could build one (load_config)
         self.checked_tree = checked_tree
+        self.partial = None
         super().__init__("\n".join(self.problems))
 
 
