@@ -136,3 +136,40 @@ def test_resume_with_other_data_settings_is_refused_or_starts_the_new_sequence_o
     result = check_config(same + ["data.seq_length=32", "data.masking=dynamic"], tmp_path)  # torch unimportable
     assert result.returncode == 2, result.stdout + result.stderr
     assert "data.seq_length: checkpoint 64, run 32; data.masking: checkpoint static, run dynamic" in result.stderr
+
+
+def test_a_resume_that_moves_the_lr_schedule_says_so_and_a_finished_run_says_it_is_finished(tmp_path):
+    """A run trained to its end (4 steps, linear decay to 0 at step 4) relaunched with 8 steps: the
+    start-up line names both horizons and the next step's rate under each schedule, and the run
+    follows the new one from its first step (not the rate the optimizer state was saved with);
+    relaunched once more it trains nothing and says the run is finished. bf16 ZeRO-1, whose load
+    restores the saved param groups' rates."""
+    ckpt = str(tmp_path / "ckpt")
+    save = [f"checkpoint.save_dir={ckpt}", f"checkpoint.load_dir={ckpt}", "train.precision=bf16",
+            "parallel.zero_stage=1"]
+    phase = [f"checkpoint.init_from={ckpt}", "checkpoint.new_phase=true", f"checkpoint.save_dir={tmp_path / 'phase'}",
+             "train.precision=bf16", "parallel.zero_stage=1", "train.train_steps=3"]
+    runs = {"first": save + ["train.train_steps=4"], "longer": save + ["train.train_steps=8"],
+            "again": save + ["train.train_steps=8"], "phase": phase}
+    out = tmp_path / "runs.json"
+    run_ranks(["tests/_train_worker.py", str(out), "1", "1",
+               *[json.dumps({"name": name, "overrides": COMMON + overrides}) for name, overrides in runs.items()]],
+              1, timeout=600)
+    results = json.loads(out.read_text())
+    assert len(results["first"]["history"]) == 4
+    longer = results["longer"]
+    moved = [line for line in longer["log"] if "the LR schedule differs from the checkpoint's" in line]
+    assert len(moved) == 1, longer["log"]
+    assert "decay horizon 4 steps -> 8 steps" in moved[0], moved[0]
+    # warmup 2, peak 0.01: step 5 is at min_lr 0 in the old schedule, at 0.01 * (1 - 2/6) in the new
+    assert "The rate of step 5 is 0 in the checkpoint's schedule and 0.006667 in this run's" in moved[0], moved[0]
+    assert len(longer["history"]) == 4
+    assert longer["history"][0]["learning_rate"] == pytest.approx(0.01 * 2 / 3)
+    again = results["again"]
+    assert again["history"] == []
+    assert not any("LR schedule differs" in line for line in again["log"]), again["log"]
+    finished = [line for line in again["log"] if line.startswith("nothing to train")]
+    assert finished and "at step 8, at train.train_steps 8; the run is finished" in finished[0], again["log"]
+    assert (tmp_path / "ckpt" / "latest").read_text() == "iter_0000008"
+    # a new phase with the optimizer states of step 8 (saved with the rate 0) starts its own warmup
+    assert [h["learning_rate"] for h in results["phase"]["history"]] == pytest.approx([0.005, 0.01, 0.01])

@@ -204,3 +204,34 @@ def test_the_token_clock_ramps_in_multiples_of_its_minimum():
     assert clock.step_at_samples(clock.samples_before(later)) == later
     assert clock.step_at_samples(clock.samples_before(3) + 1) is None
     assert TokenClock(64, 32).ramp_steps == 0 and TokenClock(64, 32).batch(0) == 64
+
+
+def test_a_resume_that_moves_the_schedule_names_what_moved_and_the_next_rate_under_both():
+    """run_schedule.schedule_change: None for the same schedule; for a longer run the horizon (old and
+    new) and the next step's rate under each, in the schedule's unit (steps or tokens)."""
+    from pretrain.config import load_config
+    from pretrain.optim.run_schedule import lr_of_step, schedule_change
+
+    def cfg(*overrides):
+        return load_config(None, ["optimizer.lr=0.01", "scheduler.warmup_steps=10", *overrides])
+
+    short = cfg("train.train_steps=100")
+    assert schedule_change(short, cfg("train.train_steps=100"), 50) is None
+    line = schedule_change(short, cfg("train.train_steps=200"), 100)
+    assert "decay horizon 100 steps -> 200 steps" in line, line
+    assert "warmup" not in line and "peak lr" not in line, line  # only what moved
+    assert "The rate of step 101 is 0 in the checkpoint's schedule and 0.005263 in this run's" in line, line
+    assert lr_of_step(cfg("train.train_steps=200"), 100) == pytest.approx(0.01 * (1 - 90 / 190))
+    # an explicit horizon: a longer run leaves the schedule alone
+    assert schedule_change(cfg("train.train_steps=100", "scheduler.decay_steps=300"),
+                           cfg("train.train_steps=200", "scheduler.decay_steps=300"), 100) is None
+    # the same horizon with another peak: the horizon is named as unchanged, the rates differ
+    line = schedule_change(short, cfg("train.train_steps=100", "optimizer.lr=0.02"), 50)
+    assert "peak lr 0.01 -> 0.02" in line and "decay horizon 100 steps (unchanged)" in line, line
+    # WSD counted in tokens (batch 64 x seq 128 = 8,192 tokens a step): the decay's start moved
+    wsd = ["train.train_steps=100", "scheduler.warmup_steps=0", "scheduler.warmup_tokens=81920",
+           "scheduler.decay=1-sqrt", "train.global_batch_size=64", "data.seq_length=128"]
+    line = schedule_change(cfg(*wsd, "scheduler.decay_start_tokens=409600"),
+                           cfg(*wsd, "scheduler.decay_start_tokens=614400"), 60)
+    assert "stable stage until 409,600 tokens -> 614,400 tokens" in line, line
+    assert "decay horizon 819,200 tokens (unchanged)" in line, line

@@ -132,6 +132,12 @@ class WarmupDecayLR(LRScheduler):
     def load_state_dict(self, state_dict: dict) -> None:
         self.last_epoch = int(state_dict["last_epoch"])
         self._step_count = int(state_dict["_step_count"])
+        self.apply()
+
+    def apply(self) -> None:
+        """Set every group's rate to the schedule's at its position: after a checkpoint's optimizer
+        state was loaded (ZeRO's and torch's load_state_dict bring the saved groups' rates, the old
+        schedule's, which the next step would otherwise use)."""
         lr = self._lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -17,11 +17,12 @@ from ..checkpoint.format import CheckpointError, latest_tag, read_meta, tag_for
 from ..checkpoint.series import new_series, resumed_tag_dir, save_dir_problems, series_of
 from ..checkpoint.starting_point import untrained_head_notes
 from ..checkpoint.tiling import init_tiled
-from ..config import Config
+from ..config import Config, ConfigError
 from ..distributed import internals
 from ..distributed.device import all_gather_object, reduce_floats
 from ..distributed.parallel import Parallel
 from ..model.rng import RngTracker
+from ..optim.run_schedule import schedule_change
 from ..resilience.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -180,8 +181,9 @@ class Checkpointer:
                     loaded = checkpoint_loading.init_from(self.engine, self.model, t.init_from, self.cfg,
                                                           self.parallel, t.loads_optimizer_states)
                 # DeepSpeed's load of optimizer states brings the checkpoint's group settings (weight
-                # decay, betas, eps...) with the moments: a new run trains with its own
+                # decay, betas, eps, the rate...) with the moments: a new run trains with its own
                 _restore_group_settings(self.engine, configured)
+                self.engine.lr_scheduler.apply()
                 what = "weights and optimizer states" if t.loads_optimizer_states else "weights"
                 logger.info(f"initialised {what} from {loaded}; starting at step 0")
                 for note in untrained_head_notes(self.cfg):
@@ -190,7 +192,12 @@ class Checkpointer:
                 logger.info(f"no checkpoint in {t.load_dir} yet: starting from scratch")
             return 0, 0
         step, consumed_samples = found
-        self.loaded_state = read_meta(resumed).get("trainer_state", {})  # the tag the load just checked
+        self.engine.lr_scheduler.apply()  # the run's schedule, not the rate the optimizer state was saved with
+        meta = read_meta(resumed)  # the tag the load just checked
+        self.loaded_state = meta.get("trainer_state", {})
+        change = _schedule_change(meta, resumed, self.cfg, step)
+        if change:
+            logger.warning(change)
         self.tokens_before_phase = int(self.loaded_state.get("tokens_before_phase", 0))
         if changes:
             logger.info(f"data settings changed ({'; '.join(changes)}); checkpoint.accept_new_data: the new sample "
@@ -224,8 +231,18 @@ class Checkpointer:
             step, consumed_samples = checkpoint_loading.resume(self.engine, self.model, save_dir, self.cfg,
                                                                self.parallel, self.tracker)
             self.watchdog.progress(f"the rollback to step {step}", step)
+        self.engine.lr_scheduler.apply()
         self.loaded_state = read_meta(os.path.join(save_dir, tag)).get("trainer_state", {})
         return os.path.join(save_dir, tag), step, consumed_samples
+
+
+def _schedule_change(meta: dict, tag_dir: str, cfg: Config, step: int) -> str | None:
+    """What a resume at `step` changes of the checkpoint's LR schedule (run_schedule.py), in words."""
+    try:
+        saved = Config.from_stored(meta["config"], f"{tag_dir}/meta.json")
+    except (KeyError, ConfigError):  # a converted checkpoint has no training config: nothing to compare
+        return None
+    return schedule_change(saved, cfg, step)
 
 
 # per-group optimizer settings that are not hyperparameters of the run: the tensors, the rate the

@@ -28,8 +28,7 @@ from ..optim import Lamb, StableAdamW, build_optimizer, layout_for_deepspeed, ma
 from ..optim.groups import optimizer_param_groups
 from ..optim.guard import NonFiniteGuard, wrap_optimizer_step
 from ..optim.norms import counted_once, exact_clipping_for
-from ..optim.schedule import steps_clock
-from ..config.token_clock import TokenClock
+from ..optim.run_schedule import resolved_schedule, schedule_clock
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +98,7 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
     else:
         model = make_model()
 
-    o, s = cfg.optimizer, cfg.scheduler
+    o = cfg.optimizer
     hyper = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
     if o.name == "lamb":
         hyper["max_trust_ratio"] = o.max_trust_ratio
@@ -112,12 +111,8 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
     guard.watch((lp.hf_name, lp.param) for lp in logical_parameters(model))
 
     def scheduler(opt):
-        clock = TokenClock.of(cfg)
-        lengths = s.lengths(cfg.train.train_steps, clock.tokens_before if s.in_tokens else int)
-        return make_lr_scheduler(opt, o.lr, lengths["warmup_steps"], lengths["decay_steps"], s.decay, s.power,
-                                 s.min_lr, hold=lambda: bool(guard.skipped()), decay_start=lengths["decay_start"],
-                                 warmup_from_min=s.warmup_from_min,
-                                 clock=clock.schedule_clock if s.in_tokens else steps_clock)
+        return make_lr_scheduler(opt, hold=lambda: bool(guard.skipped()), clock=schedule_clock(cfg),
+                                 **resolved_schedule(cfg))
 
     engine, exact = initialize_engine(
         model, optimizer, ds_config, par, lr_scheduler=scheduler, grad_clip=o.clip(),
