@@ -34,6 +34,7 @@ LAYERS = (
     "pretrain.__main__",
     "pretrain",
     "finetune.glue_metrics", "finetune.squad_metrics", "finetune.ner_metrics",  # the official metrics
+    "finetune.official_metrics",  # the official dev score of each task (best epoch, sweep selection)
     "finetune.windows",
     "finetune.inputs",
     "finetune.input_cache",

@@ -206,6 +206,12 @@ class Checkpointer:
         if self.cfg.train.precision == "fp16":  # DeepSpeed's checkpoint carries the loss scaler object itself
             internals.let_loss_scaler_reach_minimum(self.engine)
         logger.info(f"resumed from {t.load_dir} at step {step} ({consumed_samples} samples)")
+        if step >= self.cfg.train.train_steps:
+            where = "at" if step == self.cfg.train.train_steps else "past"
+            logger.info(f"nothing to train: the checkpoint resumed from {t.load_dir} is at step {step}, {where} "
+                        f"train.train_steps {self.cfg.train.train_steps}; the run is finished. Raise "
+                        "train.train_steps to train on (the LR schedule's horizon follows it unless "
+                        "scheduler.decay_steps or decay_tokens is set)")
         return step, consumed_samples
 
     def _start_phase(self) -> None:

@@ -124,8 +124,7 @@ class Trainer:
                 self.watchdog.doing("resuming" if self.cfg.checkpoint.load_dir else "start-up", self.step)
                 self.resume()
                 self.watchdog.progress("start-up", self.step)
-                if self.step >= t.train_steps:
-                    logger.info(self._finished_line())
+                if self.step >= t.train_steps:  # a finished run relaunched (the checkpointer said so)
                     return self.history
                 last_step = min(t.train_steps, self.step + (self.cfg.resilience.exit_after_steps or t.train_steps))
                 data_iter = self.loaders.training(self.train_data, self.consumed_samples, self.spikes.skipped, self.step)
@@ -189,14 +188,6 @@ class Trainer:
                 profiler.close()
                 self.reporter.close()
         return self.history
-
-    def _finished_line(self) -> str:
-        """What a relaunch of a run that already reached train.train_steps says (it trains nothing)."""
-        t = self.cfg.train
-        where = "at" if self.step == t.train_steps else "past"
-        return (f"nothing to train: the checkpoint resumed from {self.cfg.checkpoint.load_dir} is at step {self.step}, "
-                f"{where} train.train_steps {t.train_steps}; the run is finished. Raise train.train_steps to train on "
-                f"(the LR schedule's horizon follows it unless scheduler.decay_steps or decay_tokens is set)")
 
     def tokens_seen(self, step: int) -> int:
         """Tokens trained on after `step` steps of this run, the phases before it included."""
