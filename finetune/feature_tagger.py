@@ -35,6 +35,7 @@ from pretrain.common.atomic import atomic_outputs
 
 from .config import FinetuneConfig
 from .model import build_encoder, encoder_inputs, load_encoder
+from .official_metrics import official_metric
 from .tasks import TASKS
 from .tasks.base import Dataset, TaskDataError
 from .finetuner import FinetuneError, write_files
@@ -265,7 +266,7 @@ class FeatureTagger:
                 prefix = f"{dev.data.name}/" if len(devs) > 1 else ""
                 metrics.update({prefix + k: v for k, v in evaluation.metrics.items()})
                 files.update(evaluation.files)
-            score = float(np.mean([v for k, v in metrics.items() if k.split("/")[-1] == self.task.main_metric]))
+            score = self.task.score(metrics)
             result = {"epoch": epoch, "metrics": metrics, "score": score, "train_loss": losses[-1]}
             history.append(result)
             logger.info(f"epoch {epoch} | loss {losses[-1]:.4f} | "
@@ -284,7 +285,8 @@ class FeatureTagger:
             write_files(os.path.join(self.output_dir, "submission"),
                          self.task.submission_words(test.data, self._by_document(test, self._predict(model, test.sentences()))))
         self._save(best_state, train.vectors.shape[1])
-        summary = {"task": self.task.name, "approach": "feature-based", "layers": f.layers, "history": history,
+        summary = {"task": self.task.name, "approach": "feature-based", "layers": f.layers,
+                   "selected_by": official_metric(self.task.name).description, "history": history,
                    "best": best}
         with atomic_outputs([os.path.join(self.output_dir, "metrics.json")]) as temporary:
             with open(next(iter(temporary.values())), "w") as out:

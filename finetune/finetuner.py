@@ -49,6 +49,7 @@ from .config import FinetuneConfig
 from .input_cache import cached, entry_key
 from .inputs import Batches, length_grouped
 from .model import build_encoder, initialise_head, load_encoder
+from .official_metrics import official_metric
 from .tasks import TASKS
 from .tasks.base import Dataset, Read, TaskDataError
 
@@ -296,13 +297,15 @@ class Finetuner:
         return self._finish(history, best)
 
     def _finish(self, history, best) -> dict:
-        summary = {"task": self.task.name, "history": history, "best": best, "train_losses": self.train_losses}
+        summary = {"task": self.task.name, "selected_by": official_metric(self.task.name).description,
+                   "history": history, "best": best, "train_losses": self.train_losses}
         if self.parallel.rank == self.parallel.logging_rank:
             path = os.path.join(self.cfg.train.output_dir, "metrics.json")
             with atomic_outputs([path]) as temporary, open(temporary[path], "w") as f:
                 json.dump(summary, f, indent=2)
             self.writer.flush()
-            logger.info(f"best: epoch {best['epoch']} " + " ".join(f"{k} {v:.4f}" for k, v in best["metrics"].items()))
+            logger.info(f"best: epoch {best['epoch']} by the {summary['selected_by']} ({best['score']:.4f}): "
+                        + " ".join(f"{k} {v:.4f}" for k, v in best["metrics"].items()))
         return summary
 
     def _progress(self, total: int):
@@ -366,8 +369,7 @@ class Finetuner:
             self.pending_files.update(evaluation.files)
             prefix = f"{dev.name}/" if len(self.dev_sets) > 1 else ""
             metrics.update({f"{prefix}{k}": v for k, v in evaluation.metrics.items()})
-        main = self.task.main_metric
-        score = float(np.mean([v for k, v in metrics.items() if k.split("/")[-1] == main]))
+        score = self.task.score(metrics)
         for k, v in metrics.items():
             self._scalar(f"eval/{k}", v, step)
             self._scalar(f"eval-vs-epoch/{k}", v, epoch)  # the dev metric per epoch (tools/plot_curves.py)

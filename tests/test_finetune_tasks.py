@@ -12,6 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import torch
 
 from distributed import run_python, run_ranks
+from finetune.official_metrics import official_score
 
 pytestmark = pytest.mark.slow  # multi-process or end to end: not in the fast tier
 
@@ -128,8 +129,15 @@ def test_regression_learns(tiny, tmp_path):
     out = tmp_path / "out"
     finetune("stsb", [f"model.init_from={tiny / 'hf'}", f"task.data_dir={tmp_path}", f"train.output_dir={out}",
                       "train.epochs=6", "train.lr=1e-3", "task.max_seq_length=12", "train.keep_best=false"])
-    best = json.loads((out / "metrics.json").read_text())["best"]["metrics"]
+    summary = json.loads((out / "metrics.json").read_text())
+    best = summary["best"]["metrics"]
     assert best["pearson"] > 0.95 and best["spearman"] > 0.9
+    # the best epoch is the one with the best official score (mean of Pearson and Spearman), the
+    # score a sweep selects by, not Pearson alone
+    assert summary["selected_by"] == "mean of Pearson and Spearman"
+    scores = [official_score("stsb", h["metrics"]) for h in summary["history"]]
+    assert [h["score"] for h in summary["history"]] == pytest.approx(scores)
+    assert summary["best"]["epoch"] == summary["history"][scores.index(max(scores))]["epoch"]
 
 
 def test_tp1_and_tp2_agree_and_a_converted_checkpoint_fine_tunes(tiny, tmp_path):

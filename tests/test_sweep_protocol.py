@@ -274,14 +274,33 @@ def test_official_scores():
     assert official_score("cola", {"matthews_corr": 0.5, "accuracy": 0.9}) == 0.5
     assert official_score("squad", {"f1": 88.0, "exact_match": 80.0}) == 88.0
     assert official_score("conll2003", {"f1": 0.9, "accuracy": 0.99}) == 0.9
+    # one dev set: its metrics unprefixed; several: the task's own (MNLI matched), else their mean
+    assert official_score("mnli", {"accuracy": 0.8}) == 0.8
+    assert official_score("sst2", {"dev/accuracy": 0.8, "extra/accuracy": 0.9}) == pytest.approx(0.85)
     with pytest.raises(SelectionError, match="mnli: the metrics lack dev_matched/accuracy"):
-        official_score("mnli", {"accuracy": 0.8})
+        official_score("mnli", {"dev_mismatched/accuracy": 0.8, "other/accuracy": 0.7})
     with pytest.raises(SelectionError, match="mrpc: the metrics lack f1"):
         official_score("mrpc", {"accuracy": 0.8})
 
 
+def test_a_fine_tuning_run_picks_its_best_epoch_by_the_official_score_the_sweep_selects_by():
+    """One definition (finetune/official_metrics.py): the task's score is the sweep's, so an MRPC
+    epoch with the better accuracy but the worse mean of F1 and accuracy is not the best, and MNLI's
+    mismatched dev set does not count."""
+    from finetune.tasks import TASKS
+
+    for name in TASKS:
+        metrics = {"accuracy": 0.7, "f1": 0.6, "pearson": 0.5, "spearman": 0.4, "matthews_corr": 0.3,
+                   "exact_match": 50.0, "exact": 40.0}
+        assert TASKS[name].score(metrics) == official_score(name, metrics), name
+    accurate, balanced = {"accuracy": 0.90, "f1": 0.50}, {"accuracy": 0.85, "f1": 0.80}
+    assert TASKS["mrpc"].score(balanced) > TASKS["mrpc"].score(accurate)
+    assert TASKS["mnli"].score({"dev_matched/accuracy": 0.8, "dev_mismatched/accuracy": 0.2}) == 0.8
+    assert TASKS["stsb"].score({"pearson": 0.9, "spearman": 0.7}) == pytest.approx(0.8)
+
+
 def test_select_names_the_trial_whose_metrics_lack_the_official_key(tmp_path):
-    r = make_trial(tmp_path, "mnli", {"train.lr": 5e-5}, 0, metrics={"accuracy": 0.8})
+    r = make_trial(tmp_path, "mnli", {"train.lr": 5e-5}, 0, metrics={"dev_mismatched/accuracy": 0.8})
     with pytest.raises(SelectionError, match="trial mnli/lr-5e-05/restart-0: mnli: the metrics lack dev_matched/acc"):
         select("mnli", [r])
 

@@ -1,12 +1,6 @@
-"""Selection on dev by each task's official metric (the GLUE and SQuAD leaderboards' definitions).
-
-The score of a trial is computed from its best epoch's dev metrics (metrics.json "best"."metrics"):
-
-- cola: matthews_corr; sst2, qnli, rte, wnli, swag: accuracy;
-- mrpc, qqp: the mean of f1 and accuracy (GLUE averages them);
-- stsb: the mean of pearson and spearman;
-- mnli: the matched dev set's accuracy (dev_matched/accuracy), the mismatched one reported;
-- squad, squad2: f1 (exact match reported); conll2003: f1.
+"""Selection on dev by each task's official metric (finetune/official_metrics.py: the GLUE and SQuAD
+leaderboards' definitions, the same that picks a run's best epoch). The score of a trial is computed
+from its best epoch's dev metrics (metrics.json "best"."metrics").
 
 `select(task, records)` picks the task's best finished trial: the highest score, a tie going to the
 earlier grid point, then the lower restart (records are given in expand() order, which fixes the
@@ -19,50 +13,10 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from pretrain.common.errors import UserError
-
+from ..official_metrics import OFFICIAL_METRICS, SelectionError, official_score
 from .trials import TrialRecord
 
-
-class SelectionError(UserError, ValueError):
-    """A metrics dict lacks a key the task's official metric needs."""
-
-
-@dataclass(frozen=True)
-class OfficialMetric:
-    keys: tuple[str, ...]  # averaged
-    description: str
-    reported: tuple[str, ...] = ()  # also shown (exact match, MNLI mismatched)
-
-
-OFFICIAL_METRICS: Mapping[str, OfficialMetric] = {
-    "cola": OfficialMetric(("matthews_corr",), "Matthews correlation"),
-    "sst2": OfficialMetric(("accuracy",), "accuracy"),
-    "mrpc": OfficialMetric(("f1", "accuracy"), "mean of F1 and accuracy", ("f1", "accuracy")),
-    "stsb": OfficialMetric(("pearson", "spearman"), "mean of Pearson and Spearman", ("pearson", "spearman")),
-    "qqp": OfficialMetric(("f1", "accuracy"), "mean of F1 and accuracy", ("f1", "accuracy")),
-    "mnli": OfficialMetric(("dev_matched/accuracy",), "matched accuracy",
-                           ("dev_matched/accuracy", "dev_mismatched/accuracy")),
-    "qnli": OfficialMetric(("accuracy",), "accuracy"),
-    "rte": OfficialMetric(("accuracy",), "accuracy"),
-    "wnli": OfficialMetric(("accuracy",), "accuracy"),
-    "squad": OfficialMetric(("f1",), "F1", ("f1", "exact_match")),
-    "squad2": OfficialMetric(("f1",), "F1", ("f1", "exact")),
-    "swag": OfficialMetric(("accuracy",), "accuracy"),
-    "conll2003": OfficialMetric(("f1",), "F1"),
-}
-
-
-def official_score(task: str, metrics: Mapping[str, float]) -> float:
-    """The task's official dev score of a metrics dict; SelectionError naming the missing key."""
-    if task not in OFFICIAL_METRICS:
-        raise SelectionError(f"no official metric for task {task!r}; tasks: {', '.join(OFFICIAL_METRICS)}")
-    keys = OFFICIAL_METRICS[task].keys
-    missing = [k for k in keys if k not in metrics]
-    if missing:
-        raise SelectionError(f"{task}: the metrics lack {', '.join(missing)} (the official metric is "
-                             f"{OFFICIAL_METRICS[task].description}); they have: {', '.join(metrics) or 'none'}")
-    return sum(float(metrics[k]) for k in keys) / len(keys)
+__all__ = ["OFFICIAL_METRICS", "Selection", "SelectionError", "official_score", "select", "select_all"]
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from pretrain.common.errors import UserError
 
 from ..config import ModelSection, TaskSection
 from ..inputs import Batches
+from ..official_metrics import official_score
 
 if TYPE_CHECKING:  # annotations only
     from tokenizers import Tokenizer
@@ -129,10 +130,14 @@ class Task(ABC):
     feature_based: ClassVar[bool] = False  # a BiLSTM tagger over frozen features can learn it (finetune/feature_tagger.py)
     name: str
     submission: str  # stem of the submission file (GLUE's official names: CoLA, MNLI, ...)
-    main_metric: str  # the metric (averaged over dev sets) that picks the best epoch
     train_file: str  # default file names inside task.data_dir
     dev_files: tuple[str, ...]
     test_files: tuple[tuple[str, str], ...]  # (file, submission suffix)
+
+    def score(self, metrics: dict[str, float]) -> float:
+        """The dev score that picks the best epoch: the task's official one (finetune/official_metrics.py),
+        the same a sweep selects trials by."""
+        return official_score(self.name, metrics)
 
     def configured(self, section: TaskSection) -> Task:
         """This task with what the config decides about it (token classification: its label set);

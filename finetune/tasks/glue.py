@@ -68,11 +68,6 @@ class Columns:
     names: str = ""  # the GLUE download's header line, for messages ("": none, or it varies)
 
 
-# The metric that picks the best epoch, per key of glue_metrics.METRICS.
-_MAIN_METRIC = {"matthews": "matthews_corr", "accuracy": "accuracy", "accuracy_f1": "accuracy",
-                "pearson_spearman": "pearson"}
-
-
 @dataclass(frozen=True)
 class GlueTask(Task):
     """Sentence(-pair) classification, or regression (STS-B): a head on the pooled [CLS] (ModernBERT:
@@ -97,10 +92,6 @@ class GlueTask(Task):
     @property
     def is_regression(self) -> bool:
         return self.labels is None
-
-    @property
-    def main_metric(self) -> str:
-        return _MAIN_METRIC[self.metric]
 
     def test_inputs(self, section: TaskSection) -> list[TestFile]:
         inputs = super().test_inputs(section)

@@ -60,7 +60,6 @@ class TokenClassificationTask(Task):
     train_file: str = "train.txt"
     dev_files: tuple[str, ...] = ("valid.txt",)
     test_files: tuple[tuple[str, str], ...] = (("test.txt", ""),)
-    main_metric: str = "f1"
 
     def configured(self, section: TaskSection) -> TokenClassificationTask:
         return replace(self, labels=tuple(section.labels)) if section.labels else self

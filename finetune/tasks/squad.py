@@ -59,7 +59,6 @@ class SquadTask(Task):
     train_file: str
     dev_files: tuple[str, ...]
     submission: str = "SQuAD"
-    main_metric: str = "f1"
     test_files: tuple[tuple[str, str], ...] = ()  # the official test sets are hidden
 
     def config_problems(self, section: TaskSection) -> list[str]:

@@ -41,7 +41,6 @@ class SwagTask(Task):
     modern_architecture: ClassVar[str] = "ModernBertForMultipleChoice"
     name: str = "swag"
     submission: str = "SWAG"
-    main_metric: str = "accuracy"
     train_file: str = "train.csv"
     dev_files: tuple[str, ...] = ("val.csv",)
     test_files: tuple[tuple[str, str], ...] = (("test.csv", ""),)
