@@ -28,6 +28,7 @@ from pretrain.checkpoint.format import CheckpointError
 from pretrain.checkpoint.load import read_any
 from pretrain.checkpoint.sharding import unpad_vocab
 from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer, save_vocab
+from pretrain.checkpoint.trained_length import longest
 from pretrain.config import deepspeed_settings
 from pretrain.common.diskspace import disk_full_named
 from pretrain.common.atomic import atomic_outputs
@@ -415,7 +416,9 @@ class Finetuner:
         if p.rank != p.logging_rank:
             return
         head = {name: param.detach().float().cpu() for name, param in self.model.head.named_parameters()}
-        ckpt = replace(self.ckpt, weights=weights, extra=head)
+        # the length the exported tokenizer states: the longest the encoder saw, pretraining or here
+        trained = longest(self.ckpt.trained_length, self.cfg.task.max_seq_length)
+        ckpt = replace(self.ckpt, weights=weights, extra=head, trained_length=trained)
         target = os.path.join(self.cfg.train.output_dir, "best")
         fresh = target + ".new"
         shutil.rmtree(fresh, ignore_errors=True)

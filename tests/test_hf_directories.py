@@ -66,8 +66,14 @@ def round_trip(source, tmp_path, capsys, *native_to_hf_args):
     return tmp_path / "back", capsys.readouterr().out
 
 
+# what an export adds besides the model and the tokenizer: its sentence-transformers files
+SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json",
+                               "1_Pooling")
+
+
 def tokenizer_files(path):
-    return {name for name in os.listdir(path) if name not in ("config.json", "model.safetensors")}
+    return {name for name in os.listdir(path)
+            if name not in ("config.json", "model.safetensors", *SENTENCE_TRANSFORMERS_FILES)}
 
 
 def encodings(path):

@@ -180,3 +180,62 @@ def test_transformers_fill_mask_on_our_export_gives_our_fill_mask(tmp_path):
     assert ours.returncode == 0, ours.stderr[-3000:]
     predictions = json.loads(ours.stdout)["masks"][0]["predictions"]
     assert [p["id"] for p in predictions] == json.loads(theirs.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_an_export_states_the_length_it_was_trained_at_to_transformers_and_sentence_transformers(tmp_path):
+    """A model trained at 32 tokens (configured for 128 positions): the export's tokenizer says 32
+    (transformers' model_max_length), so does its sentence-transformers config, through a native
+    round trip; sentence-transformers loads a ModernBertModel export offline with no load report,
+    at that length, and its embedding is the mean of the encoder's token states; config.json keeps
+    the 128 positions the model addresses."""
+    import logging
+
+    from transformers import AutoModel, AutoTokenizer
+
+    from pretrain.checkpoint.hf import read_hf, write_hf
+    from pretrain.checkpoint.logical import read_native, write_native
+
+    _, path = saved_model(tmp_path, "every2-window8")
+    source = read_hf(str(path))
+    assert source.trained_length is None  # a directory stating no length
+    source.trained_length = 32
+    native = write_native(source, str(tmp_path / "native"), tp=1, pp=1)
+    assert json.loads((tmp_path / "native" / "iter_0000000" / "meta.json").read_text())["trained_seq_length"] == 32
+    back = read_native(native)
+    assert back.trained_length == 32
+    for architecture in ("ModernBertForMaskedLM", "ModernBertModel"):
+        out = tmp_path / architecture
+        write_hf(back, str(out), architecture=architecture)
+        assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 32
+        assert json.loads((out / "sentence_bert_config.json").read_text())["max_seq_length"] == 32
+        assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 128
+        assert read_hf(str(out)).trained_length == 32  # and back again
+    assert AutoTokenizer.from_pretrained(tmp_path / "ModernBertModel").model_max_length == 32
+
+    from sentence_transformers import SentenceTransformer
+
+    reports = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            reports.append(record.getMessage())
+
+    handler = Collect()
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        st = SentenceTransformer(str(tmp_path / "ModernBertModel"), device="cpu", local_files_only=True)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not [r for r in reports if "UNEXPECTED" in r or "MISSING" in r], reports
+    assert st.max_seq_length == 32
+    sentences = ["the cat sat on the mat", "a dog ran in the park " * 10]  # the second is cut at 32 tokens
+    ours = st.encode(sentences, convert_to_tensor=True)
+    encoder = AutoModel.from_pretrained(tmp_path / "ModernBertModel").eval()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "ModernBertModel")
+    batch = tokenizer(sentences, padding=True, truncation=True, max_length=32, return_tensors="pt")
+    assert batch["input_ids"].shape[1] == 32
+    with torch.no_grad():
+        states = encoder(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    assert torch.allclose(ours, (states * mask).sum(1) / mask.sum(1), atol=1e-5)

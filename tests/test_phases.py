@@ -71,6 +71,12 @@ def test_the_three_phases_run_as_documented(tmp_path):
         config = json.loads((directory / "config.json").read_text())
         assert config["architectures"] == ["ModernBertForMaskedLM"] and config["max_position_embeddings"] == length
         assert config["global_rope_theta"] == theta
+        # the length trained at, every phase so far, where transformers and sentence-transformers read it
+        assert json.loads((directory / "tokenizer_config.json").read_text())["model_max_length"] == length
+        assert json.loads((directory / "sentence_bert_config.json").read_text())["max_seq_length"] == length
+        saves = out / f"phase{phase}"
+        meta = json.loads((saves / (saves / "latest").read_text().strip() / "meta.json").read_text())
+        assert meta["trainer_state"]["trained_seq_length"] == length
         model = AutoModelForMaskedLM.from_pretrained(directory).eval()
         with torch.no_grad():
             logits = model(input_ids=torch.randint(10, 1000, (1, length))).logits

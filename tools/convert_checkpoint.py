@@ -24,7 +24,9 @@ master weights where the run kept them), drops vocabulary padding, and writes co
 model.safetensors and the tokenizer files, as the architecture the checkpoint was trained as:
 BertForPreTraining for pretraining checkpoints; a converted BertForMaskedLM or BertModel comes
 back as itself, without the heads hf-to-native had to initialise. --architecture asks for
-another (BertForPreTraining on such a checkpoint writes those untrained heads too).
+another (BertForPreTraining on such a checkpoint writes those untrained heads too). The
+tokenizer's model_max_length is the longest length the model was trained at (every phase), and
+the directory is a sentence-transformers model of that length too (mean pooling).
 
 reshard rewrites a native checkpoint at another TP x PP, with its optimizer moments, step, sample
 count and LR-schedule position: training resumes from it in any DP size and ZeRO stage.

@@ -28,7 +28,9 @@ from .hf_config import (ARCHITECTURE_HEADS, ARCHITECTURES, MODEL_TYPES, PRETRAIN
 from .format import (CONFIG_JSON, HEADS, TOKENIZER_FILES, TOKENIZER_JSON, VOCAB_FILE, CheckpointError,
                      head_of, hf_parameter_info)
 from .logical import LogicalCheckpoint, initialise_missing
+from .sentence_transformers_config import write_sentence_transformers_config
 from .tokenizer_files import check_vocab_fits, copy_vocab_files, has_tokenizer
+from .trained_length import export_length, from_hf_dir
 
 # Task heads of fine-tuned checkpoints: kept aside (LogicalCheckpoint.extra) for the fine-tuner.
 TASK_HEAD_PREFIXES = ("classifier.", "qa_outputs.")
@@ -149,7 +151,8 @@ def read_hf(path: str, seed: int = 1234) -> LogicalCheckpoint:
                      + ", ".join(names))
     notes += _tokenizer_notes(path, cfg.model.vocab_size)
     return LogicalCheckpoint(config=cfg, weights=weights, source=path, vocab_dir=path if has_tokenizer(path) else None,
-                             notes=notes, extra=extra, initialised_heads=sorted(initialised))
+                             notes=notes, extra=extra, initialised_heads=sorted(initialised),
+                             trained_length=from_hf_dir(path))
 
 
 def _tokenizer_notes(path: str, vocab_size: int) -> list[str]:
@@ -341,24 +344,38 @@ def write_hf(ckpt: LogicalCheckpoint, out_dir: str, vocab_file: str | None = Non
         raise CheckpointError(f"{out_dir} already exists and is not empty; choose a new output directory")
     with directory_output(out_dir, "the Hugging Face model") as tmp:
         m = ckpt.config.model
+        length = export_length(ckpt.trained_length, m.max_position_embeddings)
         if m.modern:
-            special_ids = write_modern_tokenizer_files(vocab_file or vocab_dir, tmp, m.max_position_embeddings,
-                                                       m.vocab_size)
-            save_file(_written_tensors(ckpt, architecture), os.path.join(tmp, "model.safetensors"),
-                      metadata={"format": "pt"})
-            with open(os.path.join(tmp, CONFIG_JSON), "w") as f:
-                json.dump({**modernbert_hf.modern_hf_config(ckpt.config, architecture, special_ids),
-                           **(config_extra or {})}, f, indent=2)
-            return sorted(os.listdir(tmp))
-        if vocab_file is not None:
-            shutil.copyfile(vocab_file, os.path.join(tmp, VOCAB_FILE))
-            pad_id = _write_tokenizer_files(tmp, tmp, m.max_position_embeddings, m.vocab_size)
+            special_ids = write_modern_tokenizer_files(vocab_file or vocab_dir, tmp, length, m.vocab_size)
+            config = modernbert_hf.modern_hf_config(ckpt.config, architecture, special_ids)
         else:
-            pad_id = _write_tokenizer_files(vocab_dir, tmp, m.max_position_embeddings, m.vocab_size)
+            if vocab_file is not None:
+                shutil.copyfile(vocab_file, os.path.join(tmp, VOCAB_FILE))
+            pad_id = _write_tokenizer_files(tmp if vocab_file is not None else vocab_dir, tmp, length, m.vocab_size)
+            config = hf_config(ckpt.config, pad_id, architecture)
+        _state_length(tmp, length, ckpt.trained_length)
         save_file(_written_tensors(ckpt, architecture), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, CONFIG_JSON), "w") as f:
-            json.dump({**hf_config(ckpt.config, pad_id, architecture), **(config_extra or {})}, f, indent=2)
+            json.dump({**config, **(config_extra or {})}, f, indent=2)
+        if architecture in PRETRAINING_ARCHITECTURES:  # an encoder sentence-transformers loads as it is
+            write_sentence_transformers_config(tmp, length, m.hidden_size,
+                                               do_lower_case=False)  # the tokenizer lowercases itself
     return sorted(os.listdir(out_dir))
+
+
+def _state_length(out_dir: str, length: int, trained: int | None) -> None:
+    """The trained length as the tokenizer's model_max_length, also where the source's own
+    tokenizer_config.json (copied as it is) states another: transformers' pipelines and
+    sentence-transformers read it there."""
+    path = os.path.join(out_dir, "tokenizer_config.json")
+    if trained is None or not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        settings = json.load(f)
+    if settings.get("model_max_length") != length:
+        settings["model_max_length"] = length
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(settings, f, indent=2)
 
 
 __all__ = ["read_hf", "write_hf", "hf_config", "trained_architecture", "architecture_note", "ARCHITECTURES",

@@ -34,6 +34,7 @@ from .format import (LATEST, META, MOMENTS, CheckpointError, check_complete, che
                      stage_param_names, stage_spec_range, tag_for, verify_checkpoint, zero_file)
 from .sharding import local_value, unpad_vocab
 from .tokenizer_files import check_vocab_fits, copy_vocab_files, has_tokenizer
+from .trained_length import KEY as TRAINED_LENGTH, from_native_meta
 
 @dataclass
 class LogicalCheckpoint:
@@ -54,6 +55,9 @@ class LogicalCheckpoint:
     # heads the source did not have, filled with fresh initial values (format.HEADS names, e.g.
     # "MLM head" for a BertModel directory); kept through write_native so tools can tell untrained heads
     initialised_heads: list[str] = field(default_factory=list)
+    # the longest sequence length the weights were trained at, every phase included (trained_length.py);
+    # None: unknown. What an export states as the model's length
+    trained_length: int | None = None
 
 
 def _load(path: str):
@@ -293,7 +297,7 @@ def read_native(path: str, with_optimizer: bool = True) -> LogicalCheckpoint:
         step=int(meta.get("step", 0)), consumed_samples=int(meta.get("consumed_samples", 0)),
         scheduler_steps=scheduler_steps or 0, source=tag_dir,
         vocab_dir=tag_dir if has_tokenizer(tag_dir) else None,
-        initialised_heads=sorted(initialised), notes=notes,
+        initialised_heads=sorted(initialised), notes=notes, trained_length=from_native_meta(meta),
     )
 
 
@@ -409,6 +413,7 @@ def write_native(ckpt: LogicalCheckpoint, out_dir: str, tp: int, pp: int, with_o
             "optimizer_state": with_optimizer,
             "converted_from": converted_from or ckpt.source,
             "initialised_heads": ckpt.initialised_heads,
+            TRAINED_LENGTH: ckpt.trained_length,
             "files": {name: os.path.getsize(os.path.join(tag_dir, name)) for name in names},
             "crc32": fingerprints(tag_dir, names),
         }

@@ -17,6 +17,7 @@ from ..checkpoint.format import CheckpointError, latest_tag, read_meta, tag_for
 from ..checkpoint.series import new_series, resumed_tag_dir, save_dir_problems, series_of
 from ..checkpoint.starting_point import untrained_head_notes
 from ..checkpoint.tiling import init_tiled
+from ..checkpoint.trained_length import KEY as TRAINED_LENGTH, from_hf_dir, from_native_meta, longest
 from ..config import Config, ConfigError
 from ..distributed import internals
 from ..distributed.device import all_gather_object, reduce_floats
@@ -48,6 +49,9 @@ class Checkpointer:
         self.loaded_state: dict = {}
         # tokens trained on in the phases before this run's (checkpoint.new_phase), kept in its checkpoints
         self.tokens_before_phase = 0
+        # the longest sequence length the starting weights were trained at (a resumed or init_from
+        # checkpoint's; trained_length.py): with this run's, what its checkpoints and exports state
+        self.trained_length_before: int | None = None
         # checkpoint.async_save: the save being written in the background (one at most), the step the
         # loop is at, and every rank's snapshot size (bytes, measured at the first save)
         self._in_flight: BackgroundSave | None = None
@@ -79,7 +83,7 @@ class Checkpointer:
                 self._step = step
                 self._in_flight = checkpoint_saving.save_checkpoint_async(
                     self.engine, t.save_dir, step, consumed_samples, self.cfg, self.parallel, self.tracker,
-                    t.keep_last, self.series, self.trainer_state(), self._store(),
+                    t.keep_last, self.series, self._trainer_state(), self._store(),
                     self.cfg.resilience.save_timeout_minutes * 60, lambda: self._step)
                 self.watchdog.progress(f"the snapshot of step {step}", step)
                 if self.snapshot_bytes is None:  # a collective, at a step every rank saves
@@ -90,9 +94,14 @@ class Checkpointer:
                 return
             tag = checkpoint_saving.save_checkpoint(self.engine, t.save_dir, step, consumed_samples, self.cfg,
                                                     self.parallel, self.tracker, t.keep_last, self.series,
-                                                    self.trainer_state())
+                                                    self._trainer_state())
             self.watchdog.progress(f"the save of step {step}", step)
         logger.info(f"saved checkpoint {t.save_dir}/{tag}")
+
+    def _trainer_state(self) -> dict:
+        """meta.json's "trainer_state": the trainer's parts', and the longest length trained at."""
+        trained = longest(self.trained_length_before, self.cfg.data.seq_length)
+        return dict(self.trainer_state(), **{TRAINED_LENGTH: trained})
 
     def wait(self) -> None:
         """Until the save in flight (checkpoint.async_save) is published on every rank, or raise its
@@ -184,6 +193,7 @@ class Checkpointer:
                 # decay, betas, eps, the rate...) with the moments: a new run trains with its own
                 _restore_group_settings(self.engine, configured)
                 self.engine.lr_scheduler.apply()
+                self.trained_length_before = _trained_length_of(t.init_from)
                 what = "weights and optimizer states" if t.loads_optimizer_states else "weights"
                 logger.info(f"initialised {what} from {loaded}; starting at step 0")
                 for note in untrained_head_notes(self.cfg):
@@ -195,6 +205,7 @@ class Checkpointer:
         self.engine.lr_scheduler.apply()  # the run's schedule, not the rate the optimizer state was saved with
         meta = read_meta(resumed)  # the tag the load just checked
         self.loaded_state = meta.get("trainer_state", {})
+        self.trained_length_before = from_native_meta(meta)
         change = _schedule_change(meta, resumed, self.cfg, step)
         if change:
             logger.warning(change)
@@ -240,6 +251,12 @@ class Checkpointer:
         self.engine.lr_scheduler.apply()
         self.loaded_state = read_meta(os.path.join(save_dir, tag)).get("trainer_state", {})
         return os.path.join(save_dir, tag), step, consumed_samples
+
+
+def _trained_length_of(path: str) -> int | None:
+    """The longest length the weights of checkpoint.init_from were trained at, as far as it says."""
+    found = checkpoint_loading.native_meta(path)
+    return from_hf_dir(path) if found is None else from_native_meta(found[1])
 
 
 def _schedule_change(meta: dict, tag_dir: str, cfg: Config, step: int) -> str | None:
