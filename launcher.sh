@@ -165,6 +165,9 @@ case "$launcher" in
   torchrun)
     [[ -n "$node_rank" ]] || multi_node_needs "--node-rank (run it once on every node)"
     [[ -n "$master_addr" ]] || multi_node_needs "--master-addr (node 0's address) or --hostfile"
+    # torchrun's own default (1 thread a rank when several share the node), set here so that torchrun
+    # does not print its banner about it on every launch
+    if [[ -z "${OMP_NUM_THREADS:-}" ]] && (( nproc > 1 )); then export OMP_NUM_THREADS=1; fi
     # torch.distributed.run itself, with a failure reported in one line per rank, not a traceback
     cmd=(python -m pretrain.resilience.torchrun --nnodes "$nnodes" --node-rank "$node_rank" --nproc-per-node "$nproc"
          --master-addr "$master_addr" --master-port "$master_port" "${target[@]}") ;;

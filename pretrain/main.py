@@ -6,6 +6,7 @@ The configuration is validated against the world size before any process group s
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -13,6 +14,9 @@ import sys
 from .cli import accept_launcher_args, positive_int, run_command, run_distributed
 from .checkpoint.starting_point import load_run_config
 from .config import ConfigError, rule_problems
+from .resilience import launch_status
+
+logger = logging.getLogger(__name__)
 
 
 def parse_args(argv=None):
@@ -35,6 +39,9 @@ def main(argv=None) -> int:
 
 
 def start(args: argparse.Namespace) -> int:
+    if not args.check_config and launch_status.own_rank() == 0:  # within a second of the launch, not after the imports
+        logger.info("starting: loading torch, DeepSpeed and megatron-core, then the process groups, the model and "
+                    "the data (the first launch after an install takes longest)")
     if args.world_size:
         world_size = args.world_size
     else:
@@ -82,7 +89,6 @@ def start(args: argparse.Namespace) -> int:
             print(f"note: {note}")
         return 0
 
-    from .resilience import launch_status
     from .cli import INTERRUPTED
     from .training.trainer import Trainer
 

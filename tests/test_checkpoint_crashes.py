@@ -343,8 +343,10 @@ def test_keep_last_prunes_exactly_the_oldest_and_nothing_else(tmp_path):
     assert (ckpt / "iter_best" / "w.pt").read_text() == "x"
     saved = assert_complete(ckpt / "iter_0000005")
 
-    # Launched again when finished: the trainer saves step 5 once more, replacing the complete
-    # checkpoint of that step (a directory cannot be renamed over another).
+    # Sent back to step 4 (`latest` edited, as a damaged checkpoint's message suggests): the run
+    # saves step 5 once more, replacing the complete checkpoint of that step (a directory cannot
+    # be renamed over another). (A finished run relaunched as it was trains and saves nothing.)
+    (ckpt / "latest").write_text("iter_0000004")
     again = Job(tmp_path, "again", overrides)
     again.result()
     assert "resumed from" in again.log() and "saved checkpoint" in again.log()

@@ -277,7 +277,11 @@ def cfg_with(*overrides: str) -> Config:
     (["data.masking=sometimes"], "data.masking ('sometimes') must be one of: static, dynamic"),
     (["data.short_seq_prob=1.5"], "data.short_seq_prob (1.5) must be in [0, 1]"),
     (["data.max_ngram=0"], "data.max_ngram (0) must be > 0"),
-    (["data.valid_paths=[held]"], "data.valid_paths needs data.kind indexed"),
+    (["data.valid_paths=[held]"], "data.valid_paths set, but data.kind is synthetic (random tokens"),
+    # the files would never be read (the first-run guide trained on random tokens this way)
+    (["data.paths=[books_text_sentence]", "data.vocab_file=v.txt"],
+     "data.paths set, but data.kind is synthetic (random tokens; the default of configs/pretrain-defaults.yaml "
+     "and the configs built on it): set data.kind=indexed to train on those files"),
     (["model.recompute=attention"], "model.recompute ('attention') must be one of: none, selective, full"),
     (["data.num_workers=-1"], "data.num_workers (-1) must be >= 0"),
     (["data.kind=indexed", "data.paths=[a]", "data.vocab_file=v.txt", "data.weights=[1,2]"],

@@ -50,6 +50,16 @@ def test_the_first_run_works_as_documented(tmp_path):
     assert [line for line in done.stdout.splitlines() if line.startswith("+ ")][0].startswith(
         "+ python -m pretrain.resilience.torchrun --nnodes 1 --node-rank 0 --nproc-per-node 2")
     assert "built successfully" not in output and "Setting accelerator to CPU" not in output, output[-5000:]
+    # no torchrun banner about OMP_NUM_THREADS (launcher.sh sets torchrun's own default); what a
+    # launch does is said before it does it: the first line of the ranks comes before their imports,
+    # an index build is announced before it runs
+    assert "OMP_NUM_THREADS" not in output, output[-5000:]
+    lines = done.stdout.splitlines()
+    launched = next(i for i, line in enumerate(lines) if line.startswith("+ python -m pretrain.resilience.torchrun"))
+    assert lines[launched + 1].startswith("starting: loading torch, DeepSpeed and megatron-core"), lines[launched:launched + 3]
+    building = [i for i, line in enumerate(lines) if "building index" in line]
+    built = [i for i, line in enumerate(lines) if "built index" in line]
+    assert building and len(building) == len(built) and all(b < a for b, a in zip(building, built)), lines
     # no library warning reaches the user, from the ranks or from their loader processes (issue 36)
     warned = [line for line in output.splitlines() if re.search(r"\b\w*Warning\b|warnings\.warn\(|\[WARNING\]", line)]
     assert not warned, "\n".join(warned[:10])

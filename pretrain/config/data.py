@@ -97,8 +97,12 @@ class DataConfig:
         non_negative(p, "data.num_workers", self.num_workers)
         if self.kind == "indexed":
             p += self._indexed_problems()
-        else:
-            p += [f"data.{key} needs data.kind indexed" for key in ("valid_paths", "test_paths") if getattr(self, key)]
+        else:  # random tokens would be trained on, the files never read
+            named = [f"data.{name}" for name in ("paths", "valid_paths", "test_paths") if getattr(self, name)]
+            if named:
+                p.append(f"{' and '.join(named)} set, but data.kind is {self.kind} (random tokens; the default of "
+                         "configs/pretrain-defaults.yaml and the configs built on it): set data.kind=indexed to "
+                         "train on those files")
         return p
 
     def evaluation_masking_rate(self) -> float:

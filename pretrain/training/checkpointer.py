@@ -174,6 +174,8 @@ class Checkpointer:
         resumed = resumed_tag_dir(self.cfg)
         # rank 0's draw for every rank: the one meta.json records it, the others keep it in step
         self.series = series_of(resumed) if resumed else all_gather_object(new_series())[0]
+        if resumed:  # a large checkpoint's checks and load take a while: said before
+            logger.info(f"resuming from {resumed}: checking its files against meta.json, then loading them")
         if t.load_dir:
             found = checkpoint_loading.resume(self.engine, self.model, t.load_dir, self.cfg, self.parallel,
                                               self.tracker)
@@ -183,6 +185,7 @@ class Checkpointer:
             if t.init_from:
                 if t.new_phase:
                     self._start_phase()
+                logger.info(f"loading checkpoint.init_from {t.init_from}")
                 configured = _group_settings(self.engine)
                 if t.init_tiled:  # a smaller ModernBERT grown into this run's model (checkpoint/tiling.py)
                     loaded = init_tiled(self.engine, self.model, t.init_from, self.cfg, self.parallel)

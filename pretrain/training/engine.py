@@ -19,6 +19,7 @@ import deepspeed
 import torch
 
 from ..config import Config, build_deepspeed_config
+from ..config.choices import compile_enabled
 from ..distributed import device, internals
 from ..distributed.parallel import Parallel
 from ..model.bert import PretrainingLoss, build_model, init_weights
@@ -129,6 +130,9 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
     logger.info(f"optimizer {o.name} under DeepSpeed's {type(engine.optimizer).__name__}; "
                 f"gradients accumulated in {_dtype_name(accumulation)}, reduced in {_dtype_name(reduction)}, "
                 + o.clipping_words() + ((" exactly by the trainer" if exact else " by DeepSpeed") if o.clip() > 0 else ""))
+    if compile_enabled(cfg.model.compile, par.device.type):
+        logger.info(f"model.compile {cfg.model.compile}: the first step compiles the fused kernels (torch.compile), "
+                    "which takes a minute or more before its line; the steps after reuse them")
     return PretrainingEngine(engine, model, guard, ds_config, exact)
 
 

@@ -13,6 +13,7 @@ import hashlib
 import json
 import mmap
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -66,6 +67,9 @@ def cached_index(cache_dir: str | Path, name: str, description: dict, build: Cal
 
 def _build_and_store(array_path: Path, info_path: Path, description: dict, build) -> None:
     array_path.parent.mkdir(parents=True, exist_ok=True)
+    # a large corpus takes minutes here: said before, so the run is never silent (the other ranks wait)
+    logger.info(f"building index {array_path.name} in {array_path.parent} (once: later runs read it)")
+    started = time.monotonic()
     array, counts = build()
     suffix = f".tmp-{os.getpid()}"
     tmp_array = array_path.with_name(array_path.name + suffix)
@@ -75,7 +79,7 @@ def _build_and_store(array_path: Path, info_path: Path, description: dict, build
     tmp_info.write_text(json.dumps({"description": description, "counts": counts}, indent=1, sort_keys=True))
     os.replace(tmp_array, array_path)
     os.replace(tmp_info, info_path)  # last: its presence means the array is complete
-    logger.info(f"built index {array_path.name}: {counts}")
+    logger.info(f"built index {array_path.name} in {time.monotonic() - started:.1f} s: {counts}")
 
 
 @dataclass(frozen=True)
