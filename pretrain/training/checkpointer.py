@@ -211,7 +211,7 @@ class Checkpointer:
         self.trained_length_before = from_native_meta(meta)
         change = _schedule_change(meta, resumed, self.cfg, step)
         if change:
-            logger.warning(change)
+            logger.info(change)  # the logging rank's: every rank would say the same
         self.tokens_before_phase = int(self.loaded_state.get("tokens_before_phase", 0))
         if changes:
             logger.info(f"data settings changed ({'; '.join(changes)}); checkpoint.accept_new_data: the new sample "
@@ -264,9 +264,11 @@ def _trained_length_of(path: str) -> int | None:
 
 def _schedule_change(meta: dict, tag_dir: str, cfg: Config, step: int) -> str | None:
     """What a resume at `step` changes of the checkpoint's LR schedule (run_schedule.py), in words."""
+    if not meta.get("consumed_samples"):  # converted from transformers: trained with no schedule of ours
+        return None
     try:
         saved = Config.from_stored(meta["config"], f"{tag_dir}/meta.json")
-    except (KeyError, ConfigError):  # a converted checkpoint has no training config: nothing to compare
+    except (KeyError, ConfigError):  # unreadable: the load itself would have said so
         return None
     return schedule_change(saved, cfg, step)
 
