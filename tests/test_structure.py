@@ -44,6 +44,7 @@ LAYERS = (
     "finetune.features",
     "finetune.finetuner",
     "finetune.feature_tagger",
+    "finetune.embedding",  # contrastive training of embedding models (issue 53)
     "finetune.sweep",
     "finetune.main",  # python -m finetune
     "finetune.__main__",

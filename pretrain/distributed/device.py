@@ -228,6 +228,31 @@ def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
     return pieces
 
 
+class _AllGatherWithGrad(torch.autograd.Function):
+    """Forward: every rank's `tensor` concatenated along dim 0. Backward: the gradient of this
+    rank's piece summed over the ranks (each rank's loss reads every rank's piece), so that with
+    the data-parallel gradient averaging after it the step is that of the mean loss over the group."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group, ctx.rows = group, tensor.shape[0]
+        return torch.cat(all_gather(tensor, group), dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = all_reduce(grad.contiguous().clone(), ctx.group)
+        rank = dist.get_rank(ctx.group)
+        return grad[rank * ctx.rows:(rank + 1) * ctx.rows], None
+
+
+def all_gather_with_grad(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's `tensor` (same shape on every rank) concatenated along dim 0, rank order, with
+    gradients flowing back to each rank's own piece (contrastive losses' negatives from every rank)."""
+    if group is not None and dist.get_world_size(group) == 1:
+        return tensor
+    return _AllGatherWithGrad.apply(tensor, group)
+
+
 def all_gather_object(obj, group=None) -> list:
     """Every rank's picklable `obj` (torch serialises through the group's own device)."""
     gathered = [None] * dist.get_world_size(group)
