@@ -76,48 +76,49 @@ def test_loss_and_gradients_equal_multiple_negatives_ranking_loss(columns, symme
         assert torch.allclose(mine, reference_grad, atol=1e-6)
 
 
-def _dp_worker(rank: int, world: int, port: int, symmetric: bool, results) -> None:
+def _dp_worker(rank: int, world: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        torch.manual_seed(0)
-        encoder = torch.nn.Linear(HIDDEN, HIDDEN)  # the same weights on every rank (seeded)
-        inputs = [e.detach() for e in embeddings(3)]
-        mine = slice(rank * BATCH // world, (rank + 1) * BATCH // world)  # this rank's share of the global batch
-        encoded = [encoder(e[mine]) for e in inputs]
-        loss = ContrastiveLoss(symmetric=symmetric, group=dist.group.WORLD, rank=rank)(encoded[0], encoded[1], encoded[2:])
-        loss.backward()
-        for p in encoder.parameters():  # data-parallel gradient averaging, as DeepSpeed does
-            dist.all_reduce(p.grad)
-            p.grad /= world
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        results[rank] = (mean_loss.item() / world, [p.grad.clone() for p in encoder.parameters()])
+        for symmetric in (False, True):  # one process group for both losses
+            torch.manual_seed(0)
+            encoder = torch.nn.Linear(HIDDEN, HIDDEN)  # the same weights on every rank (seeded)
+            inputs = [e.detach() for e in embeddings(3)]
+            mine = slice(rank * BATCH // world, (rank + 1) * BATCH // world)  # this rank's share of the global batch
+            encoded = [encoder(e[mine]) for e in inputs]
+            loss = ContrastiveLoss(symmetric=symmetric, group=dist.group.WORLD, rank=rank)(
+                encoded[0], encoded[1], encoded[2:])
+            loss.backward()
+            for p in encoder.parameters():  # data-parallel gradient averaging, as DeepSpeed does
+                dist.all_reduce(p.grad)
+                p.grad /= world
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)
+            results[(rank, symmetric)] = (mean_loss.item() / world, [p.grad.clone() for p in encoder.parameters()])
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("symmetric", [False, True], ids=["infonce", "symmetric"])
-def test_two_data_parallel_ranks_equal_one_process_with_the_global_batch(symmetric):
+def test_two_data_parallel_ranks_equal_one_process_with_the_global_batch():
     from distributed import free_port
-
-    torch.manual_seed(0)
-    encoder = torch.nn.Linear(HIDDEN, HIDDEN)
-    inputs = [e.detach() for e in embeddings(3)]
-    encoded = [encoder(e) for e in inputs]
-    whole = ContrastiveLoss(symmetric=symmetric)(encoded[0], encoded[1], encoded[2:])
-    whole.backward()
-    expected = [p.grad for p in encoder.parameters()]
 
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_dp_worker, args=(2, free_port(), symmetric, results), nprocs=2, join=True)
+        mp.spawn(_dp_worker, args=(2, free_port(), results), nprocs=2, join=True)
         results = dict(results)
-    for rank in (0, 1):
-        loss, grads = results[rank]
-        assert loss == pytest.approx(whole.item(), rel=1e-6)
-        for got, want in zip(grads, expected):
-            assert torch.allclose(got, want, atol=1e-6), (rank, (got - want).abs().max())
-    # the gather took effect: each rank alone (its 3 anchors against its own candidates) differs
-    alone = ContrastiveLoss(symmetric=symmetric)(encoded[0][:3], encoded[1][:3], [encoded[2][:3]])
-    assert abs(alone.item() - whole.item()) > 1e-3
+    for symmetric in (False, True):
+        torch.manual_seed(0)
+        encoder = torch.nn.Linear(HIDDEN, HIDDEN)
+        inputs = [e.detach() for e in embeddings(3)]
+        encoded = [encoder(e) for e in inputs]
+        whole = ContrastiveLoss(symmetric=symmetric)(encoded[0], encoded[1], encoded[2:])
+        whole.backward()
+        expected = [p.grad for p in encoder.parameters()]
+        for rank in (0, 1):
+            loss, grads = results[(rank, symmetric)]
+            assert loss == pytest.approx(whole.item(), rel=1e-6), (symmetric, rank)
+            for got, want in zip(grads, expected):
+                assert torch.allclose(got, want, atol=1e-6), (symmetric, rank, (got - want).abs().max())
+        # the gather took effect: each rank alone (its 3 anchors against its own candidates) differs
+        alone = ContrastiveLoss(symmetric=symmetric)(encoded[0][:3], encoded[1][:3], [encoded[2][:3]])
+        assert abs(alone.item() - whole.item()) > 1e-3
