@@ -1,0 +1,69 @@
+"""tools/embed.py against sentence-transformers (a test-only dependency): a BERT and a ModernBERT
+export (tools/convert_checkpoint.py's directory, mean pooling in its sentence-transformers config)
+embed a file of texts to what `SentenceTransformer(path).encode()` gives, within 1e-5, and
+normalised as `normalize_embeddings=True`; a text longer than the trained length is cut and counted;
+an empty line is refused naming it."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from distributed import run_python
+from test_hf_directories import save_directory, tiny_model
+from test_modernbert import saved_model
+
+pytestmark = pytest.mark.slow
+
+TEXTS = ["the cat sat on the mat", "a dog ran in the park", "the cats are playing",
+         "the mat " * 40, "a", "park dog cat the a mat sat"]
+
+
+def export(tmp_path, architecture: str):
+    """A transformers directory as tools/convert_checkpoint.py writes it (with its sentence-transformers
+    files), from a tiny random model."""
+    from pretrain.checkpoint.hf import read_hf, write_hf
+
+    if architecture == "bert":
+        from transformers import BertModel
+
+        source = save_directory(tmp_path / "hf-bert", tiny_model(BertModel), lowercase=False)
+    else:
+        _, source = saved_model(tmp_path, "every2-window8")
+    ckpt = read_hf(str(source))
+    ckpt.trained_length = 16  # as if trained on 16-token rows: the fourth text is cut
+    out = tmp_path / f"export-{architecture}"
+    write_hf(ckpt, str(out), architecture="BertModel" if architecture == "bert" else "ModernBertModel")
+    return out
+
+
+@pytest.mark.parametrize("architecture", ["bert", "modernbert"])
+def test_embeddings_equal_sentence_transformers_encode(tmp_path, architecture):
+    from sentence_transformers import SentenceTransformer
+
+    model_dir = export(tmp_path, architecture)
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    outputs = {}
+    for normalize in (False, True):
+        out = tmp_path / f"emb-{normalize}.npy"
+        done = run_python(["tools/embed.py", "--checkpoint", str(model_dir), "--input", str(texts), "--output", str(out),
+                           "--batch-size", "4", *(["--normalize"] if normalize else [])], timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "embedded 6 texts" in done.stdout and "at most 16 tokens; 1 cut" in done.stdout, done.stdout
+        outputs[normalize] = np.load(out)
+
+    st = SentenceTransformer(str(model_dir), device="cpu", local_files_only=True)
+    assert st.max_seq_length == 16
+    for normalize, ours in outputs.items():
+        theirs = st.encode(TEXTS, batch_size=3, normalize_embeddings=normalize, convert_to_numpy=True)
+        assert ours.shape == theirs.shape and ours.shape[0] == len(TEXTS)
+        assert np.allclose(ours, theirs, atol=1e-5), np.abs(ours - theirs).max()
+    assert np.allclose(np.linalg.norm(outputs[True], axis=1), 1.0, atol=1e-6)
+
+    # bad input is named, nothing written
+    (tmp_path / "bad.txt").write_text("a text\n\nanother\n", encoding="utf-8")
+    done = run_python(["tools/embed.py", "--checkpoint", str(model_dir), "--input", str(tmp_path / "bad.txt"),
+                       "--output", str(tmp_path / "bad.npy")], timeout=300)
+    assert done.returncode == 1 and f"{tmp_path / 'bad.txt'}:2: empty text" in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "bad.npy").exists()

@@ -1,0 +1,188 @@
+"""Sentence embeddings of a text file with an encoder checkpoint, as sentence-transformers computes them.
+
+usage: python tools/embed.py --checkpoint CKPT --input texts.txt --output embeddings.npy
+         [--input-format lines|jsonl] [--json-key text] [--pooling mean|cls|last] [--normalize]
+         [--max-length N] [--vocab-file F] [--batch-size 32] [--tp 1]
+
+CKPT is a native checkpoint (any layout) or a Hugging Face BERT or ModernBERT directory. Each text
+(one per line, or the --json-key field of each JSON line) is tokenized with the checkpoint's own
+tokenizer ([CLS] text [SEP]), run through the encoder, and pooled from the last layer's token
+states (finetune/embedding/loss.py's `pool`: mean over the real tokens, the first token, or the
+last real token), optionally L2-normalised. Texts longer than --max-length tokens (default: the
+length the checkpoint was trained at, checkpoint/trained_length.py) are cut, and counted. The
+output is a float32 [texts, hidden] .npy, rows in input order, written whole or not at all.
+Several processes (launcher.sh ... tool tools/embed.py ... --tp 2) split the model with tensor
+parallelism. Exit status: 0 done, 1 bad input, 2 bad usage.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from pretrain.cli import accept_launcher_args, positive_int, run_command, run_distributed
+from pretrain.common.errors import UserError
+
+POOLING_MODES = ("mean", "cls", "last")  # finetune/embedding/loss.py's (not imported here: torch)
+
+
+class EmbedError(UserError, ValueError):
+    """An input file that cannot be embedded, named."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python tools/embed.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--input", required=True, help="one text per line, or JSON lines (--input-format jsonl)")
+    parser.add_argument("--output", required=True, help="a .npy file")
+    parser.add_argument("--input-format", choices=("lines", "jsonl"), default="lines")
+    parser.add_argument("--json-key", default="text")
+    parser.add_argument("--pooling", choices=POOLING_MODES, default="mean")
+    parser.add_argument("--normalize", action="store_true", help="L2-normalise each embedding")
+    parser.add_argument("--max-length", type=positive_int, default=None,
+                        help="tokens per text, longer ones cut (default: the length the checkpoint was trained at)")
+    parser.add_argument("--vocab-file", help="default: the checkpoint's own tokenizer")
+    parser.add_argument("--batch-size", type=positive_int, default=32)
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (the world size when launched)")
+    accept_launcher_args(parser)
+    return parser.parse_args(argv)
+
+
+def read_texts(path: str, input_format: str, json_key: str) -> list[str]:
+    """The texts of the input file; an empty text or a bad JSON line is an error naming its line."""
+    texts = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                line = line.rstrip("\n")
+                if input_format == "jsonl":
+                    if not line.strip():
+                        continue
+                    try:
+                        value = json.loads(line).get(json_key)
+                    except (json.JSONDecodeError, AttributeError):
+                        raise EmbedError(f"{path}:{number}: not a JSON object") from None
+                    if not isinstance(value, str):
+                        raise EmbedError(f"{path}:{number}: no text under '{json_key}'")
+                    line = value
+                if not line.strip():
+                    raise EmbedError(f"{path}:{number}: empty text (every line is one text to embed)")
+                texts.append(line)
+    except FileNotFoundError:
+        raise EmbedError(f"{path}: no such file") from None
+    except UnicodeDecodeError as error:
+        raise EmbedError(f"{path}: not UTF-8 ({error.reason} at byte {error.start})") from None
+    if not texts:
+        raise EmbedError(f"{path}: no text")
+    return texts
+
+
+def embed_texts(model, tokenizer, pad_id: int, texts: list[str], pooling: str, normalize: bool, parallel,
+                batch_size: int):
+    """[texts, hidden] float32 embeddings (numpy), batches of similar lengths, rows in input order."""
+    import numpy as np
+    import torch
+
+    from finetune.embedding.loss import pool
+    from finetune.model import encoder_inputs
+
+    encodings = tokenizer.encode_batch(texts)
+    order = sorted(range(len(texts)), key=lambda i: len(encodings[i].ids))
+    result = None
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        length = max(len(encodings[i].ids) for i in chunk)
+        ids = torch.full((len(chunk), length), pad_id, dtype=torch.long)
+        types, attention = torch.zeros_like(ids), torch.zeros_like(ids)
+        for row, i in enumerate(chunk):
+            e = encodings[i]
+            ids[row, :len(e.ids)] = torch.tensor(e.ids)
+            types[row, :len(e.ids)] = torch.tensor(e.type_ids)
+            attention[row, :len(e.ids)] = 1
+        ids, types, attention = (t.to(parallel.device) for t in (ids, types, attention))
+        with torch.no_grad():
+            hidden, _ = model.encode(encoder_inputs(ids, types, attention))
+            vectors = pool(hidden.float(), attention, pooling, normalize).cpu().numpy()
+        if result is None:
+            result = np.zeros((len(texts), vectors.shape[1]), dtype=np.float32)
+        result[chunk] = vectors
+    return result
+
+
+def run(args, parallel) -> str:
+    import numpy as np
+
+    from pretrain.checkpoint.load import read_any
+    from pretrain.checkpoint.logical import check_layout
+    from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer
+    from pretrain.checkpoint.trained_length import export_length
+    from pretrain.common.atomic import atomic_outputs
+    from finetune.inputs import fixed_length_tokenizer
+
+    started = time.perf_counter()
+    texts = read_texts(args.input, args.input_format, args.json_key)  # before the checkpoint: the cheapest mistake
+    ckpt = read_any(args.checkpoint, with_optimizer=False)
+    m = ckpt.config.model
+    check_layout(ckpt.config, parallel.tp_size, 1)
+    info = checkpoint_tokenizer(ckpt.vocab_dir, m.vocab_size, args.checkpoint, args.vocab_file)
+    max_length = min(args.max_length or export_length(ckpt.trained_length, m.max_position_embeddings),
+                     m.max_position_embeddings)
+    tokenizer = fixed_length_tokenizer(info.tokenizer, max_length, info.specials)  # [CLS] text [SEP], cut
+    tokenizer.no_padding()  # each batch is padded to its own longest text
+    cut = sum(1 for e in tokenizer.encode_batch(texts) if e.overflowing)
+    model = build_encoder_model(ckpt, parallel)
+    embeddings = embed_texts(model, tokenizer, info.specials.pad_id, texts, args.pooling, args.normalize, parallel,
+                             args.batch_size)
+    if parallel.rank == 0:
+        with atomic_outputs([args.output]) as temporary, open(temporary[args.output], "wb") as f:
+            np.save(f, embeddings)
+    return (f"embedded {len(texts):,} texts with {args.checkpoint} ({args.pooling} pooling"
+            f"{', normalised' if args.normalize else ''}, at most {max_length} tokens; {cut:,} cut) into "
+            f"{args.output} ({embeddings.shape[0]:,} x {embeddings.shape[1]}) in {time.perf_counter() - started:.1f} s")
+
+
+def build_encoder_model(ckpt, parallel):
+    import torch
+
+    from pretrain.checkpoint.sharding import load_hf_state_dict
+    from pretrain.model.bert import build_model
+    from pretrain.model.rng import RngTracker, seed_streams
+
+    m = ckpt.config.model
+    tracker = RngTracker(parallel.device)
+    seed_streams(tracker, 0, parallel.tp_rank, 0, parallel.dp_rank)
+    padded = m.padded_vocab_size(parallel.tp_size)
+    model = build_model(m, padded, torch.float32, tracker, parallel.tp_group).to(parallel.device)
+    load_hf_state_dict(model, ckpt.weights, padded, parallel.tp_rank, parallel.tp_size)
+    return model.eval()
+
+
+def main(argv=None) -> int:
+    return run_command(parse_args, start, argv, name="embed", input_errors=(OSError,))
+
+
+def start(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no "setting accelerator to CPU" warning
+    from pretrain.distributed.parallel import discover_launch_env
+
+    launch = discover_launch_env()
+    if launch.world_size % args.tp:
+        raise UserError(f"--tp {args.tp} needs a multiple of {args.tp} processes, {launch.world_size} launched")
+
+    def answer(parallel) -> None:
+        line = run(args, parallel)
+        if parallel.rank == 0:
+            print(line, flush=True)
+
+    return run_distributed(answer, args.tp, launch=launch)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
