@@ -79,17 +79,16 @@ def read_texts(path: str, input_format: str, json_key: str) -> list[str]:
     return texts
 
 
-def embed_texts(model, tokenizer, pad_id: int, texts: list[str], pooling: str, normalize: bool, parallel,
-                batch_size: int):
-    """[texts, hidden] float32 embeddings (numpy), batches of similar lengths, rows in input order."""
+def embed_encodings(model, encodings: list, pad_id: int, pooling: str, normalize: bool, parallel, batch_size: int):
+    """[texts, hidden] float32 embeddings (numpy) of tokenized texts, batches of similar lengths,
+    rows in input order."""
     import numpy as np
     import torch
 
     from finetune.embedding.loss import pool
     from finetune.model import encoder_inputs
 
-    encodings = tokenizer.encode_batch(texts)
-    order = sorted(range(len(texts)), key=lambda i: len(encodings[i].ids))
+    order = sorted(range(len(encodings)), key=lambda i: len(encodings[i].ids))
     result = None
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
@@ -106,7 +105,7 @@ def embed_texts(model, tokenizer, pad_id: int, texts: list[str], pooling: str, n
             hidden, _ = model.encode(encoder_inputs(ids, types, attention))
             vectors = pool(hidden.float(), attention, pooling, normalize).cpu().numpy()
         if result is None:
-            result = np.zeros((len(texts), vectors.shape[1]), dtype=np.float32)
+            result = np.zeros((len(encodings), vectors.shape[1]), dtype=np.float32)
         result[chunk] = vectors
     return result
 
@@ -114,7 +113,7 @@ def embed_texts(model, tokenizer, pad_id: int, texts: list[str], pooling: str, n
 def run(args, parallel) -> str:
     import numpy as np
 
-    from pretrain.checkpoint.load import read_any
+    from pretrain.checkpoint.load import inference_model, read_any
     from pretrain.checkpoint.logical import check_layout
     from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer
     from pretrain.checkpoint.trained_length import export_length
@@ -131,32 +130,17 @@ def run(args, parallel) -> str:
                      m.max_position_embeddings)
     tokenizer = fixed_length_tokenizer(info.tokenizer, max_length, info.specials)  # [CLS] text [SEP], cut
     tokenizer.no_padding()  # each batch is padded to its own longest text
-    cut = sum(1 for e in tokenizer.encode_batch(texts) if e.overflowing)
-    model = build_encoder_model(ckpt, parallel)
-    embeddings = embed_texts(model, tokenizer, info.specials.pad_id, texts, args.pooling, args.normalize, parallel,
-                             args.batch_size)
+    encodings = tokenizer.encode_batch(texts)
+    cut = sum(1 for e in encodings if e.overflowing)
+    model = inference_model(ckpt, parallel)
+    embeddings = embed_encodings(model, encodings, info.specials.pad_id, args.pooling, args.normalize, parallel,
+                                 args.batch_size)
     if parallel.rank == 0:
         with atomic_outputs([args.output]) as temporary, open(temporary[args.output], "wb") as f:
             np.save(f, embeddings)
     return (f"embedded {len(texts):,} texts with {args.checkpoint} ({args.pooling} pooling"
             f"{', normalised' if args.normalize else ''}, at most {max_length} tokens; {cut:,} cut) into "
             f"{args.output} ({embeddings.shape[0]:,} x {embeddings.shape[1]}) in {time.perf_counter() - started:.1f} s")
-
-
-def build_encoder_model(ckpt, parallel):
-    import torch
-
-    from pretrain.checkpoint.sharding import load_hf_state_dict
-    from pretrain.model.bert import build_model
-    from pretrain.model.rng import RngTracker, seed_streams
-
-    m = ckpt.config.model
-    tracker = RngTracker(parallel.device)
-    seed_streams(tracker, 0, parallel.tp_rank, 0, parallel.dp_rank)
-    padded = m.padded_vocab_size(parallel.tp_size)
-    model = build_model(m, padded, torch.float32, tracker, parallel.tp_group).to(parallel.device)
-    load_hf_state_dict(model, ckpt.weights, padded, parallel.tp_rank, parallel.tp_size)
-    return model.eval()
 
 
 def main(argv=None) -> int:

@@ -125,22 +125,6 @@ def encode(sentences, info, max_length: int) -> list:
     return encodings
 
 
-def build_model(ckpt, parallel):
-    import torch
-
-    from pretrain.model.bert import build_model as build_bert
-    from pretrain.checkpoint.sharding import load_hf_state_dict
-    from pretrain.model.rng import RngTracker, seed_streams
-
-    m = ckpt.config.model
-    tracker = RngTracker(parallel.device)
-    seed_streams(tracker, 0, parallel.tp_rank, 0, parallel.dp_rank)
-    padded = m.padded_vocab_size(parallel.tp_size)
-    model = build_bert(m, padded, torch.float32, tracker, parallel.tp_group).to(parallel.device)
-    load_hf_state_dict(model, ckpt.weights, padded, parallel.tp_rank, parallel.tp_size)
-    return model.eval()
-
-
 def predict(model, encodings, info, vocab_size: int, top_k: int, parallel, batch_size: int) -> list[list]:
     """For each encoding, for each [MASK] in order: (position, [(id, probability), ...] best first)."""
     import torch
@@ -206,7 +190,7 @@ def report(sentences, encodings, results, info, as_json: bool) -> list[str]:
 
 
 def run(args, parallel) -> list[str]:
-    from pretrain.checkpoint.load import read_any
+    from pretrain.checkpoint.load import inference_model, read_any
     from pretrain.checkpoint.logical import check_layout
 
     sentences = read_sentences(args)
@@ -219,7 +203,7 @@ def run(args, parallel) -> list[str]:
     check_layout(ckpt.config, parallel.tp_size, 1)
     info = load_tokenizer_for(ckpt, args.checkpoint, args.vocab_file)
     encodings = encode(sentences, info, ckpt.config.model.max_position_embeddings)
-    model = build_model(ckpt, parallel)
+    model = inference_model(ckpt, parallel)
     results = predict(model, encodings, info, ckpt.config.model.vocab_size, args.top_k, parallel, args.batch_size)
     return report(sentences, encodings, results, info, args.json)
 

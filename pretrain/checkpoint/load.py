@@ -30,6 +30,22 @@ from .sharding import load_hf_state_dict, local_value
 logger = logging.getLogger(__name__)
 
 
+def inference_model(ckpt: LogicalCheckpoint, parallel):
+    """`ckpt`'s whole pretraining model (encoder and heads) on this rank's device, its TP shard of
+    the weights loaded, in eval mode: what the tools that only run a checkpoint use (fill-mask,
+    embeddings)."""
+    from ..model.bert import build_model
+    from ..model.rng import RngTracker
+
+    m = ckpt.config.model
+    tracker = RngTracker(parallel.device)
+    seed_streams(tracker, 0, parallel.tp_rank, 0, parallel.dp_rank)
+    padded = m.padded_vocab_size(parallel.tp_size)
+    model = build_model(m, padded, torch.float32, tracker, parallel.tp_group).to(parallel.device)
+    load_hf_state_dict(model, ckpt.weights, padded, parallel.tp_rank, parallel.tp_size)
+    return model.eval()
+
+
 def is_hf_directory(path: str) -> bool:
     return os.path.exists(os.path.join(path, CONFIG_JSON)) and not os.path.exists(os.path.join(path, LATEST))
 
