@@ -2,7 +2,7 @@
 export (tools/convert_checkpoint.py's directory, mean pooling in its sentence-transformers config)
 embed a file of texts to what `SentenceTransformer(path).encode()` gives, within 1e-5, and
 normalised as `normalize_embeddings=True`; a text longer than the trained length is cut and counted;
-an empty line is refused naming it."""
+an empty line and an existing output file are refused naming them."""
 import json
 
 import numpy as np
@@ -67,3 +67,9 @@ def test_embeddings_equal_sentence_transformers_encode(tmp_path, architecture):
                        "--output", str(tmp_path / "bad.npy")], timeout=300)
     assert done.returncode == 1 and f"{tmp_path / 'bad.txt'}:2: empty text" in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "bad.npy").exists()
+    # an existing output is refused, its bytes untouched
+    before = (tmp_path / "emb-True.npy").read_bytes()
+    done = run_python(["tools/embed.py", "--checkpoint", str(model_dir), "--input", str(texts),
+                       "--output", str(tmp_path / "emb-True.npy")], timeout=300)
+    assert done.returncode == 1 and "already exists" in done.stderr, done.stderr[-2000:]
+    assert (tmp_path / "emb-True.npy").read_bytes() == before

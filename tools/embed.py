@@ -10,7 +10,8 @@ tokenizer ([CLS] text [SEP]), run through the encoder, and pooled from the last 
 states (finetune/embedding/loss.py's `pool`: mean over the real tokens, the first token, or the
 last real token), optionally L2-normalised. Texts longer than --max-length tokens (default: the
 length the checkpoint was trained at, checkpoint/trained_length.py) are cut, and counted. The
-output is a float32 [texts, hidden] .npy, rows in input order, written whole or not at all.
+output is a float32 [texts, hidden] .npy, rows in input order, written whole or not at all; an
+existing file there is refused, never replaced.
 Several processes (launcher.sh ... tool tools/embed.py ... --tp 2) split the model with tensor
 parallelism. Exit status: 0 done, 1 bad input, 2 bad usage.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -121,6 +123,8 @@ def run(args, parallel) -> str:
     from finetune.inputs import fixed_length_tokenizer
 
     started = time.perf_counter()
+    if os.path.exists(args.output):  # a user's file is never replaced
+        raise EmbedError(f"--output {args.output} already exists: name a new file (or remove that one)")
     texts = read_texts(args.input, args.input_format, args.json_key)  # before the checkpoint: the cheapest mistake
     ckpt = read_any(args.checkpoint, with_optimizer=False)
     m = ckpt.config.model
@@ -148,8 +152,6 @@ def main(argv=None) -> int:
 
 
 def start(args: argparse.Namespace) -> int:
-    import os
-
     import torch
 
     if not torch.cuda.is_available():
