@@ -85,7 +85,13 @@ def sweep(config, *overrides, wait=True):
 
 
 def trial_dirs(out):
-    return sorted(p.parent for p in out.rglob("trial.json"))
+    """The finished trials' directories, looked up while the sweep runs: a directory it renames
+    while the walk is in it (a trial's best.new becoming best) is looked up again."""
+    while True:
+        try:
+            return sorted(p.parent for p in out.rglob("trial.json"))
+        except FileNotFoundError:
+            continue
 
 
 def table_numbers(out) -> dict:
