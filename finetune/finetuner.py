@@ -199,21 +199,8 @@ class Finetuner:
     # ----------------------------------------------------------------------------- engine
     def _build_engine(self):
         t, p = self.cfg.train, self.parallel
-        kinds = {id(lp.param): lp.kind for lp in logical_parameters(self.model.bert)}
-        trainable = [(param, "bias" if name.endswith("bias") else kinds.get(id(param), "weight"))
-                     for name, param in self.model.named_parameters() if param.requires_grad]
-        groups = [{"params": params, "weight_decay": t.weight_decay if decay else 0.0}
-                  for decay, _, params in group_by_kind(trainable, ("bias", "layernorm"), ())]
-        optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(0.9, 0.999), eps=1e-6)
-        warmup = int(t.warmup_ratio * self.total_steps)
-        ds_config = deepspeed_settings(t.global_batch_size, t.micro_batch_size, self.micro_per_step, t.grad_clip,
-                                       self.cfg.parallel.zero_stage, t.precision, grad_accum_dtype=t.grad_accum_dtype)
-        # each parameter once: TP-sharded ones on every TP rank, replicated ones on TP rank 0
-        counted = [param for param in self.model.parameters() if is_tp_sharded(param) or p.tp_rank == 0]
-        engine, _ = initialize_engine(
-            self.model, optimizer, ds_config, p, counted=counted, grad_clip=t.grad_clip, mpu=p.mpu,
-            lr_scheduler=lambda opt: make_lr_scheduler(opt, t.lr, warmup, max(self.total_steps, warmup + 1), "linear"))
-        return engine
+        batch = (t.global_batch_size, t.micro_batch_size, self.micro_per_step)
+        return adamw_engine(self.model, self.model.bert, t, p, self.cfg.parallel.zero_stage, self.total_steps, batch)
 
     # ----------------------------------------------------------------------------- training
     def _epoch_order(self, epoch: int) -> list[int]:
@@ -407,12 +394,7 @@ class Finetuner:
 
         p = self.parallel
         self.watchdog.doing(f"saving the epoch-{result['epoch']} weights")
-        weights = {}
-        for lp in logical_parameters(self.model.bert):
-            local = lp.param.detach().float()  # on the model's device: the TP gather runs there
-            if lp.tp_partition_dim is not None and p.tp_size > 1:
-                local = torch.cat(all_gather(local, p.tp_group), dim=lp.tp_partition_dim)
-            weights[lp.hf_name] = unpad_vocab(lp.hf_name, to_host(local), self.model_cfg.vocab_size)
+        weights = gathered_encoder_weights(self.model.bert, self.model_cfg, p)
         if p.rank != p.logging_rank:
             return
         head = {name: param.detach().float().cpu() for name, param in self.model.head.named_parameters()}
@@ -420,24 +402,68 @@ class Finetuner:
         trained = longest(self.ckpt.trained_length, self.cfg.task.max_seq_length)
         ckpt = replace(self.ckpt, weights=weights, extra=head, trained_length=trained)
         target = os.path.join(self.cfg.train.output_dir, "best")
-        fresh = target + ".new"
-        shutil.rmtree(fresh, ignore_errors=True)
-        try:
-            with disk_full_named(fresh, f"the epoch-{result['epoch']} weights"):
-                with tempfile.TemporaryDirectory() as vocab_dir:
-                    save_vocab(self.tokenizer.source, vocab_dir)  # the tokenizer this model was fine-tuned with
-                    write_hf(replace(ckpt, vocab_dir=vocab_dir), fresh,
-                             architecture=self.task.exported_architecture(self.model_cfg),
-                             config_extra=self._export_config())
-                with open(os.path.join(fresh, "finetune_result.json"), "w") as f:
-                    json.dump(result, f, indent=2)
-        except BaseException:
-            shutil.rmtree(fresh, ignore_errors=True)  # the previous best stays as it was
-            raise
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(fresh, target)
+
+        def write(fresh: str) -> None:
+            with tempfile.TemporaryDirectory() as vocab_dir:
+                save_vocab(self.tokenizer.source, vocab_dir)  # the tokenizer this model was fine-tuned with
+                write_hf(replace(ckpt, vocab_dir=vocab_dir), fresh,
+                         architecture=self.task.exported_architecture(self.model_cfg),
+                         config_extra=self._export_config())
+            with open(os.path.join(fresh, "finetune_result.json"), "w") as f:
+                json.dump(result, f, indent=2)
+
+        replace_directory(target, write, f"the epoch-{result['epoch']} weights")
         self.watchdog.progress(f"the save of the epoch-{result['epoch']} weights")
         logger.info(f"saved the epoch-{result['epoch']} weights to {target}")
+
+
+def adamw_engine(model, encoder, t, parallel, zero_stage: int, total_steps: int, batch: tuple[int, int, int]):
+    """The DeepSpeed engine of a fine-tuning model: AdamW (no decay on biases and LayerNorm), linear
+    warmup (t.warmup_ratio of total_steps) then linear decay, clipping by DeepSpeed. `t`: a train
+    section (lr, weight_decay, grad_clip, precision, grad_accum_dtype, warmup_ratio); `batch`:
+    DeepSpeed's (train_batch_size, micro batch per rank, accumulation steps)."""
+    kinds = {id(lp.param): lp.kind for lp in logical_parameters(encoder)}
+    trainable = [(param, "bias" if name.endswith("bias") else kinds.get(id(param), "weight"))
+                 for name, param in model.named_parameters() if param.requires_grad]
+    groups = [{"params": params, "weight_decay": t.weight_decay if decay else 0.0}
+              for decay, _, params in group_by_kind(trainable, ("bias", "layernorm"), ())]
+    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(0.9, 0.999), eps=1e-6)
+    warmup = int(t.warmup_ratio * total_steps)
+    ds_config = deepspeed_settings(*batch, t.grad_clip, zero_stage, t.precision, grad_accum_dtype=t.grad_accum_dtype)
+    # each parameter once: TP-sharded ones on every TP rank, replicated ones on TP rank 0
+    counted = [param for param in model.parameters() if is_tp_sharded(param) or parallel.tp_rank == 0]
+    engine, _ = initialize_engine(
+        model, optimizer, ds_config, parallel, counted=counted, grad_clip=t.grad_clip, mpu=parallel.mpu,
+        lr_scheduler=lambda opt: make_lr_scheduler(opt, t.lr, warmup, max(total_steps, warmup + 1), "linear"))
+    return engine
+
+
+@torch.no_grad()
+def gathered_encoder_weights(encoder, model_cfg, parallel) -> dict[str, torch.Tensor]:
+    """The encoder's whole weights by Hugging Face name (fp32, on the host), its TP shards gathered:
+    a collective every rank of the TP group calls."""
+    weights = {}
+    for lp in logical_parameters(encoder):
+        local = lp.param.detach().float()  # on the model's device: the TP gather runs there
+        if lp.tp_partition_dim is not None and parallel.tp_size > 1:
+            local = torch.cat(all_gather(local, parallel.tp_group), dim=lp.tp_partition_dim)
+        weights[lp.hf_name] = unpad_vocab(lp.hf_name, to_host(local), model_cfg.vocab_size)
+    return weights
+
+
+def replace_directory(target: str, write, what: str) -> None:
+    """`write(directory)` into a fresh sibling of `target`, then that put in target's place: a failed
+    or interrupted write leaves the previous `target` as it was."""
+    fresh = target + ".new"
+    shutil.rmtree(fresh, ignore_errors=True)
+    try:
+        with disk_full_named(fresh, what):
+            write(fresh)
+    except BaseException:
+        shutil.rmtree(fresh, ignore_errors=True)
+        raise
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(fresh, target)
 
 
 def read_init_from(path: str):

@@ -1,4 +1,6 @@
-"""Command line: `python -m finetune TASK [--config FILE] [--feature-based] [section.key=value ...]`.
+"""Command line: `python -m finetune TASK [--config FILE] [--feature-based] [section.key=value ...]`,
+`python -m finetune embed ...` (contrastive training of an embedding model: finetune/embedding/main.py)
+and `python -m finetune sweep ...` (finetune/sweep/runner.py).
 
 TASK is a GLUE task (cola sst2 mrpc stsb qqp mnli qnli rte wnli), swag, squad, squad2 or conll2003. The config (default
 configs/finetune/TASK.yaml when it exists) and the overrides are validated against the world
@@ -10,16 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 
 from pretrain.cli import accept_launcher_args, run_command, run_distributed
 
+from .output_dir import agree_on_output_dir, one_node
 from .tasks import TASK_NAMES  # torch-free: the tasks themselves are imported when one is asked for
 
-
-logger = logging.getLogger(__name__)
 
 
 def parse_args(argv=None):
@@ -42,6 +42,10 @@ def main(argv=None) -> int:
         from .sweep.runner import main as sweep
 
         return sweep(argv[1:])
+    if argv[:1] == ["embed"]:  # python -m finetune embed [--config EMBED.yaml] [section.key=value ...]
+        from .embedding.main import main as embed
+
+        return embed(argv[1:])
     return run_command(parse_args, start, argv)
 
 
@@ -91,38 +95,6 @@ def start(args: argparse.Namespace) -> int:
             print(json.dumps({"task": summary["task"], "best": summary["best"]}, indent=2))
 
     return run_distributed(fine_tune, cfg.parallel.tensor_parallel, launch=launch)
-
-
-def one_node(world_size: int, environ=None) -> bool:
-    """Whether the launcher says every rank of the job runs on this node (so all see one train.output_dir):
-    its ranks per node (rendezvous.py's variables; DeepSpeed's launcher: LOCAL_SIZE) are the world size."""
-    from pretrain.distributed.rendezvous import LOCAL_SIZE_VARIABLES
-
-    env = os.environ if environ is None else environ
-    if world_size == 1:
-        return True
-    local = next((env[name] for name in (*LOCAL_SIZE_VARIABLES, "LOCAL_SIZE") if env.get(name, "").isdigit()), None)
-    return local is not None and int(local) == world_size
-
-
-def agree_on_output_dir(cfg, parallel) -> None:
-    """After the rendezvous, before anything is read or written: the logging rank (the one rank that
-    writes train.output_dir) looks there and every rank follows its verdict, so that all refuse alike
-    (UsageError: one line, exit 2) even where nodes do not share the directory. With
-    train.overwrite_output_dir the logging rank says what the run replaces."""
-    from pretrain.common.errors import UsageError
-    from pretrain.distributed.device import all_gather_object
-
-    from .config import output_dir_problems, previous_outputs
-
-    writer = parallel.rank == parallel.logging_rank
-    view = (output_dir_problems(cfg), previous_outputs(cfg)) if writer else None
-    problems, found = all_gather_object(view)[parallel.logging_rank]
-    if problems:
-        raise UsageError(problems[0])
-    if found and writer:
-        logger.warning(f"train.overwrite_output_dir: this run replaces the previous run's outputs in "
-                       f"{cfg.train.output_dir} ({', '.join(found)})")
 
 
 if __name__ == "__main__":

@@ -58,3 +58,40 @@ def test_a_cached_step_equals_the_uncached_one(columns, loss):
     torch.manual_seed(11)
     cached_step(minis, careless, whole_loss, NoReplay())
     assert any(not torch.allclose(a, b, atol=1e-4) for a, b in zip(grads(careless), grads(uncached)))
+
+
+class ForkedDropout(torch.nn.Module):
+    """Dropout drawn from a tracker's stream, as the tensor-parallel regions of our encoder draw it."""
+
+    def __init__(self, tracker):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tracker, self.inner = tracker, torch.nn.Linear(FEATURES, HIDDEN)  # one dropout: the draws' order is the batch's
+
+    def forward(self, x):
+        with self.tracker.fork():
+            return torch.nn.functional.dropout(self.inner(x), 0.3, training=self.training)
+
+
+def test_the_replay_covers_the_tracker_streams_the_encoders_tensor_parallel_dropout_draws_from():
+    from pretrain.model.rng import RngTracker
+
+    inputs = batch(2)
+    loss = ContrastiveLoss()
+
+    def run(random_state_of, cached: bool):
+        tracker = RngTracker(torch.device("cpu"))
+        tracker.add("model-parallel", 5)
+        model = ForkedDropout(tracker).train()
+        torch.manual_seed(11)
+        if cached:
+            cached_step([list(x.split(2)) for x in inputs], model, lambda e: loss(e[0], e[1]), random_state_of(tracker))
+        else:
+            loss(model(inputs[0]), model(inputs[1])).backward()
+        return grads(model)
+
+    want = run(None, cached=False)
+    got = run(lambda tracker: TorchRandomState(tracker=tracker), cached=True)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got, want))
+    careless = run(lambda tracker: TorchRandomState(), cached=True)  # the default generator only
+    assert any(not torch.allclose(a, b, atol=1e-4) for a, b in zip(careless, want))

@@ -74,7 +74,7 @@ def test_a_second_run_is_refused_in_one_line_before_it_starts_and_changes_nothin
 
 
 def test_overwrite_output_dir_lets_the_run_replace_them_and_says_so(tmp_path, monkeypatch):
-    import finetune.main
+    import finetune.output_dir
     import pretrain.distributed.device
 
     out = tmp_path / "out"
@@ -83,9 +83,9 @@ def test_overwrite_output_dir_lets_the_run_replace_them_and_says_so(tmp_path, mo
     replacing = cfg_of(tmp_path, out, "train.overwrite_output_dir=true")
     assert replacing.train.overwrite_output_dir is True and output_dir_problems(replacing) == []
     warnings = []
-    monkeypatch.setattr(finetune.main.logger, "warning", warnings.append)
+    monkeypatch.setattr(finetune.output_dir.logger, "warning", warnings.append)
     monkeypatch.setattr(pretrain.distributed.device, "all_gather_object", lambda view, group=None: [view])
-    finetune.main.agree_on_output_dir(replacing, FakeParallel(rank=0, world_size=1))
+    finetune.output_dir.agree_on_output_dir(replacing, FakeParallel(rank=0, world_size=1))
     assert warnings == [f"train.overwrite_output_dir: this run replaces the previous run's outputs in {out} ({FOUND})"]
 
 
@@ -116,7 +116,7 @@ class FakeParallel:
 def test_every_rank_follows_the_logging_ranks_verdict(tmp_path, monkeypatch):
     """Where the ranks may not share train.output_dir (several nodes) the check waits for the
     rendezvous: the logging rank looks, every rank refuses with its verdict (exit 2), none waits."""
-    import finetune.main
+    import finetune.output_dir
     import pretrain.distributed.device
     from pretrain.common.errors import UsageError
 
@@ -132,13 +132,13 @@ def test_every_rank_follows_the_logging_ranks_verdict(tmp_path, monkeypatch):
     monkeypatch.setattr(pretrain.distributed.device, "all_gather_object", gather)
     for rank in (0, 1):
         with pytest.raises(UsageError) as error:
-            finetune.main.agree_on_output_dir(cfg, FakeParallel(rank=rank, world_size=2))
+            finetune.output_dir.agree_on_output_dir(cfg, FakeParallel(rank=rank, world_size=2))
         assert str(error.value) == refusal(out) and error.value.exit_status == 2
     assert sent[1] is None  # rank 1 did not look: only the rank that writes there does
 
-    assert finetune.main.one_node(1, {})
-    assert finetune.main.one_node(4, {"LOCAL_WORLD_SIZE": "4"}) and finetune.main.one_node(2, {"LOCAL_SIZE": "2"})
-    assert not finetune.main.one_node(4, {"LOCAL_WORLD_SIZE": "2"}) and not finetune.main.one_node(2, {})
+    assert finetune.output_dir.one_node(1, {})
+    assert finetune.output_dir.one_node(4, {"LOCAL_WORLD_SIZE": "4"}) and finetune.output_dir.one_node(2, {"LOCAL_SIZE": "2"})
+    assert not finetune.output_dir.one_node(4, {"LOCAL_WORLD_SIZE": "2"}) and not finetune.output_dir.one_node(2, {})
 
 
 @pytest.mark.slow

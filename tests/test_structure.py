@@ -39,6 +39,7 @@ LAYERS = (
     "finetune.inputs",
     "finetune.input_cache",
     "finetune.config",
+    "finetune.output_dir",  # the output directory every rank agrees on before a run writes
     "finetune.model",
     "finetune.tasks",  # the task registry and the tasks
     "finetune.features",

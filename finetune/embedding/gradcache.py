@@ -27,19 +27,25 @@ class RandomState(Protocol):
 
 
 class TorchRandomState:
-    """The CPU generator's state and, where a CUDA device is used, its generator's too."""
+    """The CPU generator's state and, where a CUDA device is used, its generator's too; with a
+    `tracker` (pretrain.model.rng.RngTracker) also its named streams (the dropout of tensor-parallel
+    regions draws from those)."""
 
-    def __init__(self, device: torch.device | None = None):
+    def __init__(self, device: torch.device | None = None, tracker=None):
         self.cuda = device is not None and device.type == "cuda"
+        self.tracker = tracker
 
     def get(self):
-        return torch.get_rng_state(), (torch.cuda.get_rng_state() if self.cuda else None)
+        streams = self.tracker.state_dict() if self.tracker is not None else None
+        return torch.get_rng_state(), (torch.cuda.get_rng_state() if self.cuda else None), streams
 
     def set(self, state) -> None:
-        cpu, cuda = state
+        cpu, cuda, streams = state
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda)
+        if streams is not None:
+            self.tracker.load_state_dict(streams)
 
 
 def cached_step(columns: Sequence[Sequence[object]], embed: Callable[[object], torch.Tensor],

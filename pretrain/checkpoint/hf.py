@@ -318,12 +318,15 @@ def _written_tensors(ckpt: LogicalCheckpoint, architecture: str) -> dict[str, to
 
 
 def write_hf(ckpt: LogicalCheckpoint, out_dir: str, vocab_file: str | None = None,
-             architecture: str | None = None, config_extra: dict | None = None) -> list[str]:
+             architecture: str | None = None, config_extra: dict | None = None,
+             sentence_embedding: dict | None = None) -> list[str]:
     """Write `ckpt` as a Hugging Face directory (temporary sibling directory, renamed into place
     when complete) of `architecture`, by default the one it was trained as (trained_architecture).
     Returns the files written. A fine-tuned model names its `architecture` (e.g.
     BertForSequenceClassification): its encoder and pooler, plus the task head in ckpt.extra,
-    plus `config_extra` (num_labels, id2label, ...) in config.json."""
+    plus `config_extra` (num_labels, id2label, ...) in config.json. An encoder architecture also
+    gets the sentence-transformers files: mean pooling at the trained length, or the
+    `sentence_embedding` settings of a contrastively trained one (pooling, normalize, max_seq_length)."""
     from safetensors.torch import save_file
 
     architecture = architecture or trained_architecture(ckpt)
@@ -358,7 +361,8 @@ def write_hf(ckpt: LogicalCheckpoint, out_dir: str, vocab_file: str | None = Non
         with open(os.path.join(tmp, CONFIG_JSON), "w") as f:
             json.dump({**config, **(config_extra or {})}, f, indent=2)
         if architecture in PRETRAINING_ARCHITECTURES:  # an encoder sentence-transformers loads as it is
-            write_sentence_transformers_config(tmp, length, m.hidden_size,
+            settings = {"max_seq_length": length, **(sentence_embedding or {})}
+            write_sentence_transformers_config(tmp, hidden_size=m.hidden_size, **settings,
                                                do_lower_case=False)  # the tokenizer lowercases itself
     return sorted(os.listdir(out_dir))
 
