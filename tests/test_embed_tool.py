@@ -73,3 +73,54 @@ def test_embeddings_equal_sentence_transformers_encode(tmp_path, architecture):
                        "--output", str(tmp_path / "emb-True.npy")], timeout=300)
     assert done.returncode == 1 and "already exists" in done.stderr, done.stderr[-2000:]
     assert (tmp_path / "emb-True.npy").read_bytes() == before
+
+
+def reference_mining(st, rows, extra, k, range_min, range_max, margin):
+    """The mining rule written out directly over sentence-transformers' own embeddings."""
+    corpus = list(dict.fromkeys([p for _, p in rows] + extra))
+    vectors = st.encode(corpus, normalize_embeddings=True, convert_to_numpy=True)
+    out = []
+    for anchor, positive in rows:
+        a = st.encode([anchor], normalize_embeddings=True, convert_to_numpy=True)[0]
+        scores = {text: float(vectors[i] @ a) for i, text in enumerate(corpus)}
+        forbidden = {p for x, p in rows if x == anchor} | {anchor}
+        ranked = sorted((t for t in corpus if t not in forbidden), key=lambda t: (-scores[t], corpus.index(t)))
+        window = [t for t in ranked[range_min:range_max] if scores[t] <= scores[positive] - margin]
+        out.append(window[:k] if len(window) >= k else None)
+    return out
+
+
+def test_mined_negatives_equal_a_direct_computation_with_sentence_transformers(tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    model_dir = export(tmp_path, "bert")
+    words = ["the", "cat", "are", "in", "who", "hello", "world", "cafe", "naive", "w1", "w2", "w3", "w4"]  # no [UNK]
+    anchors = [" ".join(words[i % 13:i % 13 + 3]) for i in range(12)]
+    rows = [(a, f"{a} {words[(i * 5) % 13]} {i}") for i, a in enumerate(anchors)]  # positives share the anchor's words
+    rows.append((rows[0][0], "cat in the cafe"))  # a second positive of the first anchor: never its negative
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"q": a, "p": p}) + "\n" for a, p in rows), encoding="utf-8")
+    extra = [f"{w} {v} w9" for w in words[:6] for v in words[6:9]]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(extra) + "\n", encoding="utf-8")
+    out = tmp_path / "mined.jsonl"
+    args = ["tools/mine_negatives.py", "--checkpoint", str(model_dir), "--input", str(pairs), "--output", str(out),
+            "--anchor-column", "q", "--positive-column", "p", "--corpus", str(corpus), "--num-negatives", "2",
+            "--range-min", "0", "--range-max", "20", "--margin", "0.01"]
+    done = run_python(args, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    st = SentenceTransformer(str(model_dir), device="cpu", local_files_only=True)
+    want = reference_mining(st, rows, extra, 2, 0, 20, 0.01)
+    got = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    kept = [(row, negatives) for row, negatives in zip(rows, want) if negatives is not None]
+    assert 3 <= len(kept) < len(rows), len(kept)  # some rows mined, some left out
+    assert [(g["anchor"], g["positive"]) for g in got] == [row for row, _ in kept]
+    assert [g["negatives"] for g in got] == [negatives for _, negatives in kept]
+    assert f"for {len(kept)} of {len(rows)} rows" in done.stdout
+    assert f"{len(rows) - len(kept)} rows left out" in done.stdout
+    assert all(rows[0][1] not in g["negatives"] and "cat in the cafe" not in g["negatives"]
+               for g in got if g["anchor"] == rows[0][0])
+    # an existing output is refused, untouched
+    before = out.read_bytes()
+    done = run_python(args, timeout=300)
+    assert done.returncode == 1 and "already exists" in done.stderr and out.read_bytes() == before

@@ -1,16 +1,17 @@
 """Sentence embeddings of a text file with an encoder checkpoint, as sentence-transformers computes them.
 
 usage: python tools/embed.py --checkpoint CKPT --input texts.txt --output embeddings.npy
-         [--input-format lines|jsonl] [--json-key text] [--pooling mean|cls|last] [--normalize]
+         [--input-format lines|jsonl] [--json-key text] [--pooling mean|cls|last] [--[no-]normalize]
          [--max-length N] [--vocab-file F] [--batch-size 32] [--tp 1]
 
 CKPT is a native checkpoint (any layout) or a Hugging Face BERT or ModernBERT directory. Each text
 (one per line, or the --json-key field of each JSON line) is tokenized with the checkpoint's own
 tokenizer ([CLS] text [SEP]), run through the encoder, and pooled from the last layer's token
 states (finetune/embedding/loss.py's `pool`: mean over the real tokens, the first token, or the
-last real token), optionally L2-normalised. Texts longer than --max-length tokens (default: the
-length the checkpoint was trained at, checkpoint/trained_length.py) are cut, and counted. The
-output is a float32 [texts, hidden] .npy, rows in input order, written whole or not at all; an
+last real token), optionally L2-normalised; a sentence-transformers model (what `python -m finetune
+embed` and the converters export) gives its own pooling and normalisation as the defaults. Texts
+longer than --max-length tokens (default: the length the checkpoint was trained at,
+checkpoint/trained_length.py) are cut, and counted. The output is a float32 [texts, hidden] .npy, rows in input order, written whole or not at all; an
 existing file there is refused, never replaced.
 Several processes (launcher.sh ... tool tools/embed.py ... --tp 2) split the model with tensor
 parallelism. Exit status: 0 done, 1 bad input, 2 bad usage.
@@ -41,8 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output", required=True, help="a .npy file")
     parser.add_argument("--input-format", choices=("lines", "jsonl"), default="lines")
     parser.add_argument("--json-key", default="text")
-    parser.add_argument("--pooling", choices=POOLING_MODES, default="mean")
-    parser.add_argument("--normalize", action="store_true", help="L2-normalise each embedding")
+    parser.add_argument("--pooling", choices=POOLING_MODES, default=None,
+                        help="default: a sentence-transformers model's own (our exports), else mean")
+    parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                        help="L2-normalise each embedding (default: as a sentence-transformers model says, else not)")
     parser.add_argument("--max-length", type=positive_int, default=None,
                         help="tokens per text, longer ones cut (default: the length the checkpoint was trained at)")
     parser.add_argument("--vocab-file", help="default: the checkpoint's own tokenizer")
@@ -81,69 +84,27 @@ def read_texts(path: str, input_format: str, json_key: str) -> list[str]:
     return texts
 
 
-def embed_encodings(model, encodings: list, pad_id: int, pooling: str, normalize: bool, parallel, batch_size: int):
-    """[texts, hidden] float32 embeddings (numpy) of tokenized texts, batches of similar lengths,
-    rows in input order."""
-    import numpy as np
-    import torch
-
-    from finetune.embedding.loss import pool
-    from finetune.model import encoder_inputs
-
-    order = sorted(range(len(encodings)), key=lambda i: len(encodings[i].ids))
-    result = None
-    for start in range(0, len(order), batch_size):
-        chunk = order[start:start + batch_size]
-        length = max(len(encodings[i].ids) for i in chunk)
-        ids = torch.full((len(chunk), length), pad_id, dtype=torch.long)
-        types, attention = torch.zeros_like(ids), torch.zeros_like(ids)
-        for row, i in enumerate(chunk):
-            e = encodings[i]
-            ids[row, :len(e.ids)] = torch.tensor(e.ids)
-            types[row, :len(e.ids)] = torch.tensor(e.type_ids)
-            attention[row, :len(e.ids)] = 1
-        ids, types, attention = (t.to(parallel.device) for t in (ids, types, attention))
-        with torch.no_grad():
-            hidden, _ = model.encode(encoder_inputs(ids, types, attention))
-            vectors = pool(hidden.float(), attention, pooling, normalize).cpu().numpy()
-        if result is None:
-            result = np.zeros((len(encodings), vectors.shape[1]), dtype=np.float32)
-        result[chunk] = vectors
-    return result
-
-
 def run(args, parallel) -> str:
     import numpy as np
 
-    from pretrain.checkpoint.load import inference_model, read_any
-    from pretrain.checkpoint.logical import check_layout
-    from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer
-    from pretrain.checkpoint.trained_length import export_length
     from pretrain.common.atomic import atomic_outputs
-    from finetune.inputs import fixed_length_tokenizer
+    from finetune.embedding.inference import SentenceEncoder, sentence_transformers_settings
 
     started = time.perf_counter()
     if os.path.exists(args.output):  # a user's file is never replaced
         raise EmbedError(f"--output {args.output} already exists: name a new file (or remove that one)")
     texts = read_texts(args.input, args.input_format, args.json_key)  # before the checkpoint: the cheapest mistake
-    ckpt = read_any(args.checkpoint, with_optimizer=False)
-    m = ckpt.config.model
-    check_layout(ckpt.config, parallel.tp_size, 1)
-    info = checkpoint_tokenizer(ckpt.vocab_dir, m.vocab_size, args.checkpoint, args.vocab_file)
-    max_length = min(args.max_length or export_length(ckpt.trained_length, m.max_position_embeddings),
-                     m.max_position_embeddings)
-    tokenizer = fixed_length_tokenizer(info.tokenizer, max_length, info.specials)  # [CLS] text [SEP], cut
-    tokenizer.no_padding()  # each batch is padded to its own longest text
-    encodings = tokenizer.encode_batch(texts)
-    cut = sum(1 for e in encodings if e.overflowing)
-    model = inference_model(ckpt, parallel)
-    embeddings = embed_encodings(model, encodings, info.specials.pad_id, args.pooling, args.normalize, parallel,
-                                 args.batch_size)
+    own = sentence_transformers_settings(args.checkpoint)  # (pooling, normalize) of a sentence-transformers export
+    pooling = args.pooling or (own[0] if own else "mean")
+    normalize = args.normalize if args.normalize is not None else bool(own and own[1])
+    encoder = SentenceEncoder.load(args.checkpoint, parallel, args.vocab_file, args.max_length)
+    encodings, cut = encoder.tokenize(texts)
+    embeddings = encoder.encode(encodings, pooling, normalize, args.batch_size)
     if parallel.rank == 0:
         with atomic_outputs([args.output]) as temporary, open(temporary[args.output], "wb") as f:
             np.save(f, embeddings)
-    return (f"embedded {len(texts):,} texts with {args.checkpoint} ({args.pooling} pooling"
-            f"{', normalised' if args.normalize else ''}, at most {max_length} tokens; {cut:,} cut) into "
+    return (f"embedded {len(texts):,} texts with {args.checkpoint} ({pooling} pooling"
+            f"{', normalised' if normalize else ''}, at most {encoder.max_length} tokens; {cut:,} cut) into "
             f"{args.output} ({embeddings.shape[0]:,} x {embeddings.shape[1]}) in {time.perf_counter() - started:.1f} s")
 
 
