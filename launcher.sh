@@ -7,7 +7,7 @@
 #               {pretrain|finetune|tool} ARGS...
 #
 #   pretrain --config configs/bert-base.yaml [section.key=value ...]
-#   finetune TASK [--config FILE] [section.key=value ...]
+#   finetune TASK|embed [--config FILE] [section.key=value ...]
 #   tool tools/SCRIPT.py [ARGS...]
 #
 # Launchers (default torchrun):

@@ -6,7 +6,8 @@ built and trained (its export written to train.output_dir/best when train.keep_b
 logging rank records: the per-step losses, the encoder's whole weights after training (TP shards
 gathered), the embeddings of `texts` after training (the trainer's own evaluation path), and what
 shows the layout, caching and precision took effect: the TP/DP sizes, the local shape of the first
-tensor-parallel weight, DeepSpeed's accumulation steps and ZeRO stage, the engine's parameter dtype.
+tensor-parallel weight, the rows the texts take (packed or padded), DeepSpeed's accumulation steps
+and ZeRO stage, the engine's parameter dtype.
 """
 import json
 import os
@@ -48,6 +49,7 @@ def main():
                 "accumulation_steps": engine.gradient_accumulation_steps(),
                 "zero_stage": engine.zero_optimization_stage(), "dtype": str(next(engine.module.parameters()).dtype),
                 "sharded": [sharded.hf_name, list(sharded.param.shape)], "cached": trainer.random_state is not None,
+                "probe_rows": trainer._inputs(run["texts"])[0].shape[0],  # 1 packed, one per text padded
             }
         finally:
             trainer.close()

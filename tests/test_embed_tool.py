@@ -75,7 +75,12 @@ def test_embeddings_equal_sentence_transformers_encode(tmp_path, architecture):
     assert (tmp_path / "emb-True.npy").read_bytes() == before
 
 
-def reference_mining(st, rows, extra, k, range_min, range_max, margin):
+def reference_window(st, rows, extra, range_min, range_max, margin):
+    """Each row's whole candidate window under the rule below."""
+    return reference_mining(st, rows, extra, 1, range_min, range_max, margin, whole_window=True)
+
+
+def reference_mining(st, rows, extra, k, range_min, range_max, margin, whole_window=False):
     """The mining rule written out directly over sentence-transformers' own embeddings."""
     corpus = list(dict.fromkeys([p for _, p in rows] + extra))
     vectors = st.encode(corpus, normalize_embeddings=True, convert_to_numpy=True)
@@ -86,7 +91,7 @@ def reference_mining(st, rows, extra, k, range_min, range_max, margin):
         forbidden = {p for x, p in rows if x == anchor} | {anchor}
         ranked = sorted((t for t in corpus if t not in forbidden), key=lambda t: (-scores[t], corpus.index(t)))
         window = [t for t in ranked[range_min:range_max] if scores[t] <= scores[positive] - margin]
-        out.append(window[:k] if len(window) >= k else None)
+        out.append(window if whole_window else window[:k] if len(window) >= k else None)
     return out
 
 
@@ -124,3 +129,14 @@ def test_mined_negatives_equal_a_direct_computation_with_sentence_transformers(t
     before = out.read_bytes()
     done = run_python(args, timeout=300)
     assert done.returncode == 1 and "already exists" in done.stderr and out.read_bytes() == before
+    # --sampling random: drawn from the same window (all its passages, not the top ones), the same on a rerun
+    runs = []
+    for name in ("random-1.jsonl", "random-2.jsonl"):
+        sampled = tmp_path / name
+        done = run_python([*args[:6], str(sampled), *args[7:], "--sampling", "random"], timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:]
+        runs.append([json.loads(line) for line in sampled.read_text(encoding="utf-8").splitlines()])
+    assert runs[0] == runs[1] and len(runs[0]) == len(kept)
+    full = {row: ranked for row, ranked in zip(rows, reference_window(st, rows, extra, 0, 20, 0.01))}
+    assert all(set(g["negatives"]) <= set(full[(g["anchor"], g["positive"])]) for g in runs[0])
+    assert [g["negatives"] for g in runs[0]] != [g["negatives"] for g in got]  # not simply the top ones

@@ -1,4 +1,4 @@
-"""finetune/embedding/data.py: pairs and tuples from JSON lines and TSV with a column mapping, every
+"""finetune/embedding/data.py: pairs and tuples from JSON lines, TSV and Parquet with a column mapping, every
 bad row counted under its reason and named, and batches that are full, duplicate-free and of one
 source each, with the leftovers carried into the next epoch."""
 import json
@@ -34,6 +34,26 @@ def test_jsonl_pairs_and_tuples_with_a_column_mapping_and_every_bad_row_counted(
                                       "'n' holds an empty or non-text entry": 1})
     summary = report.summary()
     assert "9 rows, 2 examples; skipped 7" in summary and f"{path}:2: invalid JSON" in summary, summary
+
+
+def test_parquet_gives_what_the_same_rows_give_as_json_lines_in_batches_of_rows(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import finetune.embedding.data as data
+
+    rows = [{"q": f"query {i}", "d": f"passage {i}" if i % 5 else "", "n": [f"neg {i}", f"other {i}"], "src": "a"}
+            for i in range(23)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "pairs.parquet", row_group_size=7)
+    jsonl = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    columns = Columns(anchor="q", positive="d", negatives=("n",), source="src")
+    monkeypatch.setattr(data, "PARQUET_BATCH_ROWS", 4)  # several record batches
+    from_parquet, report = read_examples(str(tmp_path / "pairs.parquet"), columns)
+    assert from_parquet == read_examples(jsonl, columns)[0] and len(from_parquet) == 18
+    assert report.skipped == Counter({"empty 'd'": 5}) and f"{tmp_path / 'pairs.parquet'}:6: empty 'd'" in report.summary()
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ContrastiveDataError, match=r"broken\.parquet: not a readable Parquet file"):
+        read_examples(str(tmp_path / "broken.parquet"), columns)
 
 
 def test_tsv_with_negatives_in_columns(tmp_path):

@@ -3,6 +3,7 @@ Pooling module, the loss and its gradients as its MultipleNegativesRankingLoss (
 negatives, the symmetric variant, MatryoshkaLoss around it) within 1e-6 in fp32; and the candidates
 gathered over two data-parallel processes (gradients through the gather) equal to one process
 given the whole global batch."""
+import json
 import os
 
 import pytest
@@ -122,3 +123,25 @@ def test_two_data_parallel_ranks_equal_one_process_with_the_global_batch():
         # the gather took effect: each rank alone (its 3 anchors against its own candidates) differs
         alone = ContrastiveLoss(symmetric=symmetric)(encoded[0][:3], encoded[1][:3], [encoded[2][:3]])
         assert abs(alone.item() - whole.item()) > 1e-3
+
+
+def test_one_step_of_our_encoder_equals_sentence_transformers_multiple_negatives_ranking_loss(tmp_path):
+    """The whole step, model included: a tiny BERT loaded as our encoder and as a SentenceTransformer,
+    one batch (anchors, positives, hard negatives): the loss and every parameter's gradient of ours
+    (padded rows, packed rows, gradient-cached) equal MultipleNegativesRankingLoss's and
+    CachedMultipleNegativesRankingLoss's within 1e-5."""
+    from transformers import BertModel
+
+    from distributed import run_ranks
+    from test_hf_directories import save_directory, tiny_model
+
+    model_dir = save_directory(tmp_path / "bert", tiny_model(BertModel), lowercase=False)
+    out = tmp_path / "parity.json"
+    run_ranks(["tests/_embed_st_parity_worker.py", str(out), str(model_dir)], 1, timeout=300)
+    results = json.loads(out.read_text())
+    assert set(results) == {"padded", "packed", "cached"}
+    for mode, r in results.items():
+        assert abs(r["ours"] - r["theirs"]) < 1e-5, (mode, r["ours"], r["theirs"])
+        # every parameter sentence-transformers trains has our gradient (the pooler: in neither)
+        assert r["names"] == r["our_names"] and len(r["names"]) > 30, mode
+        assert r["scale"] > 1e-3 and max(r["max_difference"].values()) < 1e-5, (mode, r["max_difference"])

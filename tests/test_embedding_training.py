@@ -2,11 +2,12 @@
 is a sentence-transformers model giving our embeddings.
 
 Three process groups, each started once and running several configurations (tests/_embed_worker.py):
-one process (the reference, BERT and ModernBERT, uncached and gradient-cached), two data-parallel
+one process (the reference, BERT and ModernBERT, packed; padded instead; gradient-cached), two data-parallel
 ranks (gathered negatives; ZeRO-1 cached, ZeRO-2, bf16) and two tensor-parallel ranks. Every fp32 run
 equals the one-process run with the whole global batch, within 1e-5: the losses of every step and
 the weights after the steps. Each checks that its layout, caching or precision took effect (the
-DP/TP sizes, the half-width weight shard, DeepSpeed's accumulation steps for the mini-batches, the
+DP/TP sizes, the half-width weight shard, the texts packed into one row or padded each to its own,
+DeepSpeed's accumulation steps for the mini-batches, the
 ZeRO stage and the parameter dtype). The exports of the BERT and ModernBERT runs load in
 `SentenceTransformer(path)` offline, with our pooling, normalisation and trained length, and its
 `encode()` equals the trainer's own embeddings within 1e-5.
@@ -67,6 +68,7 @@ def trained(tmp_path_factory):
     results = {}
     for tp, world, runs in [
         (1, 1, [run("bert", "bert", *retrieval_files(root)), run("bert-cached", "bert", "train.micro_batch_size=3"),
+                run("bert-padded", "bert", "train.packing=false"),
                 run("modern", "modern", "model.pooling=cls")]),
         (1, 2, [run("bert-dp2-zero1-cached", "bert", "parallel.zero_stage=1", "train.micro_batch_size=2"),
                 run("bert-dp2-zero2-bf16", "bert", "parallel.zero_stage=2", "train.precision=bf16"),
@@ -86,7 +88,7 @@ def max_weight_difference(a: dict, b: dict) -> float:
 
 
 @pytest.mark.parametrize("name, reference", [
-    ("bert-cached", "bert"), ("bert-dp2-zero1-cached", "bert"), ("bert-tp2", "bert"),
+    ("bert-cached", "bert"), ("bert-padded", "bert"), ("bert-dp2-zero1-cached", "bert"), ("bert-tp2", "bert"),
     ("modern-dp2-zero2", "modern"), ("modern-tp2-cached", "modern")])
 def test_every_layout_and_the_cached_step_equal_one_process_with_the_global_batch(trained, name, reference):
     _, results = trained
@@ -109,6 +111,8 @@ def test_every_layout_and_the_cached_step_equal_one_process_with_the_global_batc
     assert run["sharded"][0] == whole["sharded"][0]
     assert local[0] * run["tp"] == full[0] and local[1:] == full[1:]
     assert run["zero_stage"] == (1 if "zero1" in name else 2 if "zero2" in name else 0)
+    assert whole["probe_rows"] < len(PROBE)  # packed several to a row, or padded one a row
+    assert (run["probe_rows"] == len(PROBE)) if name == "bert-padded" else (run["probe_rows"] == whole["probe_rows"])
     assert before
 
 

@@ -4,7 +4,7 @@ mine_hard_negatives, exact search).
 usage: python tools/mine_negatives.py --checkpoint MODEL --input pairs.jsonl --output mined.jsonl
          [--anchor-column anchor] [--positive-column positive] [--source-column S]
          [--corpus passages.jsonl [--corpus-key text]] [--num-negatives 3]
-         [--range-min 0] [--range-max 100] [--margin 0.0] [--max-score 1.0]
+         [--range-min 0] [--range-max 100] [--margin M] [--max-score S] [--sampling top|random]
          [--pooling mean|cls|last] [--max-length N] [--batch-size 64] [--tp 1]
 
 MODEL is a trained embedding model (`python -m finetune embed`'s best/, any sentence-transformers
@@ -13,8 +13,10 @@ every distinct positive of the input, plus the texts of --corpus (JSON lines, th
 field, or one text per line). Each anchor is scored against the whole corpus by cosine similarity;
 its candidates, best first, leave out every positive the input gives that anchor (and the anchor's
 own text). Of those, the ones at ranks --range-min to --range-max (0-based; skipping the very top
-keeps likely unlabelled positives out) that score at most --max-score and at least --margin below
-the anchor's positive are taken, the first --num-negatives of them.
+keeps likely unlabelled positives out) are taken, the first --num-negatives of them (--sampling
+random: drawn from the whole window, seeded by --seed and the row); with --margin
+only those scoring at least that much below the anchor's positive, with --max-score only those
+scoring at most that (sentence-transformers' mine_hard_negatives' absolute margin and max_score).
 The output has one JSON line per input row: anchor, positive, negatives (a list; train with
 data.negative_columns=[negatives]) and the source column when given. A row with fewer candidates
 than --num-negatives in the window is left out and counted; the summary says how many rows had
@@ -45,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python tools/mine_negatives.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("--input", required=True, help="(anchor, positive) rows: .jsonl or .tsv with a header")
+    parser.add_argument("--input", required=True, help="(anchor, positive) rows: .jsonl, .tsv with a header, or .parquet")
     parser.add_argument("--output", required=True, help="a .jsonl file")
     parser.add_argument("--anchor-column", default="anchor")
     parser.add_argument("--positive-column", default="positive")
@@ -55,9 +57,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-negatives", type=positive_int, default=3)
     parser.add_argument("--range-min", type=int, default=0, help="skip the candidates ranked above this (0-based)")
     parser.add_argument("--range-max", type=positive_int, default=100, help="look no further than this rank")
-    parser.add_argument("--margin", type=float, default=0.0,
-                        help="a negative scores at least this much below the anchor's positive")
-    parser.add_argument("--max-score", type=float, default=1.0, help="a negative scores at most this")
+    parser.add_argument("--margin", type=float, default=None,
+                        help="a negative scores at least this much below the anchor's positive (default: no such rule)")
+    parser.add_argument("--max-score", type=float, default=None, help="a negative scores at most this (default: any)")
+    parser.add_argument("--sampling", choices=("top", "random"), default="top",
+                        help="top: the best-ranked in the window; random: drawn from the whole window (seeded), so a "
+                             "few passages near every query do not become everyone's negative")
+    parser.add_argument("--seed", type=int, default=42, help="of --sampling random")
     parser.add_argument("--pooling", choices=POOLING_MODES, default=None,
                         help="default: a sentence-transformers model's own (our exports), else mean")
     parser.add_argument("--max-length", type=positive_int, default=None,
@@ -113,9 +119,17 @@ def mine(anchor_vectors, corpus_vectors, rows: list[tuple[int, int]], excluded: 
             order = np.argsort(-row_scores, kind="stable")[:depth]  # ties: the earlier corpus entry first
             candidates = [int(i) for i in order if int(i) not in excluded[anchor]]
             first.append(int(order[0]) == positive)
-            ceiling = min(args.max_score, row_scores[positive] - args.margin)
+            ceiling = min(np.inf if args.max_score is None else args.max_score,
+                          np.inf if args.margin is None else row_scores[positive] - args.margin)
             window = [i for i in candidates[args.range_min:args.range_max] if row_scores[i] <= ceiling]
-            found.append(window[:args.num_negatives] if len(window) >= args.num_negatives else None)
+            if len(window) < args.num_negatives:
+                found.append(None)
+            elif args.sampling == "random":  # a draw per row from (seed, row): the same output on every run
+                draw = np.random.default_rng([args.seed, len(found)]).choice(
+                    len(window), args.num_negatives, replace=False)
+                found.append([window[j] for j in sorted(draw)])
+            else:
+                found.append(window[:args.num_negatives])
     return found, first
 
 
@@ -165,7 +179,8 @@ def run(args, parallel) -> str:
     short = sum(1 for negatives in found if negatives is None)
     return (f"{report.summary()}\nmined {args.num_negatives} negatives each for {written:,} of {len(examples):,} rows "
             f"from {len(corpus):,} passages with {args.checkpoint} ({pooling} pooling; ranks {args.range_min}-"
-            f"{args.range_max}, margin {args.margin}, max score {args.max_score}); {short:,} rows left out with fewer "
+            f"{args.range_max}, margin {'none' if args.margin is None else args.margin}, max score "
+            f"{'none' if args.max_score is None else args.max_score}); {short:,} rows left out with fewer "
             f"in that window; the positive ranked first for {sum(first) / max(len(first), 1):.1%} of rows; into "
             f"{args.output} in {time.perf_counter() - started:.1f} s")
 

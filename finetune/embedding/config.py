@@ -19,7 +19,7 @@ SIMILARITY_METRIC = "spearman"
 
 @dataclass
 class DataSection:
-    # (anchor, positive[, negatives]) rows: .jsonl/.json (one object per line) or .tsv with a header row
+    # (anchor, positive[, negatives]) rows: .jsonl/.json (one object per line), .tsv with a header row, or .parquet
     train_files: list[str] = field(default_factory=list)
     anchor_column: str = "anchor"
     positive_column: str = "positive"
@@ -32,7 +32,7 @@ class DataSection:
     def problems(self) -> list[str]:
         p = []
         if not self.train_files:
-            p.append("data.train_files is required: JSON lines or TSV files of (anchor, positive[, negatives]) rows")
+            p.append("data.train_files is required: JSON lines, TSV or Parquet files of (anchor, positive[, negatives]) rows")
         p += _missing_paths(self.train_files)
         if self.max_seq_length < 8:
             p.append(f"data.max_seq_length ({self.max_seq_length}) must be at least 8")
@@ -141,7 +141,11 @@ class TrainSection:
     seed: int = 42
     precision: str = "fp32"
     grad_accum_dtype: str = "fp32"  # bf16 only: accumulate and reduce gradients in fp32 (ZeRO >= 1) or bf16
-    # each batch padded to its longest text, rounded up to a multiple of this (null: 8 on a GPU, 1 on the CPU)
+    # true: the texts of a pass packed several to a row of data.max_seq_length tokens, each attending
+    # to itself only (no padding computed but a row's tail); false: each padded to the pass's longest
+    packing: bool = True
+    # rows cut to the fullest (packed) or the longest text (padded), rounded up to a multiple of this
+    # (null: 8 on a GPU, 1 on the CPU)
     pad_to_multiple_of: int | None = None
     output_dir: str = "outputs/embed"
     overwrite_output_dir: bool = False  # replace a previous run's metrics.json, best/ and tensorboard/

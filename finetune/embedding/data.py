@@ -1,9 +1,10 @@
 """Contrastive training data: (anchor, positive) pairs and (anchor, positive, negative, ...) tuples
-read from JSON lines or TSV files with a column mapping, and the batches they are trained in.
+read from JSON lines, TSV or Parquet files with a column mapping, and the batches they are trained in.
 
 Reading (`read_examples`): every row is kept or counted under the reason it was skipped (invalid
 JSON, a missing or non-text column, an empty text, a TSV row with too few fields), with the first
-few skipped rows named by file and line; a file that yields no example at all is an error naming it.
+few skipped rows named by file and line (a Parquet file: row number, read in record batches with
+flat memory); a file that yields no example at all is an error naming it.
 Negatives come from several columns (`negatives: [neg1, neg2]`) or from one column holding a list.
 A `source` column names the dataset a row comes from (mixtures of sources).
 
@@ -29,7 +30,8 @@ from dataclasses import dataclass, field
 
 from pretrain.common.errors import UserError
 
-FORMATS = ("jsonl", "tsv")
+FORMATS = ("jsonl", "tsv", "parquet")
+PARQUET_BATCH_ROWS = 8192  # rows read at a time: memory stays flat on a large file
 
 
 class ContrastiveDataError(UserError, ValueError):
@@ -84,13 +86,36 @@ def file_format(path: str) -> str:
     if name.endswith((".tsv", ".txt")):
         return "tsv"
     if name.endswith(".parquet"):
-        raise ContrastiveDataError(f"{path}: Parquet input is not read yet; convert it to JSON lines "
-                                   "(one object per line) or TSV with a header row")
-    raise ContrastiveDataError(f"{path}: unknown format (the name must end in .jsonl, .json or .tsv)")
+        return "parquet"
+    raise ContrastiveDataError(f"{path}: unknown format (the name must end in .jsonl, .json, .tsv or .parquet)")
+
+
+def _parquet_rows(path: str, report: ReadReport):
+    """(row number from 1, dict of the row's columns), read in record batches (pyarrow)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        source = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as error:
+        raise ContrastiveDataError(f"{path}: not a readable Parquet file ({error})") from None
+    number = 0
+    try:
+        for batch in source.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+            for row in batch.to_pylist():
+                number += 1
+                report.rows += 1
+                yield number, row
+    except (pa.ArrowException, OSError) as error:
+        raise ContrastiveDataError(f"{path}: unreadable after row {number} ({error})") from None
 
 
 def _rows(path: str, report: ReadReport):
-    """(line number, dict of the row's columns) for each row; unreadable rows counted."""
+    """(line number, or row number of a Parquet file, dict of the row's columns) for each row;
+    unreadable rows counted."""
+    if file_format(path) == "parquet":
+        yield from _parquet_rows(path, report)
+        return
     if file_format(path) == "jsonl":
         with open(path, encoding="utf-8", errors="strict") as f:
             for number, line in enumerate(f, 1):

@@ -2,7 +2,7 @@
 
 `pool` reads the token states as sentence-transformers' Pooling module does: `mean` over the real
 tokens, `cls` (the first token) or `last` (the last real token, right padding), optionally
-L2-normalised (its Normalize module).
+L2-normalised (its Normalize module); `pool_packed` the same for texts packed several to a row.
 
 `ContrastiveLoss` is sentence-transformers' MultipleNegativesRankingLoss (InfoNCE with in-batch
 negatives), written against its 6.x source:
@@ -45,6 +45,28 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: str, normaliz
     elif mode == "last":
         last = attention_mask.long().sum(1).clamp(min=1) - 1
         pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    else:
+        raise ValueError(f"pooling {mode!r} is not one of {', '.join(POOLING_MODES)}")
+    return F.normalize(pooled, p=2, dim=-1) if normalize else pooled
+
+
+def pool_packed(hidden: torch.Tensor, sample_ids: torch.Tensor, cls_positions: torch.Tensor, mode: str,
+                normalize: bool = False) -> torch.Tensor:
+    """`pool` for packed rows (pretrain/data/samples/packing.py's layout): [texts, hidden] from token
+    states [rows, seq, hidden], each token's text number + 1 in `sample_ids` (0: padding) and each
+    text's first token at the flat index `cls_positions` [texts]."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    ids = sample_ids.reshape(-1)
+    texts = cls_positions.shape[0]
+    if mode == "cls":
+        pooled = flat[cls_positions]
+    elif mode in ("mean", "last"):
+        lengths = torch.bincount(ids, minlength=texts + 1)[1:]
+        if mode == "last":
+            pooled = flat[cls_positions + lengths - 1]
+        else:
+            sums = flat.new_zeros((texts + 1, flat.shape[-1])).index_add(0, ids, flat)[1:]
+            pooled = sums / lengths.clamp(min=1).unsqueeze(-1).to(flat.dtype)
     else:
         raise ValueError(f"pooling {mode!r} is not one of {', '.join(POOLING_MODES)}")
     return F.normalize(pooled, p=2, dim=-1) if normalize else pooled

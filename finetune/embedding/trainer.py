@@ -32,10 +32,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from pretrain.checkpoint.format import head_of
-from pretrain.checkpoint.tokenizer_files import save_vocab
+from pretrain.checkpoint.format import CheckpointError, head_of
+from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer, save_vocab
 from pretrain.checkpoint.trained_length import longest
 from pretrain.common.atomic import atomic_outputs
+from pretrain.data.samples.packing import PACKED_INPUTS, first_fit_decreasing
 from pretrain.distributed.device import (DeviceError, all_gather_object, all_reduce, configure_math, describe,
                                         precision_problem)
 from pretrain.model.names import logical_parameters
@@ -52,7 +53,7 @@ from .config import SIMILARITY_METRIC, EmbedConfig
 from .data import Columns, ContrastiveDataError, contrastive_batches, read_examples
 from .eval_data import read_retrieval_set, read_similarity_set
 from .gradcache import TorchRandomState, cached_step
-from .loss import ContrastiveLoss, pool
+from .loss import ContrastiveLoss, pool, pool_packed
 from .retrieval_metrics import retrieval_metrics, similarity_spearman
 
 logger = logging.getLogger(__name__)
@@ -62,15 +63,43 @@ ST_POOLING = {"mean": "mean", "cls": "cls", "last": "lasttoken"}
 
 
 class Embedder(nn.Module):
-    """The encoder and its pooling: [batch, hidden] fp32 sentence embeddings."""
+    """The encoder and its pooling: [texts, hidden] fp32 sentence embeddings, from padded rows
+    (input_ids, token_type_ids, attention_mask) or packed ones (PACKED_INPUTS: several texts a row,
+    each attending to itself, positions from 0)."""
 
     def __init__(self, bert: nn.Module, pooling: str, normalize: bool):
         super().__init__()
         self.bert, self.pooling, self.normalize = bert, pooling, normalize
 
-    def forward(self, input_ids, token_type_ids, attention_mask):
+    def forward(self, *inputs):
+        if len(inputs) == len(PACKED_INPUTS):
+            hidden, _ = self.bert.encode(inputs)
+            return pool_packed(hidden.float(), inputs[2], inputs[5], self.pooling, self.normalize)
+        input_ids, token_type_ids, attention_mask = inputs
         hidden, _ = self.bert.encode(encoder_inputs(input_ids, token_type_ids, attention_mask))
         return pool(hidden.float(), attention_mask, self.pooling, self.normalize)
+
+
+def packed_inputs(rows: list[list[int]], capacity: int, multiple: int, device) -> tuple[torch.Tensor, ...]:
+    """PACKED_INPUTS of token id lists (one text each), first-fit decreasing into rows of at most
+    `capacity` tokens, cut to the fullest row's length rounded up to `multiple`; the texts keep
+    their order as sample numbers."""
+    placement = first_fit_decreasing([len(r) for r in rows], capacity)
+    fullest = max(sum(len(rows[i]) for i in members) for members in placement)
+    width = min(-(-fullest // multiple) * multiple, capacity)
+    ids, samples, positions = (torch.zeros((len(placement), width), dtype=torch.long) for _ in range(3))
+    starts = torch.zeros(len(rows), dtype=torch.long)
+    for r, members in enumerate(placement):
+        offset = 0
+        for i in members:
+            n = len(rows[i])
+            ids[r, offset:offset + n] = torch.tensor(rows[i])
+            samples[r, offset:offset + n] = i + 1
+            positions[r, offset:offset + n] = torch.arange(n)
+            starts[i] = r * width + offset
+            offset += n
+    predictions = starts[:, None]  # no MLM head runs: each text's slot points at its [CLS], as packing.py's unused ones
+    return tuple(t.to(device) for t in (ids, torch.zeros_like(ids), samples, predictions, positions, starts))
 
 
 class ContrastiveTrainer:
@@ -88,9 +117,6 @@ class ContrastiveTrainer:
         too_wide = [d for d in cfg.loss.matryoshka_dims if d > m.hidden_size]
         if too_wide:
             raise FinetuneError(f"loss.matryoshka_dims {too_wide} exceed the model's hidden size ({m.hidden_size})")
-        from pretrain.checkpoint.format import CheckpointError
-        from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer
-
         try:
             self.tokenizer = checkpoint_tokenizer(self.ckpt.vocab_dir, m.vocab_size, self.ckpt.source,
                                                   cfg.model.vocab_file, how_to_name_one="set model.vocab_file")
@@ -123,7 +149,7 @@ class ContrastiveTrainer:
                                     tuple(cfg.loss.matryoshka_weights),
                                     group=p.dp_group if p.dp_size > 1 else None, rank=p.dp_rank)
         self.pad_multiple = t.pad_to_multiple_of or (1 if p.device.type == "cpu" else 8)
-        self.steps_per_epoch = len(contrastive_batches(self.examples, t.global_batch_size, t.seed, 0)[0])
+        self.steps_per_epoch = len(self.first_epoch[0])
         self.total_steps = max(1, math.ceil(t.epochs * self.steps_per_epoch))
         # DeepSpeed's batch: each backward pass one micro-step of one row (an accounting figure only)
         self.engine = adamw_engine(self.model, bert, t, p, cfg.parallel.zero_stage, self.total_steps,
@@ -159,9 +185,12 @@ class ContrastiveTrainer:
                                                       e.score_column)
         except ContrastiveDataError as error:
             raise FinetuneError(str(error)) from None
-        if not contrastive_batches(self.examples, self.cfg.train.global_batch_size, self.cfg.train.seed, 0)[0]:
-            raise FinetuneError(f"data.train_files hold too few distinct rows ({len(self.examples):,}) for one "
-                                f"batch of train.global_batch_size {self.cfg.train.global_batch_size}")
+        # the first epoch's batches (and leftovers), made once: its length is the epoch's steps
+        self.first_epoch = contrastive_batches(self.examples, self.cfg.train.global_batch_size, self.cfg.train.seed, 0)
+        if not self.first_epoch[0]:
+            raise FinetuneError(f"data.train_files' {len(self.examples):,} rows fill no batch of "
+                                f"train.global_batch_size {self.cfg.train.global_batch_size}: a batch takes rows that "
+                                "share no text (and one source), and too few such rows were found")
         texts = {text for example in self.examples for text in example.texts()}
         if self.retrieval is not None:
             texts.update(self.retrieval.queries + self.retrieval.documents)
@@ -181,23 +210,26 @@ class ContrastiveTrainer:
                         f"{self.cfg.data.max_seq_length}")
         return {text: encoding.ids for text, encoding in zip(texts, encodings)}
 
-    def _inputs(self, texts: list[str]):
-        """input_ids, token_type_ids, attention_mask of `texts`, padded to the longest (rounded up)."""
+    def _inputs(self, texts: list[str]) -> tuple[torch.Tensor, ...]:
+        """The model's inputs for `texts`: packed several to a row of at most data.max_seq_length
+        tokens (train.packing), or each padded to the longest; rounded up to train.pad_to_multiple_of."""
         rows = [self.token_ids[text] for text in texts]
+        device = self.parallel.device
+        if self.cfg.train.packing:
+            return packed_inputs(rows, self.cfg.data.max_seq_length, self.pad_multiple, device)
         length = -(-max(len(r) for r in rows) // self.pad_multiple) * self.pad_multiple
         ids = torch.full((len(rows), length), self.tokenizer.specials.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, row in enumerate(rows):
             ids[i, :len(row)] = torch.tensor(row)
             mask[i, :len(row)] = 1
-        device = self.parallel.device
         return ids.to(device), torch.zeros_like(ids, device=device), mask.to(device)
 
     # ----------------------------------------------------------------------------- training
     def _embed(self, texts: list[str], window: ThroughputWindow | None = None) -> torch.Tensor:
         inputs = self._inputs(texts)
         if window is not None:
-            window.add(inputs[2])
+            window.add(inputs[2])  # the padding mask, or the packed rows' sample ids: nonzero on real tokens
         return self.engine(*inputs)
 
     def _loss(self, embeddings: list[torch.Tensor]) -> torch.Tensor:
@@ -244,7 +276,8 @@ class ContrastiveTrainer:
         window = ThroughputWindow(p.device, unit="texts")
         step, epoch, carried = 0, 0, []
         while step < self.total_steps:
-            batches, carried = contrastive_batches(self.examples, t.global_batch_size, t.seed, epoch, carried)
+            batches, carried = (self.first_epoch if epoch == 0 else
+                                contrastive_batches(self.examples, t.global_batch_size, t.seed, epoch, carried))
             epoch += 1
             self.engine.train()
             for batch in batches[:self.total_steps - step]:

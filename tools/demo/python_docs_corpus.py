@@ -1,7 +1,7 @@
 """A real English corpus that every Python installation carries: its own documentation.
 
 usage: python tools/demo/python_docs_corpus.py --output-dir DIR [--packages numpy,scipy,...] [--dev-fraction 0.1]
-         [--seed 1234] [--train-pairs 10000] [--dev-pairs 2000]
+         [--seed 1234] [--train-pairs 10000] [--dev-pairs 2000] [--retrieval-queries 1000]
 
 Sources, all on the machine once this project is installed (no download):
   - the Language Reference topics behind `help("if")` and friends (CPython's pydoc_data),
@@ -18,6 +18,13 @@ Writes
   DIR/coherence/dev.tsv      is the sentence that follows sentence 1 in the documentation, 0 if
                              it comes from another document. Dev pairs come only from documents
                              held out of corpus.jsonl, so pretraining never saw them.
+  DIR/retrieval/train.jsonl  a retrieval task (contrastive training, python -m finetune embed):
+                             {"anchor": a document's first sentence (its summary line), "positive":
+                             the sentences after it (at most PASSAGE_SENTENCES), "source": its
+                             package}, for train documents of three sentences or more;
+  DIR/retrieval/{queries.jsonl,corpus.jsonl,qrels.tsv}  the same from held-out documents in BEIR's
+                             layout (at most --retrieval-queries queries, each relevant to its own
+                             passage; every held-out passage in the corpus).
 Identical documents (inherited docstrings) are kept once; documents are split between train and
 dev by a hash of their text, so the split is stable.
 Exit status: 0 done, 1 the output cannot be written, 2 bad usage.
@@ -139,6 +146,34 @@ def coherence_pairs(docs: dict[str, str], rng: random.Random) -> list[tuple[int,
     return pairs
 
 
+PASSAGE_SENTENCES = 5
+
+
+def retrieval_rows(docs: dict[str, str]) -> list[dict[str, str]]:
+    """A summary line and the passage after it for each document of three sentences or more,
+    with the package it documents ("reference" for the language reference)."""
+    rows = []
+    for name, text in docs.items():
+        sents = sentences(text)
+        if len(sents) >= 3:
+            source = "reference" if name.startswith("topic:") else name.split(":")[1].split(".")[0]
+            rows.append({"anchor": sents[0], "positive": " ".join(sents[1:1 + PASSAGE_SENTENCES]), "source": source})
+    return rows
+
+
+def write_retrieval(out: Path, train_rows: list[dict], dev_rows: list[dict], queries: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "train.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row) + "\n" for row in train_rows)
+    with open(out / "queries.jsonl", "w", encoding="utf-8") as q, open(out / "qrels.tsv", "w", encoding="utf-8") as r:
+        r.write("query-id\tcorpus-id\tscore\n")
+        for i, row in enumerate(dev_rows[:queries]):
+            q.write(json.dumps({"_id": f"q{i}", "text": row["anchor"]}) + "\n")
+            r.write(f"q{i}\td{i}\t1\n")
+    with open(out / "corpus.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"_id": f"d{i}", "text": row["positive"]}) + "\n" for i, row in enumerate(dev_rows))
+
+
 def write_mrpc(path: Path, pairs) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write("Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n")
@@ -158,6 +193,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234, help="seed of the pair sampling")
     parser.add_argument("--train-pairs", type=int, default=10000, help="at most this many train pairs (0: all)")
     parser.add_argument("--dev-pairs", type=int, default=2000, help="at most this many dev pairs (0: all)")
+    parser.add_argument("--retrieval-queries", type=int, default=1000,
+                        help="at most this many held-out retrieval queries (default 1000)")
     parser.add_argument("--packages", default=DEFAULT_PACKAGES,
                         help=f"installed packages whose docstrings join the corpus, comma-separated ('' for none; "
                              f"default {DEFAULT_PACKAGES})")
@@ -190,12 +227,16 @@ def main(argv=None) -> int:
         dev_pairs = coherence_pairs(dev, rng)[:args.dev_pairs or None]
         write_mrpc(out / "coherence" / "train.tsv", train_pairs)
         write_mrpc(out / "coherence" / "dev.tsv", dev_pairs)
+        train_rows, dev_rows = retrieval_rows(train), retrieval_rows(dev)
+        write_retrieval(out / "retrieval", train_rows, dev_rows, args.retrieval_queries)
     except OSError as e:
         print(f"python_docs_corpus: error: cannot write {out}: {e}", file=sys.stderr)
         return 1
     size = sum(len(t.encode()) for t in train.values())
     print(f"wrote {len(train)} documents ({size / 1e6:.1f} MB of prose; {len(dev)} more held out) to "
-          f"{out / 'corpus.jsonl'}; coherence pairs: {len(train_pairs)} train, {len(dev_pairs)} dev in {out / 'coherence'}")
+          f"{out / 'corpus.jsonl'}; coherence pairs: {len(train_pairs)} train, {len(dev_pairs)} dev in {out / 'coherence'}; "
+          f"retrieval: {len(train_rows)} train pairs, {min(len(dev_rows), args.retrieval_queries)} queries over "
+          f"{len(dev_rows)} passages in {out / 'retrieval'}")
     return 0
 
 
