@@ -150,6 +150,8 @@ def test_the_export_is_a_sentence_transformers_model_giving_our_embeddings(train
     assert done.returncode == 0, done.stdout[-3000:]
     theirs = json.loads(done.stdout.strip().splitlines()[-1])
     assert theirs["length"] == 24 and theirs["modules"][1:] == ["Pooling", "Normalize"]
+    config = json.loads((root / name / "best" / "config.json").read_text())  # an encoder transformers.AutoModel loads
+    assert config["architectures"] == ["BertModel" if name.startswith("bert") else "ModernBertModel"]
     pooling_config = json.loads((root / name / "best" / "1_Pooling" / "config.json").read_text())
     assert pooling_config[f"pooling_mode_{'mean_tokens' if pooling == 'mean' else 'cls_token'}"] is True
     ours = np.asarray(results[name]["embeddings"])
