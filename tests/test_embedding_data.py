@@ -2,6 +2,7 @@
 bad row counted under its reason and named, and batches that are full, duplicate-free and of one
 source each, with the leftovers carried into the next epoch."""
 import json
+import sys
 from collections import Counter
 
 import pytest
@@ -54,6 +55,9 @@ def test_parquet_gives_what_the_same_rows_give_as_json_lines_in_batches_of_rows(
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(ContrastiveDataError, match=r"broken\.parquet: not a readable Parquet file"):
         read_examples(str(tmp_path / "broken.parquet"), columns)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # pyarrow is the parquet extra's: without it, one line
+    with pytest.raises(ContrastiveDataError, match=r"pairs\.parquet: reading Parquet needs pyarrow.*\[parquet\]"):
+        read_examples(str(tmp_path / "pairs.parquet"), columns)
 
 
 def test_tsv_with_negatives_in_columns(tmp_path):

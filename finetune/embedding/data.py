@@ -92,9 +92,12 @@ def file_format(path: str) -> str:
 
 def _parquet_rows(path: str, report: ReadReport):
     """(row number from 1, dict of the row's columns), read in record batches (pyarrow)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ContrastiveDataError(f"{path}: reading Parquet needs pyarrow, which is not installed: "
+                                   "pip install 'bert-pretrain[parquet]'") from None
     try:
         source = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as error:

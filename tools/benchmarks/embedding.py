@@ -12,7 +12,8 @@ batches only, no text twice in a batch), texts cut at --seq tokens, mean pooling
 MultipleNegativesRankingLoss (scale 20), AdamW at lr 5e-5 with 10 % warmup, fp32, --threads
 threads, each side in a fresh process, one after the other:
 
-- ours: `finetune.embedding` (each column embedded in one pass, padded to its longest text);
+- ours: `finetune.embedding` (each column embedded in one pass, its texts packed into rows:
+  train.packing, the default);
 - st: SentenceTransformerTrainer with MultipleNegativesRankingLoss and the NO_DUPLICATES sampler;
 - ours-cached / st-cached: the same with gradient caching in mini-batches of --mini-batch
   (CachedMultipleNegativesRankingLoss on their side).
