@@ -91,3 +91,11 @@ def test_similarity_pairs_from_json_lines_or_tsv(tmp_path):
     with pytest.raises(ContrastiveDataError) as error:
         read_similarity_set(str(tsv), "a", "b", "s")
     assert str(error.value) == f"{tsv}:2: 's' is not a number"
+
+
+def test_the_shipped_config_states_the_defaults_an_installed_package_runs_on():
+    """Without the repository's configs/ (an installed wheel), the command runs on the sections'
+    defaults: they must be what configs/finetune/embed.yaml says."""
+    from finetune.embedding.main import DEFAULT_CONFIG
+
+    assert load_embed_config(DEFAULT_CONFIG).to_dict() == load_embed_config(None).to_dict()

@@ -25,7 +25,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m finetune embed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     accept_launcher_args(parser)
-    parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config (default: configs/finetune/embed.yaml)")
+    # the repository's defaults file; an installed package without the repository runs on the sections' defaults (the same)
+    parser.add_argument("--config", default=DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None,
+                        help="YAML config (default: configs/finetune/embed.yaml)")
     parser.add_argument("overrides", nargs="*",
                         help="dotted overrides, e.g. model.init_from=ckpt/ data.train_files=[pairs.jsonl]")
     return parser.parse_intermixed_args(argv)
@@ -55,7 +57,7 @@ def start(args: argparse.Namespace) -> int:
         if problems:
             raise ConfigError(problems)
     except ConfigError as error:
-        print(f"invalid configuration ({args.config} + command line):\n{error}", file=sys.stderr)
+        print(f"invalid configuration ({args.config or 'defaults'} + command line):\n{error}", file=sys.stderr)
         launch_status.failed(launch_status.own_rank(), str(error))
         return 2
 
