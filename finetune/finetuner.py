@@ -101,22 +101,11 @@ class Finetuner:
         if cfg.model.classifier_pooling is not None and not m.modern:
             raise FinetuneError(f"model.classifier_pooling is ModernBERT's; {self.ckpt.source} is a "
                                 f"{m.architecture} model (its sequence heads read the pooled [CLS])")
-        self.model_cfg = replace(m, hidden_dropout=m.hidden_dropout if cfg.model.hidden_dropout is None
-                                 else cfg.model.hidden_dropout,
-                                 attention_dropout=m.attention_dropout if cfg.model.attention_dropout is None
-                                 else cfg.model.attention_dropout,
+        self.model_cfg = replace(with_dropout(m, cfg.model),
                                  classifier_pooling=cfg.model.classifier_pooling or m.classifier_pooling)
-        try:
-            self.tokenizer = checkpoint_tokenizer(self.ckpt.vocab_dir, self.model_cfg.vocab_size, self.ckpt.source,
-                                                  cfg.model.vocab_file, how_to_name_one="set model.vocab_file")
-        except CheckpointError as e:
-            raise FinetuneError(str(e)) from None
+        self.tokenizer = checkpoint_tokenizer_of(self.ckpt, cfg.model.vocab_file)
         self._read_data()
-
-        configure_math(parallel.device, t.tf32)
-        unsupported = precision_problem(parallel.device, t.precision)
-        if unsupported:
-            raise DeviceError(unsupported)
+        prepare_device(parallel, t)
         logger.info(f"{describe(parallel)}, ZeRO-{cfg.parallel.zero_stage}, {t.precision}")
         self.tracker = RngTracker(parallel.device)
         seed_streams(self.tracker, t.seed, parallel.tp_rank, 0, parallel.dp_rank)
@@ -464,6 +453,32 @@ def replace_directory(target: str, write, what: str) -> None:
         raise
     shutil.rmtree(target, ignore_errors=True)
     os.replace(fresh, target)
+
+
+def with_dropout(model_cfg, model_section):
+    """The checkpoint's model config with model.hidden_dropout / model.attention_dropout where set."""
+    return replace(model_cfg,
+                   hidden_dropout=model_cfg.hidden_dropout if model_section.hidden_dropout is None
+                   else model_section.hidden_dropout,
+                   attention_dropout=model_cfg.attention_dropout if model_section.attention_dropout is None
+                   else model_section.attention_dropout)
+
+
+def checkpoint_tokenizer_of(ckpt, vocab_file: str | None):
+    """The checkpoint's own tokenizer (or model.vocab_file); FinetuneError naming what is wrong."""
+    try:
+        return checkpoint_tokenizer(ckpt.vocab_dir, ckpt.config.model.vocab_size, ckpt.source, vocab_file,
+                                    how_to_name_one="set model.vocab_file")
+    except CheckpointError as e:
+        raise FinetuneError(str(e)) from None
+
+
+def prepare_device(parallel, t) -> None:
+    """train.tf32 on the device, and a refusal of a train.precision it cannot run."""
+    configure_math(parallel.device, t.tf32)
+    unsupported = precision_problem(parallel.device, t.precision)
+    if unsupported:
+        raise DeviceError(unsupported)
 
 
 def read_init_from(path: str):

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-from pretrain.cli import accept_launcher_args, positive_int, run_command, run_distributed
+from pretrain.cli import accept_launcher_args, positive_int, run_command
 from pretrain.common.errors import UserError
 
 POOLING_MODES = ("mean", "cls", "last")  # finetune/embedding/loss.py's (not imported here: torch)
@@ -113,22 +113,9 @@ def main(argv=None) -> int:
 
 
 def start(args: argparse.Namespace) -> int:
-    import torch
+    from finetune.embedding.inference import start_on_ranks  # torch: after the arguments are checked
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no "setting accelerator to CPU" warning
-    from pretrain.distributed.parallel import discover_launch_env
-
-    launch = discover_launch_env()
-    if launch.world_size % args.tp:
-        raise UserError(f"--tp {args.tp} needs a multiple of {args.tp} processes, {launch.world_size} launched")
-
-    def answer(parallel) -> None:
-        line = run(args, parallel)
-        if parallel.rank == 0:
-            print(line, flush=True)
-
-    return run_distributed(answer, args.tp, launch=launch)
+    return start_on_ranks(run, args)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,29 @@ def sentence_transformers_settings(path: str) -> tuple[str, bool] | None:
     return modes[0], "Normalize" in types
 
 
+def start_on_ranks(run, args) -> int:
+    """A tool's body `run(args, parallel)` (returning its summary line) on every launched rank, the
+    model split over --tp of them; rank 0 prints the line. The launch is checked first."""
+    import os
+
+    from pretrain.cli import run_distributed
+    from pretrain.common.errors import UserError
+    from pretrain.distributed.parallel import discover_launch_env
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no "setting accelerator to CPU" warning
+    launch = discover_launch_env()
+    if launch.world_size % args.tp:
+        raise UserError(f"--tp {args.tp} needs a multiple of {args.tp} processes, {launch.world_size} launched")
+
+    def answer(parallel) -> None:
+        line = run(args, parallel)
+        if parallel.rank == 0:
+            print(line, flush=True)
+
+    return run_distributed(answer, args.tp, launch=launch)
+
+
 @dataclass
 class SentenceEncoder:
     model: torch.nn.Module

@@ -32,21 +32,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from pretrain.checkpoint.format import CheckpointError, head_of
-from pretrain.checkpoint.tokenizer_files import checkpoint_tokenizer, save_vocab
+from pretrain.checkpoint.format import head_of
+from pretrain.checkpoint.tokenizer_files import save_vocab
 from pretrain.checkpoint.trained_length import longest
 from pretrain.common.atomic import atomic_outputs
 from pretrain.data.samples.packing import PACKED_INPUTS, first_fit_decreasing
-from pretrain.distributed.device import (DeviceError, all_gather_object, all_reduce, configure_math, describe,
-                                        precision_problem)
+from pretrain.distributed.device import all_gather_object, all_reduce, describe
 from pretrain.model.names import logical_parameters
 from pretrain.model.rng import RngTracker, seed_streams
 from pretrain.observability.console import progress
 from pretrain.resilience.watchdog import Watchdog
 from pretrain.training.metrics import ThroughputWindow
 
-from ..finetuner import (FinetuneError, adamw_engine, gathered_encoder_weights, notes_that_matter, read_init_from,
-                         replace_directory)
+from ..finetuner import (FinetuneError, adamw_engine, checkpoint_tokenizer_of, gathered_encoder_weights,
+                         notes_that_matter, prepare_device, read_init_from, replace_directory, with_dropout)
 from ..inputs import fixed_length_tokenizer
 from ..model import build_encoder, encoder_inputs, load_encoder
 from .config import SIMILARITY_METRIC, EmbedConfig
@@ -110,24 +109,13 @@ class ContrastiveTrainer:
         for note in notes_that_matter(self.ckpt.notes):
             logger.info(note)
         m = self.ckpt.config.model
-        self.model_cfg = replace(m, hidden_dropout=m.hidden_dropout if cfg.model.hidden_dropout is None
-                                 else cfg.model.hidden_dropout,
-                                 attention_dropout=m.attention_dropout if cfg.model.attention_dropout is None
-                                 else cfg.model.attention_dropout)
+        self.model_cfg = with_dropout(m, cfg.model)
         too_wide = [d for d in cfg.loss.matryoshka_dims if d > m.hidden_size]
         if too_wide:
             raise FinetuneError(f"loss.matryoshka_dims {too_wide} exceed the model's hidden size ({m.hidden_size})")
-        try:
-            self.tokenizer = checkpoint_tokenizer(self.ckpt.vocab_dir, m.vocab_size, self.ckpt.source,
-                                                  cfg.model.vocab_file, how_to_name_one="set model.vocab_file")
-        except CheckpointError as e:
-            raise FinetuneError(str(e)) from None
+        self.tokenizer = checkpoint_tokenizer_of(self.ckpt, cfg.model.vocab_file)
         self._read_data()
-
-        configure_math(p.device, t.tf32)
-        unsupported = precision_problem(p.device, t.precision)
-        if unsupported:
-            raise DeviceError(unsupported)
+        prepare_device(p, t)
         self.share = t.global_batch_size // p.dp_size
         self.mini = min(t.micro_batch_size or self.share, self.share)
         self.columns = 2 + len(self.examples[0].negatives)
