@@ -4,7 +4,9 @@ whose row order differs from ours.
 config.json: transformers 4.48+ writes `global_attn_every_n_layers`, `local_attention`,
 `global_rope_theta` and `local_rope_theta`; transformers 5 writes `layer_types` and
 `rope_parameters` instead, and fills a missing theta with 160,000 (global) or 10,000 (local). We
-read either and write both, with both thetas always.
+read either and write both, with both thetas always. Rotary scaling (model.rope_scaling) exists in
+transformers 5's rope_parameters only (rope_type and its parameters per layer kind; a top-level
+`rope_scaling` is read for both kinds): transformers 4.x ignores it.
 
 Weights (pretrain/model/modernbert.py says why ours differ): transformers' Wqkv rows are [Q of all
 heads; K; V], ours per head [q; k; v]; its Wi rows are [input; gate], ours interleave them
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, rope_scaling
 from .errors import CheckpointError
 
 if TYPE_CHECKING:  # the config half of this module is read by the torch-free pre-start checks
@@ -57,17 +59,31 @@ def _global_every(hf: dict, problems: list[str]) -> int:
     return 3
 
 
-def _thetas(hf: dict, problems: list[str]) -> tuple[float, float]:
+def _rope(hf: dict, problems: list[str]) -> tuple[float, float, dict | None]:
+    """(global theta, local theta, model.rope_scaling) of a config.json: transformers 5's
+    rope_parameters per layer kind, or the 4.x thetas; a top-level `rope_scaling` applies to both
+    kinds (as transformers' ModernBertConfig reads it)."""
     rope = hf.get("rope_parameters") or {}
-    thetas = {}
-    for layer_type, legacy in (("full_attention", "global_rope_theta"), ("sliding_attention", "local_rope_theta")):
-        params = rope.get(layer_type) or {}
-        if params.get("rope_type", "default") != "default":
-            problems.append(f"rope_parameters.{layer_type}.rope_type {params['rope_type']!r}: only 'default' is supported")
-        thetas[layer_type] = float(params.get("rope_theta", hf.get(legacy, DEFAULT_THETAS[layer_type])))
-    if hf.get("rope_scaling"):
-        problems.append(f"rope_scaling {hf['rope_scaling']}: not supported")
-    return thetas["full_attention"], thetas["sliding_attention"]
+    thetas, scaling = {}, {}
+    for layer_type, legacy, kind in (("full_attention", "global_rope_theta", "global"),
+                                     ("sliding_attention", "local_rope_theta", "local")):
+        params = {**(rope.get(layer_type) or {}), **(hf.get("rope_scaling") or {})}
+        params.setdefault("rope_type", params.pop("type", "default"))
+        thetas[layer_type] = float(params.pop("rope_theta", hf.get(legacy, DEFAULT_THETAS[layer_type])))
+        if params["rope_type"] == "default":
+            continue
+        if params["rope_type"] == "yarn":  # transformers' standardize_rope_params and YaRN's factor
+            params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
+            if params.get("factor") is None:
+                params["factor"] = hf.get("max_position_embeddings", 8192) / params["original_max_position_embeddings"]
+        found = rope_scaling.problems(params, modern=True)
+        problems += [line.replace("model.rope_scaling", f"rope_parameters.{layer_type}") for line in found]
+        scaling[kind] = params
+    if not scaling:
+        return thetas["full_attention"], thetas["sliding_attention"], None
+    if scaling.get("global") == scaling.get("local"):
+        return thetas["full_attention"], thetas["sliding_attention"], scaling["global"]
+    return thetas["full_attention"], thetas["sliding_attention"], {kind: scaling.get(kind) for kind in rope_scaling.KINDS}
 
 
 def config_from_modern_hf(hf: dict, source: str) -> Config:
@@ -76,7 +92,7 @@ def config_from_modern_hf(hf: dict, source: str) -> Config:
                 if key in hf and hf[key] != value]
     model = {ours: hf.get(theirs, default) for ours, (theirs, default) in KEYS.items()}
     model.update(architecture="modernbert", global_attn_every_n_layers=_global_every(hf, problems))
-    model["global_rope_theta"], model["local_rope_theta"] = _thetas(hf, problems)
+    model["global_rope_theta"], model["local_rope_theta"], model["rope_scaling"] = _rope(hf, problems)
     if "local_attention" in hf or "sliding_window" not in hf:
         model["local_attention"] = int(hf.get("local_attention", 128))
     else:
@@ -111,8 +127,8 @@ def modern_hf_config(cfg: Config, architecture: str, special_ids: dict[str, int]
         "global_rope_theta": m.global_rope_theta, "local_rope_theta": m.local_rope_theta,
         # transformers 5 keys
         "layer_types": layer_types,
-        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": m.global_rope_theta},
-                            "sliding_attention": {"rope_type": "default", "rope_theta": m.local_rope_theta}},
+        "rope_parameters": {"full_attention": _rope_parameters(m.global_rope_theta, m.rope_scaling_of(True)),
+                            "sliding_attention": _rope_parameters(m.local_rope_theta, m.rope_scaling_of(False))},
         "torch_dtype": "float32",
     })
     for role in ("pad", "bos", "eos", "cls", "sep"):
@@ -120,6 +136,11 @@ def modern_hf_config(cfg: Config, architecture: str, special_ids: dict[str, int]
         if source in special_ids:
             config[f"{role}_token_id"] = special_ids[source]
     return config
+
+
+def _rope_parameters(theta: float, scaling: dict | None) -> dict:
+    """One layer kind's transformers 5 rope_parameters entry."""
+    return {"rope_type": "default", "rope_theta": theta} if not scaling else {**scaling, "rope_theta": theta}
 
 
 # ----------------------------------------------------------------------------- weights

@@ -5,7 +5,7 @@ A phase is `checkpoint.init_from: <the previous phase's checkpoint>` with `check
 true`: weights and optimizer states (moments, step counts) at any layout, and everything else new:
 step 0, the phase's own LR schedule, batch warmup and sample sequence (ModernBERT's
 `restart_override`). Besides the settings a resume may change, a phase may change what the
-weights do not fix: the rotary bases and, for ModernBERT (no position table), the context length
+weights do not fix: the rotary bases and scaling and, for ModernBERT (no position table), the context length
 (PHASE_MODEL_KEYS), as its context extension does. Relaunching a phase resumes its own checkpoint
 in checkpoint.load_dir, as any init_from run.
 """
@@ -17,7 +17,7 @@ from ..config import Config, ConfigError
 from .errors import CheckpointError
 
 # model.* keys a new phase may set apart from its checkpoint's (the weights do not depend on them)
-PHASE_MODEL_KEYS = ("global_rope_theta", "local_rope_theta", "max_position_embeddings")
+PHASE_MODEL_KEYS = ("global_rope_theta", "local_rope_theta", "rope_scaling", "max_position_embeddings")
 # the sections whose changes the start-up line lists (the others name files, logging and the like)
 OVERRIDDEN_SECTIONS = ("model", "optimizer", "scheduler", "train", "data")
 # keys that differ between phases without being a setting of the training (where files lie)
@@ -28,7 +28,7 @@ def phase_model_keys(cfg: Config) -> tuple[str, ...]:
     """The model.* keys this run may set apart from its init_from checkpoint's."""
     if not cfg.checkpoint.new_phase:
         return ()
-    return PHASE_MODEL_KEYS if cfg.model.modern else PHASE_MODEL_KEYS[:2]
+    return PHASE_MODEL_KEYS if cfg.model.modern else PHASE_MODEL_KEYS[:3]
 
 
 def previous_phase(cfg: Config) -> tuple[str, Config, dict]:

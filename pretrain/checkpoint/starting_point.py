@@ -28,11 +28,11 @@ from .vocabulary import loaded_checkpoint
 
 # The model.* keys a run takes from its init_from checkpoint: the architecture and shape, what the
 # weights were trained to compute with (LayerNorm epsilon; ModernBERT's attention pattern, rotary
-# bases and biases). Dropout and the initialisation range are the new run's choice.
+# bases and scaling, biases). Dropout and the initialisation range are the new run's choice.
 INHERITED_KEYS = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
                   "max_position_embeddings", "type_vocab_size", "layernorm_epsilon", "global_attn_every_n_layers",
-                  "local_attention", "global_rope_theta", "local_rope_theta", "norm_bias", "attention_bias", "mlp_bias",
-                  "classifier_bias")
+                  "local_attention", "global_rope_theta", "local_rope_theta", "rope_scaling", "norm_bias",
+                  "attention_bias", "mlp_bias", "classifier_bias")
 REPORTED_KEYS = tuple(dict.fromkeys(INHERITED_KEYS + tuple(HF_MODEL_KEYS)))
 # checkpoint.init_tiled: the keys a tiled run grows (its own, at least the checkpoint's), and those the
 # tiling needs equal (tiling.py copies each bias only where both models have it; the reference

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import rope_scaling as rope
 from .checks import one_of, positive
 from .choices import ARCHITECTURES, ATTENTION_KERNELS, CLASSIFIER_POOLING, COMPILE_CHOICES, RECOMPUTE
 
@@ -38,6 +39,10 @@ class ModelConfig:
     local_attention: int = 128
     global_rope_theta: float = 160000.0
     local_rope_theta: float = 10000.0
+    # ModernBERT: rotary scaling with transformers' definitions (rope_scaling.py): null, or
+    # {rope_type: linear | dynamic | yarn, factor: ..., ...} for both layer kinds, or
+    # {global: {...} | null, local: {...} | null}
+    rope_scaling: dict | None = None
     norm_bias: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -55,6 +60,10 @@ class ModelConfig:
     @property
     def modern(self) -> bool:
         return self.architecture == "modernbert"
+
+    def rope_scaling_of(self, is_global: bool) -> dict | None:
+        """ModernBERT: the rotary scaling spec of the global or the local layers (None: unscaled)."""
+        return rope.resolved(self.rope_scaling)["global" if is_global else "local"]
 
     def is_global_layer(self, index: int) -> bool:
         """ModernBERT: whether layer `index` attends to the whole sequence (else to its window)."""
@@ -92,6 +101,7 @@ class ModelConfig:
         one_of(p, "model.classifier_pooling", self.classifier_pooling, CLASSIFIER_POOLING)
         one_of(p, "model.attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
         one_of(p, "model.compile", self.compile, COMPILE_CHOICES)
+        p += rope.problems(self.rope_scaling, self.modern)
         if self.modern:
             for name in ("global_attn_every_n_layers", "global_rope_theta", "local_rope_theta"):
                 positive(p, f"model.{name}", getattr(self, name))

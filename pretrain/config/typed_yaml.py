@@ -68,6 +68,10 @@ def _coerce(value: Any, tp: Any) -> Any:
             raise _WrongType
         (item,) = typing.get_args(tp)
         return [_coerce(v, item) for v in value]
+    if tp is dict:  # a free-form mapping (model.rope_scaling): its section's problems() checks the contents
+        if not isinstance(value, dict):
+            raise _WrongType
+        return copy.deepcopy(value)
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if tp is int and isinstance(value, int) and not isinstance(value, bool):
@@ -87,6 +91,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
         return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if tp is dict:
+        return "a mapping"
     return "null" if tp is type(None) else tp.__name__
 
 

@@ -4,7 +4,8 @@ The math is transformers' ModernBertForMaskedLM (models/modernbert/modeling_mode
 token embedding -> LayerNorm -> dropout (no position or token-type embeddings); pre-LN layers
 `h + Wo(attn(attn_norm(h)))`, `h + mlp.Wo(GeGLU(mlp_norm(h)))` with no attn_norm on layer 0;
 rotary positions over the whole head dimension (non-interleaved halves), base global_rope_theta
-on global layers and local_rope_theta on local ones; layer i global when
+on global layers and local_rope_theta on local ones, each kind scaled per model.rope_scaling
+(rotary.py); layer i global when
 i % global_attn_every_n_layers == 0, the others attending to keys within local_attention / 2
 positions; a final LayerNorm; the MLM head dense -> GELU -> LayerNorm -> decoder tied to the
 token embedding, with a bias.
@@ -62,6 +63,7 @@ from .attention import packed_attention
 from .fused import layer_kernels
 from .micro_batch import MicroBatchCache
 from .rng import RngTracker, checkpoint_with_rng
+from .rotary import rotary_tables
 from .unpadding import unpad_packed, unpad_padded
 
 
@@ -109,16 +111,6 @@ class GegluInput(GemmOperandsOverride, ColumnParallelLinear):
         return _geglu_halves(weight), None if bias is None else _geglu_halves(bias)
 
 
-def rotary_tables(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos and sin [rows, seq, 1, head_dim] of the rotary angles at `position_ids` ([rows, seq]),
-    computed in fp32 and rounded to `dtype`, as transformers' ModernBertRotaryEmbedding (token-major:
-    they broadcast over the heads of [rows, seq, heads, head_dim]; fused.rotate applies them)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=position_ids.device) / head_dim))
-    freqs = position_ids[..., None].float() * inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)[:, :, None]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
 class ModernLayer(nn.Module):
     """Pre-LN encoder layer on the micro-batch's real tokens (EmbeddingNorm's one row): rotary
     attention (global or windowed, within each sample) on this rank's heads, then the GeGLU MLP
@@ -141,6 +133,8 @@ class ModernLayer(nn.Module):
         self.is_global = model_cfg.is_global_layer(layer_index)
         self.half_window = None if self.is_global else model_cfg.local_attention // 2
         self.rope_theta = model_cfg.global_rope_theta if self.is_global else model_cfg.local_rope_theta
+        self.rope_scaling = model_cfg.rope_scaling_of(self.is_global)
+        self.max_position_embeddings = model_cfg.max_position_embeddings
         self.attention_dropout = model_cfg.attention_dropout
         dtype, eps = mp_config.params_dtype, model_cfg.layernorm_epsilon
 
@@ -169,8 +163,8 @@ class ModernLayer(nn.Module):
         normed = self.attn_norm(hidden) if self.attn_norm is not None else hidden
         qkv = self.attn_qkv(normed)[0].view(rows, seq, self.local_heads, 3, self.head_dim)
         query, key, value = qkv.unbind(3)  # [rows, seq, heads, head_dim] each
-        cos, sin = self.cache.get(sample_ids, ("rotary", self.rope_theta, hidden.dtype), lambda: rotary_tables(
-            position_ids, self.head_dim, self.rope_theta, hidden.dtype))
+        cos, sin = self.cache.get(sample_ids, ("rotary", self.is_global, hidden.dtype), lambda: rotary_tables(
+            position_ids, self.head_dim, self.rope_theta, hidden.dtype, self.rope_scaling, self.max_position_embeddings))
         query, key = kernels.rotate_query_key(query, key, cos, sin)
         if self.recompute == "selective" and self.training and torch.is_grad_enabled():
             context = checkpoint_with_rng(self._attention_core, self.rng, query, key, value, sample_ids)
