@@ -253,6 +253,21 @@ def all_gather_with_grad(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return _AllGatherWithGrad.apply(tensor, group)
 
 
+def exchange(sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor], group) -> None:
+    """Point-to-point within `group`: each tensor of `sends` to its group rank, each buffer of
+    `receives` filled from its group rank, in one batch (the peers post the matching calls)."""
+    ops = []
+    for peer, tensor in sends.items():
+        _check(tensor, group, "exchange")
+        ops.append(dist.P2POp(dist.isend, tensor.contiguous(), group=group, group_peer=peer))
+    for peer, buffer in receives.items():
+        _check(buffer, group, "exchange")
+        ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
 def all_gather_object(obj, group=None) -> list:
     """Every rank's picklable `obj` (torch serialises through the group's own device)."""
     gathered = [None] * dist.get_world_size(group)

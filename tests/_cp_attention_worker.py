@@ -1,0 +1,90 @@
+"""Rank entry point: context-parallel attention (pretrain/model/context_parallel.py) against one
+process's attention over the whole row, forward and backward.
+
+usage: python tests/_cp_attention_worker.py OUT.json   (4 ranks: CP4, and CP2 on ranks {0,1} and {2,3})
+For each case (rows of packed documents crossing the ranks' boundaries, one long document; global
+and local layers; shares longer and shorter than the window's half) every rank builds the same
+row, takes its share of the queries, keys and values, runs the CP attention and its backward
+with its share of one upstream gradient, and compares context and gradients with the reference's
+share. Rank 0 writes the largest differences per case and CP size, and what crossed the ranks.
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from pretrain.distributed import device
+from pretrain.model.attention import encoder_attention
+from pretrain.model.context_parallel import ContextSplit, attention_work, context_parallel_attention
+
+HEADS, DIM = 2, 8
+# name -> (document lengths of the row, half_window or None)
+CASES = {
+    "packed-global": ([9, 23, 5, 1, 14, 20], None),
+    "packed-local": ([9, 23, 5, 1, 14, 20], 4),
+    "one-document-global": ([61], None),
+    "one-document-local": ([61], 6),
+    "short-shares-local": ([7, 5], 5),  # 12 tokens over 4 ranks: shares of 3 < the halo: gathered instead
+}
+
+
+def reference(q, k, v, ids, half_window, upstream):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = encoder_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), ids[None], half_window=half_window)
+    out = out[0].transpose(0, 1)
+    out.backward(upstream)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def main():
+    out_path = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = {4: dist.group.WORLD, 2: None}
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    groups[2] = pairs[rank // 2]
+    sent = []  # (CP size, case, elements per exchange) on this rank
+    exchange = device.exchange
+
+    def counting(sends, receives, group):
+        sent.append(sum(t.numel() for t in sends.values()))
+        return exchange(sends, receives, group)
+
+    device.exchange = counting
+    results = {}
+    for cp, group in groups.items():
+        cp_rank = dist.get_rank(group)
+        for name, (lengths, half_window) in CASES.items():
+            generator = torch.Generator().manual_seed(len(name))
+            tokens = sum(lengths)
+            ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))
+            q, k, v, upstream = (torch.randn(tokens, HEADS, DIM, generator=generator, dtype=torch.float64)
+                                 for _ in range(4))
+            expected = reference(q, k, v, ids, half_window, upstream)
+            split = ContextSplit.even(tokens, cp_rank, cp, group)
+            mine = [split.local(t).clone().requires_grad_() for t in (q, k, v)]
+            del sent[:]
+            out = context_parallel_attention(*mine, ids, split, half_window=half_window)
+            out.backward(split.local(upstream))
+            got = (out.detach(), *(t.grad for t in mine))
+            worst = max((a - split.local(b)).abs().max().item() for a, b in zip(got, expected))
+            worst = device.reduce_floats([worst], torch.device("cpu"), op="max")[0]
+            results[f"cp{cp}/{name}"] = {
+                "max_abs": worst, "scale": expected[0].abs().max().item(),
+                "queries": out.shape[0], "share": split.end - split.start, "exchanged": list(sent),
+                "work": attention_work(ids, split), "tokens": tokens,
+            }
+            if rank == 0:
+                results[f"cp{cp}/{name}"]["rank0"] = True
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
