@@ -106,7 +106,7 @@ def _report(prefix: str, error: Exception) -> None:
 
 def run_distributed(work: Callable[["Parallel"], int | None], tensor_parallel: int, pipeline_parallel: int = 1,
                     timeout_minutes: float = 10.0, launch: "LaunchEnv | None" = None,
-                    rendezvous_timeout_minutes: float = 10.0) -> int:
+                    rendezvous_timeout_minutes: float = 10.0, context_parallel: int = 1) -> int:
     """Start the process groups, run `work(parallel)`, shut the groups down (also on error);
     returns work's exit status (None: 0).
 
@@ -130,7 +130,8 @@ def run_distributed(work: Callable[["Parallel"], int | None], tensor_parallel: i
     prepare_cuda_environment(tensor_parallel)  # before init_parallel makes this rank's CUDA context
     prepare_hang_diagnostics()
     prepare_extensions_dir()
-    parallel = init_parallel(launch, tensor_parallel, pipeline_parallel, timeout_minutes, rendezvous_timeout_minutes)
+    parallel = init_parallel(launch, tensor_parallel, pipeline_parallel, timeout_minutes, rendezvous_timeout_minutes,
+                             context_parallel)
     configure_logging(parallel.rank, parallel.world_size, parallel.logging_rank)
     try:
         return work(parallel) or 0

@@ -107,7 +107,7 @@ def start(args: argparse.Namespace) -> int:
 
     p, r = cfg.parallel, cfg.resilience
     return run_distributed(train, p.tensor_parallel, p.pipeline_parallel, r.dist_timeout_minutes,
-                           rendezvous_timeout_minutes=r.rendezvous_timeout_minutes)
+                           rendezvous_timeout_minutes=r.rendezvous_timeout_minutes, context_parallel=p.context_parallel)
 
 
 def last_checkpoint(save_dir: str | None) -> str:

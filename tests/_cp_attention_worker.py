@@ -9,7 +9,6 @@ with its share of one upstream gradient, and compares context and gradients with
 share. Rank 0 writes the largest differences per case and CP size, and what crossed the ranks.
 """
 import json
-import os
 import sys
 
 import torch
@@ -41,7 +40,7 @@ def reference(q, k, v, ids, half_window, upstream):
 def main():
     out_path = sys.argv[1]
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     groups = {4: dist.group.WORLD, 2: None}
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     groups[2] = pairs[rank // 2]

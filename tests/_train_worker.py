@@ -6,8 +6,9 @@ optional "evaluate": true (evaluation metrics after training), "expect_error": t
 trainer must refuse: its error message is recorded, and the job goes on), "per_shard": true (the
 negative control: LAMB trust ratios, or StableAdamW's RMS terms, of whatever tensor each rank
 steps, not of whole parameters)
-and "tp"/"pp" (this run's layout instead of TP PP: the process group stays, the TP/PP/DP groups
-are built anew, so one job runs several layouts of its world size and starts its processes once).
+and "tp"/"pp"/"cp" (this run's layout instead of TP PP and CP 1: the process group stays, the
+TP/CP/PP/DP groups are built anew, so one job runs several layouts of its world size and starts
+its processes once).
 The logging rank writes, per run: the per-step metrics, the params norm, where it ran, what
 every rank reports of its layout and optimizer groups (what proves the layout took effect), and
 the lines the trainer logged.
@@ -60,6 +61,8 @@ def layout_report(trainer, parallel) -> dict:
     zero3 = [p for p in params if internals.is_zero3_param(p)]
     return {
         "rank": parallel.rank, "tp_rank": parallel.tp_rank, "pp_rank": parallel.pp_rank, "dp_rank": parallel.dp_rank,
+        "cp_rank": parallel.cp_rank, "megatron_cp_size": ps.get_context_parallel_world_size(),
+        "tokens_computed": getattr(trainer, "tokens_seen_by_layers", None),
         "megatron_tp_size": ps.get_tensor_model_parallel_world_size(),
         "deepspeed_dp_size": engine.dp_world_size,
         "deepspeed_stages": engine.num_stages if trainer.pipelined else 1,
@@ -143,13 +146,15 @@ def main():
     launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
     results, parallel, layout = {}, None, None
     for run in runs:
-        tp, pp = run.get("tp", job_tp), run.get("pp", job_pp)
-        if (tp, pp) != layout:
-            parallel, layout = init_parallel(launch, tp, pp, timeout_minutes=3), (tp, pp)
-        cfg = load_config(None, TINY + [f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}"] + run["overrides"])
+        tp, pp, cp = run.get("tp", job_tp), run.get("pp", job_pp), run.get("cp", 1)
+        if (tp, pp, cp) != layout:
+            parallel, layout = init_parallel(launch, tp, pp, timeout_minutes=3, context_parallel=cp), (tp, pp, cp)
+        cfg = load_config(None, TINY + [f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}",
+                                        f"parallel.context_parallel={cp}"] + run["overrides"])
         cfg.validate(world_size=parallel.world_size)
         lines = log_lines(parallel)
         trainer = Trainer(cfg, parallel)
+        count_layer_tokens(trainer)
         if run.get("per_shard"):
             use_per_shard_norms(trainer)
         try:
@@ -168,6 +173,26 @@ def main():
             results[run["name"]]["evaluation"] = trainer.evaluate()
         trainer.close_loaders()  # the evaluation's loader processes (training closed its own)
     finish(parallel, out_path, results)
+
+
+def count_layer_tokens(trainer) -> None:
+    """ModernBERT: [tokens this rank's first encoder layer computed, tokens of the rows it was
+    given, documents in them, forwards] summed over the run, as trainer.tokens_seen_by_layers (what
+    proves a context-parallel split took effect: each rank computes its share of the row; and
+    packing: more documents per forward than rows)."""
+    layers = [m for m in trainer.model.modules() if type(m).__name__ == "ModernLayer"]
+    if not layers:
+        return
+    trainer.tokens_seen_by_layers = [0, 0, 0, 0]
+
+    def count(_module, inputs):
+        hidden, sample_ids = inputs[0][0], inputs[0][1]
+        trainer.tokens_seen_by_layers[0] += hidden.shape[1]
+        trainer.tokens_seen_by_layers[1] += sample_ids.shape[1]
+        trainer.tokens_seen_by_layers[2] += len(sample_ids.unique_consecutive())
+        trainer.tokens_seen_by_layers[3] += 1
+
+    layers[0].register_forward_pre_hook(count)
 
 
 def finish(parallel, out_path: str, results: dict) -> None:

@@ -35,3 +35,64 @@ def test_each_share_of_the_attention_equals_one_process(attention_results):
         else:
             assert r["exchanged"] == [], case
         assert sum(r["work"]) == sum(n * n for n in lengths), case
+
+
+MODERN = ["model.architecture=modernbert", "data.segment_pairs=none", "model.global_attn_every_n_layers=2",
+          "model.local_attention=8", "model.layernorm_epsilon=1e-5", "train.train_steps=3",
+          # samples of 4-32 tokens, rows of 32, 4 per micro-batch: packing puts several in a row
+          "data.synthetic_min_fraction=0.1", "train.global_batch_size=16", "train.micro_batch_size=4"]
+# (name, tp, pp, cp, overrides): one process group of 4 ranks runs them all; recomputation (full,
+# selective) must not change the numbers either
+LAYOUTS = [("dp4", 1, 1, 1, []), ("cp4", 1, 1, 4, []), ("cp2-dp2-zero1", 1, 1, 2, ["parallel.zero_stage=1"]),
+           ("cp2-tp2-recompute-full", 2, 1, 2, ["model.recompute=full"]),
+           ("cp2-pp2-recompute-selective", 1, 2, 2, ["model.recompute=selective"])]
+BF16 = [("dp4-bf16", 1, 1, 1, ["train.precision=bf16", "parallel.zero_stage=2"]),
+        ("cp2-dp2-zero2-bf16", 1, 1, 2, ["train.precision=bf16", "parallel.zero_stage=2"])]
+
+
+@pytest.fixture(scope="module")
+def training_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cp") / "training.json"
+    runs = [json.dumps({"name": f"{name}/{data}", "tp": tp, "pp": pp, "cp": cp, "evaluate": True,
+                        "overrides": MODERN + overrides + [f"data.packing={str(data == 'packed').lower()}"]})
+            for data in ("padded", "packed") for name, tp, pp, cp, overrides in LAYOUTS + BF16]
+    run_ranks(["tests/_train_worker.py", str(out), "1", "1", *runs], 4, timeout=600)
+    return json.loads(out.read_text())
+
+
+def check_layout(run, name, tp, pp, cp):
+    """What proves the layout took effect: megatron-core's CP size, DeepSpeed averaging over context x
+    data, and each rank's first encoder layer computing its share of every row (up to one token per
+    forward: a share is the row over CP rounded up or down)."""
+    forwards = len(run["history"]) * 4 * 2 + 2 * 4  # steps x micro-batches x (forward, recompute) + evaluation
+    for rank in run["ranks"]:
+        assert rank["megatron_cp_size"] == cp and rank["deepspeed_dp_size"] == 4 // (tp * pp), (name, rank)
+        if rank["tokens_computed"] is not None:  # ranks of the first pipeline stage
+            local, row, _, _ = rank["tokens_computed"]
+            assert row > 0 and abs(local - row / cp) <= forwards, (name, rank)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data", ["padded", "packed"])
+def test_training_at_every_context_parallel_layout_equals_one_replica(training_results, data):
+    """Losses per step, the weights after them (their norm) and the evaluation at CP4, CP2 x DP2
+    with ZeRO-1, CP2 x TP2 and CP2 x PP2 equal DP4 (the same global batch) in fp32; bf16 with
+    ZeRO-2 at CP2 x DP2 equals DP4's within bf16's rounding. Packed input (fewer rows, the same
+    samples) is unpadded into the same row of real tokens as padded input: the same training."""
+    reference = training_results[f"dp4/{data}"]
+    losses = [step["lm_loss"] for step in reference["history"]]
+    assert len(losses) == 3 and all(loss > 1.0 for loss in losses)
+    local, row, documents, forwards = reference["ranks"][0]["tokens_computed"]
+    assert local == row and documents == 4 * forwards  # one replica computes every token of its 4 samples
+    for name, tp, pp, cp, _ in LAYOUTS[1:]:
+        run = training_results[f"{name}/{data}"]
+        assert [step["lm_loss"] for step in run["history"]] == pytest.approx(losses, abs=1e-5), name
+        assert run["params_norm"] == pytest.approx(reference["params_norm"], abs=1e-5), name
+        assert run["evaluation"]["lm_loss"] == pytest.approx(reference["evaluation"]["lm_loss"], abs=1e-5), name
+        check_layout(run, name, tp, pp, cp)
+    bf16, cp_bf16 = (training_results[f"{name}/{data}"] for name, *_ in BF16)
+    assert all(rank["parameter_dtypes"] == "torch.bfloat16" for rank in cp_bf16["ranks"])
+    assert [step["lm_loss"] for step in cp_bf16["history"]] == pytest.approx(
+        [step["lm_loss"] for step in bf16["history"]], abs=2e-2)
+    check_layout(cp_bf16, "cp2-dp2-zero2-bf16", 1, 1, 2)
+

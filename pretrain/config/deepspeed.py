@@ -39,13 +39,21 @@ def deepspeed_settings(global_batch_size: int, micro_batch_size: int, grad_accum
     return ds
 
 
+def deepspeed_batch(cfg: Config, samples: int) -> int:
+    """DeepSpeed's train_batch_size for a global batch of `samples`: one micro-batch per rank of
+    its data group (context x data), the CP ranks of a group sharing theirs."""
+    return samples * cfg.parallel.context_parallel
+
+
 def build_deepspeed_config(cfg: Config, world_size: int) -> dict:
     """The DeepSpeed config dict derived from our config, with the user's DeepSpeed JSON
     (cfg.train.deepspeed_config) merged in. The user JSON may add DeepSpeed-only options;
     a key we own with a different value, or an `optimizer`/`scheduler` block, is a ConfigError."""
     t = cfg.train
     accum = cfg.grad_accum_steps(world_size)
-    ds = deepspeed_settings(t.global_batch_size, t.micro_batch_size, accum, cfg.optimizer.clip(),
+    # DeepSpeed counts a micro-batch per rank of its data group, context x data: the CP ranks of a
+    # group share theirs, so its batch is the global batch times the CP size
+    ds = deepspeed_settings(deepspeed_batch(cfg, t.global_batch_size), t.micro_batch_size, accum, cfg.optimizer.clip(),
                             cfg.parallel.zero_stage, t.precision, cfg.fp16.deepspeed_block(), t.grad_accum_dtype)
     if cfg.shapes_vary:
         # Packed micro-batches have as many rows as their samples fill, and ModernBERT's as many
@@ -65,7 +73,9 @@ def build_deepspeed_config(cfg: Config, world_size: int) -> dict:
     # Keys we own: (path in DeepSpeed JSON, our value as shown to the user, what to set instead).
     precision = f"train.precision={t.precision}"
     owned = [
-        (("train_batch_size",), f"train.global_batch_size={t.global_batch_size}", "train.global_batch_size"),
+        (("train_batch_size",), f"train.global_batch_size={t.global_batch_size}"
+         + (f" x parallel.context_parallel={cfg.parallel.context_parallel}" if cfg.parallel.context_parallel > 1 else ""),
+         "train.global_batch_size"),
         (("train_micro_batch_size_per_gpu",), f"train.micro_batch_size={t.micro_batch_size}",
          "train.micro_batch_size"),
         (("gradient_accumulation_steps",),

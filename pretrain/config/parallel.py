@@ -1,4 +1,4 @@
-"""The parallel section: tensor and pipeline parallelism, ZeRO, with the rules about its own fields."""
+"""The parallel section: tensor, pipeline and context parallelism, ZeRO, with the rules about its own fields."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,7 +10,15 @@ class ParallelConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     zero_stage: int = 0  # DeepSpeed ZeRO stage, 0..3
-    # data parallel size is derived: world_size // (tensor_parallel * pipeline_parallel)
+    # ranks that split each micro-batch's tokens (pretrain/model/context_parallel.py); they read
+    # the same micro-batches, and gradients average (and ZeRO partitions) over context x data
+    context_parallel: int = 1
+    # data parallel size is derived: world_size // (tensor_parallel * pipeline_parallel * context_parallel)
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks per data-parallel replica of the work: tensor x pipeline x context."""
+        return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
 
     def problems(self) -> list[str]:
         p: list[str] = []
@@ -18,6 +26,8 @@ class ParallelConfig:
             p.append(f"parallel.tensor_parallel ({self.tensor_parallel}) must be >= 1")
         if self.pipeline_parallel < 1:
             p.append(f"parallel.pipeline_parallel ({self.pipeline_parallel}) must be >= 1")
+        if self.context_parallel < 1:
+            p.append(f"parallel.context_parallel ({self.context_parallel}) must be >= 1")
         if self.zero_stage not in (0, 1, 2, 3):
             p.append(f"parallel.zero_stage ({self.zero_stage}) must be one of 0, 1, 2, 3")
         # DeepSpeed's pipeline engine does not support gradient/parameter partitioning.

@@ -80,7 +80,7 @@ class Config:
         problem = _world_size_problem(self, world_size)
         if problem:
             raise ConfigError(problem)
-        return world_size // (self.parallel.tensor_parallel * self.parallel.pipeline_parallel)
+        return world_size // self.parallel.model_parallel
 
     def grad_accum_steps(self, world_size: int) -> int:
         dp = self.data_parallel_size(world_size)
@@ -159,6 +159,10 @@ class Config:
         if s.min_lr > o.lr:
             p.append(f"scheduler.min_lr ({s.min_lr}) must be <= optimizer.lr ({o.lr})")
         p += d.problems()
+        if par.context_parallel > 1 and not m.modern:
+            p.append(f"parallel.context_parallel {par.context_parallel} splits ModernBERT's rows (model.architecture "
+                     "modernbert); BERT's padded rows and next-sentence head are not split yet: use "
+                     "parallel.context_parallel 1")
         if m.modern and d.segment_pairs != "none":
             p.append(f"model.architecture modernbert has no next-sentence head: set data.segment_pairs none "
                      f"(not {d.segment_pairs})")
@@ -203,7 +207,8 @@ class Config:
     def _batch_problems(self, world_size: int | None) -> list[str]:
         """G = micro x accumulation x data parallel (data parallel known with the world size)."""
         t, par = self.train, self.parallel
-        if t.global_batch_size <= 0 or t.micro_batch_size <= 0 or par.tensor_parallel < 1 or par.pipeline_parallel < 1:
+        if t.global_batch_size <= 0 or t.micro_batch_size <= 0 or min(par.tensor_parallel, par.pipeline_parallel,
+                                                                         par.context_parallel) < 1:
             return []  # reported by the sections
         if world_size is None:
             if t.global_batch_size % t.micro_batch_size:
@@ -213,7 +218,7 @@ class Config:
         problem = _world_size_problem(self, world_size)
         if problem:
             return [problem]
-        dp = world_size // (par.tensor_parallel * par.pipeline_parallel)
+        dp = world_size // par.model_parallel
         problems = [_batch_problem(self, dp)]
         if t.batch_warmup_min_size and t.batch_warmup_min_size % (t.micro_batch_size * dp):
             problems.append(f"train.batch_warmup_min_size ({t.batch_warmup_min_size}) must be a multiple of "
@@ -223,10 +228,14 @@ class Config:
 
 
 def _world_size_problem(cfg: Config, world_size: int) -> str | None:
-    tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
-    if world_size < 1 or tp < 1 or pp < 1 or world_size % (tp * pp):
+    par = cfg.parallel
+    tp, pp, cp = par.tensor_parallel, par.pipeline_parallel, par.context_parallel
+    if world_size < 1 or tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
+        if cp == 1:
+            return (f"world size ({world_size}) must be a positive multiple of parallel.tensor_parallel x "
+                    f"parallel.pipeline_parallel ({tp} x {pp} = {tp * pp})")
         return (f"world size ({world_size}) must be a positive multiple of parallel.tensor_parallel x "
-                f"parallel.pipeline_parallel ({tp} x {pp} = {tp * pp})")
+                f"parallel.pipeline_parallel x parallel.context_parallel ({tp} x {pp} x {cp} = {tp * pp * cp})")
     return None
 
 

@@ -268,6 +268,27 @@ def exchange(sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor], 
             work.wait()
 
 
+class _AllReduceWithGrad(torch.autograd.Function):
+    """Forward: the sum over the group. Backward: the gradient summed over the group (every rank's
+    loss reads the sum)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return all_reduce(tensor.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous().clone(), ctx.group), None
+
+
+def all_reduce_with_grad(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """The sum of every rank's `tensor` over `group`, with gradients (the sum of every rank's) back to each."""
+    if group is not None and dist.get_world_size(group) == 1:
+        return tensor
+    return _AllReduceWithGrad.apply(tensor, group)
+
+
 def all_gather_object(obj, group=None) -> list:
     """Every rank's picklable `obj` (torch serialises through the group's own device)."""
     gathered = [None] * dist.get_world_size(group)

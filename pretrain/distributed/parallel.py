@@ -1,9 +1,14 @@
 """Process groups: one init path for torchrun, the deepspeed launcher, mpirun and SLURM.
 
-Rank layout (fastest-varying first): tensor, data, pipeline. megatron-core's
+Rank layout (fastest-varying first): tensor, context, data, pipeline. megatron-core's
 `initialize_model_parallel(order="tp-cp-ep-dp-pp")` and DeepSpeed's
-`PipeModelDataParallelTopology` (axes pipe, data, model) both use it; `init_parallel` asserts
-that the two agree, because another order silently pairs the wrong ranks.
+`PipeModelDataParallelTopology` (axes pipe, data, model) both use it, DeepSpeed's data axis being
+context x data (the ranks that average gradients and share ZeRO partitions, as in Megatron);
+`init_parallel` asserts that the two agree, because another order silently pairs the wrong ranks.
+
+Context parallelism (CP) splits each micro-batch's tokens over the ranks of a CP group, which
+therefore read the same micro-batches: the loaders' "data parallel" is `dp_*` (which samples),
+DeepSpeed's is `dp_cp_*` (which ranks hold replicas of the weights).
 """
 from __future__ import annotations
 
@@ -123,14 +128,15 @@ class DeepSpeedMPU:
     get_tensor_model_parallel_world_size = get_model_parallel_world_size
     get_tensor_model_parallel_group = get_model_parallel_group
 
+    # DeepSpeed's data parallelism: every rank holding a replica of the weights (context x data)
     def get_data_parallel_rank(self):
-        return self._p.dp_rank
+        return self._p.dp_cp_rank
 
     def get_data_parallel_world_size(self):
-        return self._p.dp_size
+        return self._p.dp_cp_size
 
     def get_data_parallel_group(self):
-        return self._p.dp_group
+        return self._p.dp_cp_group
 
     def get_pipeline_model_parallel_rank(self):
         return self._p.pp_rank
@@ -162,6 +168,14 @@ class Parallel:
     device: torch.device
     backend: str
     store_address: tuple[str, int] | None = None  # the job's TCPStore (rank 0's), for the watchdog's heartbeats
+    # context parallelism: this rank's place in its CP group (the ranks splitting one micro-batch's
+    # tokens), and the context x data group DeepSpeed averages gradients over (the DP group at CP 1)
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: object = None
+    dp_cp_size: int = 1
+    dp_cp_rank: int = 0
+    dp_cp_group: object = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -177,7 +191,7 @@ class Parallel:
 
     @property
     def logging_rank(self) -> int:
-        """Global rank of (last stage, dp 0, tp 0): it holds every metric, so it logs."""
+        """Global rank of (last stage, dp 0, cp 0, tp 0): it holds every metric, so it logs."""
         return self.topology.get_rank(pipe=self.pp_size - 1, data=0, model=0)
 
 
@@ -186,8 +200,9 @@ def _ranks(group) -> list[int]:
 
 
 def init_parallel(launch: LaunchEnv, tensor_parallel: int, pipeline_parallel: int,
-                  timeout_minutes: float = 10.0, rendezvous_timeout_minutes: float = 10.0) -> Parallel:
-    """Start torch.distributed (gloo on CPU, NCCL on GPU) and build the TP/PP/DP groups.
+                  timeout_minutes: float = 10.0, rendezvous_timeout_minutes: float = 10.0,
+                  context_parallel: int = 1) -> Parallel:
+    """Start torch.distributed (gloo on CPU, NCCL on GPU) and build the TP/CP/PP/DP groups.
 
     The rendezvous is `launch`'s, bounded by rendezvous_timeout_minutes (pretrain/distributed/rendezvous.py
     names the ranks that did not come); os.environ is left alone. Export `launch` first
@@ -216,37 +231,42 @@ def init_parallel(launch: LaunchEnv, tensor_parallel: int, pipeline_parallel: in
     with without_noise_lines(), without_shared_memory_comm():
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     world = dist.get_world_size()
-    model_parallel = tensor_parallel * pipeline_parallel
+    model_parallel = tensor_parallel * pipeline_parallel * context_parallel
     if world % model_parallel:
-        raise ValueError(
-            f"world size {world} is not divisible by tensor_parallel x pipeline_parallel = {model_parallel}"
-        )
+        raise ValueError(f"world size {world} is not divisible by tensor_parallel x pipeline_parallel x "
+                         f"context_parallel = {model_parallel}")
     data_parallel = world // model_parallel
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
+        context_parallel_size=context_parallel,
         distributed_timeout_minutes=max(1, math.ceil(timeout_minutes)),
         order="tp-cp-ep-dp-pp",
         create_gloo_process_groups=False,
     )
-    topology = PipeModelDataParallelTopology(num_pp=pipeline_parallel, num_mp=tensor_parallel, num_dp=data_parallel)
+    # DeepSpeed's data axis is context x data: its coordinate is cp_rank + context_parallel * dp_rank
+    topology = PipeModelDataParallelTopology(num_pp=pipeline_parallel, num_mp=tensor_parallel,
+                                             num_dp=data_parallel * context_parallel)
     rank = dist.get_rank()
     coord = topology.get_coord(rank)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     dp_group = parallel_state.get_data_parallel_group()
+    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    cp_group = parallel_state.get_context_parallel_group()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
 
     # The two libraries must agree on which ranks share a group.
-    for axis, group in (("model", tp_group), ("data", dp_group), ("pipe", pp_group)):
+    for axis, group in (("model", tp_group), ("data", dp_cp_group), ("pipe", pp_group)):
         expected = next(sorted(r) for r in topology.get_axis_comm_lists(axis) if rank in r) if topology.get_dim(axis) > 1 else [rank]
         if _ranks(group) != expected:
             raise RuntimeError(
                 f"rank {rank}: megatron-core {axis} group {_ranks(group)} != DeepSpeed topology {expected}"
             )
+    cp_rank, dp_rank = parallel_state.get_context_parallel_rank(), parallel_state.get_data_parallel_rank()
     assert coord.model == parallel_state.get_tensor_model_parallel_rank()
-    assert coord.data == parallel_state.get_data_parallel_rank()
+    assert coord.data == cp_rank + context_parallel * dp_rank
     assert coord.pipe == parallel_state.get_pipeline_model_parallel_rank()
     return Parallel(
         rank=rank,
@@ -257,7 +277,7 @@ def init_parallel(launch: LaunchEnv, tensor_parallel: int, pipeline_parallel: in
         dp_size=data_parallel,
         tp_rank=coord.model,
         pp_rank=coord.pipe,
-        dp_rank=coord.data,
+        dp_rank=dp_rank,
         tp_group=tp_group,
         pp_group=pp_group,
         dp_group=dp_group,
@@ -265,6 +285,12 @@ def init_parallel(launch: LaunchEnv, tensor_parallel: int, pipeline_parallel: in
         device=device,
         backend=backend,
         store_address=(launch.master_addr, launch.master_port),
+        cp_size=context_parallel,
+        cp_rank=cp_rank,
+        cp_group=cp_group,
+        dp_cp_size=data_parallel * context_parallel,
+        dp_cp_rank=coord.data,
+        dp_cp_group=dp_cp_group,
     )
 
 

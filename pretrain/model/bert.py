@@ -28,6 +28,7 @@ from .layers import (
     decode_tokens,
     megatron_config,
 )
+from .context_parallel import ContextGroup
 from .cross_entropy import vocab_parallel_cross_entropy
 from ..config.choices import compile_enabled
 from .fused import check_can_compile
@@ -37,14 +38,15 @@ from .rng import RngTracker
 from .unpadding import repad
 
 def stage_specs(model_cfg, padded_vocab_size: int, params_dtype: torch.dtype, rng: RngTracker, tp_group,
-                binary_head: bool = True) -> list:
+                binary_head: bool = True, context: ContextGroup | None = None) -> list:
     """The model as an ordered list of layer specs (see layers.py for what flows between them);
     `tp_group` is the tensor-parallel group its sharded layers split over and reduce in. Without
     `binary_head` the heads are MLM only (no pooler, no next-sentence classifier). A ModernBERT
-    model_cfg gives modernbert.py's stages instead (same positions, MLM only)."""
+    model_cfg gives modernbert.py's stages instead (same positions, MLM only), its rows split over
+    `context` (context parallelism) where given."""
     mp_config = megatron_config(params_dtype, tp_group)
     if model_cfg.modern:
-        specs = modern_stage_specs(model_cfg, padded_vocab_size, mp_config, rng, tp_group)
+        specs = modern_stage_specs(model_cfg, padded_vocab_size, mp_config, rng, tp_group, context)
         assert [(spec.typename, spec.module_args[0] if spec.typename.__name__ == "ModernLayer" else None)
                 for spec in specs] == spec_modules(model_cfg), "spec_modules is out of date"
         return specs
@@ -150,11 +152,12 @@ class SequentialBert(nn.Module):
 
 
 def build_model(model_cfg, padded_vocab_size, params_dtype, rng, tp_group, pipeline_topology=None,
-                loss_fn=None, binary_head: bool = True, shapes_vary: bool = False) -> nn.Module:
+                loss_fn=None, binary_head: bool = True, shapes_vary: bool = False,
+                context: ContextGroup | None = None) -> nn.Module:
     """`shapes_vary` (Config.shapes_vary: packed batches, whose row count follows their samples'
     lengths, or ModernBERT, which computes real tokens only): the pipeline engine exchanges the
     activations' shapes every micro-batch (DeepSpeed's dynamic_shape) instead of once."""
-    specs = stage_specs(model_cfg, padded_vocab_size, params_dtype, rng, tp_group, binary_head)
+    specs = stage_specs(model_cfg, padded_vocab_size, params_dtype, rng, tp_group, binary_head, context)
     if pipeline_topology is None or pipeline_topology.get_dim("pipe") == 1:
         return SequentialBert(specs)
     return PipelineModule(

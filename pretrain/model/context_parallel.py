@@ -40,6 +40,18 @@ LOCAL_BLOCK = 128
 
 
 @dataclass(frozen=True)
+class ContextGroup:
+    """This rank's place in its CP group (Parallel.cp_rank, cp_size, cp_group)."""
+
+    rank: int
+    size: int
+    group: object = None
+
+    def split(self, tokens: int) -> "ContextSplit":
+        return ContextSplit.even(tokens, self.rank, self.size, self.group)
+
+
+@dataclass(frozen=True)
 class ContextSplit:
     """Rank `rank` of a CP group of `size` holds tokens [bounds[rank], bounds[rank + 1]) of the row."""
 
@@ -154,6 +166,18 @@ def gather_row(tensor: torch.Tensor, split: ContextSplit) -> torch.Tensor:
     keep = torch.cat([torch.arange(r * longest, r * longest + b - a, device=tensor.device)
                       for r, (a, b) in enumerate(zip(split.bounds[:-1], split.bounds[1:]))])
     return gathered.index_select(0, keep)
+
+
+def gather_masked(hidden: torch.Tensor, masked_positions: torch.Tensor, split: ContextSplit) -> torch.Tensor:
+    """The vectors [*masked_positions.shape, hidden] of the row's tokens at `masked_positions`
+    (flat indices into the whole row) from every rank's share `hidden` [L, hidden]: each rank fills
+    the positions it holds, a sum over the group completes them (its backward sums every rank's
+    gradient, which the data-parallel averaging over context x data turns into the mean's)."""
+    flat = masked_positions.reshape(-1)
+    mine = (flat >= split.start) & (flat < split.end)
+    local = (flat - split.start).clamp(0, hidden.shape[0] - 1)
+    picked = hidden.index_select(0, local) * mine[:, None].to(hidden.dtype)
+    return device.all_reduce_with_grad(picked, split.group).view(*masked_positions.shape, hidden.shape[-1])
 
 
 # ----------------------------------------------------------------------------- attention

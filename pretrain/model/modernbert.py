@@ -61,6 +61,7 @@ from .layers import (
 from ..distributed.internals import GemmOperandsOverride
 from .attention import packed_attention
 from .fused import layer_kernels
+from .context_parallel import ContextGroup, context_parallel_attention, gather_masked
 from .micro_batch import MicroBatchCache
 from .rng import RngTracker, checkpoint_with_rng
 from .rotary import rotary_tables
@@ -80,10 +81,11 @@ class EmbeddingNorm(nn.Module):
     LayerNorm and dropout of their vectors (a replicated region). Every layer after it computes on
     real tokens only."""
 
-    def __init__(self, model_cfg, params_dtype: torch.dtype):
+    def __init__(self, model_cfg, params_dtype: torch.dtype, context: ContextGroup | None = None):
         super().__init__()
         self.norm = layer_norm(model_cfg.hidden_size, model_cfg.layernorm_epsilon, params_dtype, model_cfg.norm_bias)
         self.dropout = Dropout(model_cfg.hidden_dropout)
+        self.context = context
 
     def forward(self, inputs):
         if len(inputs) == 6:  # packed rows
@@ -92,7 +94,10 @@ class EmbeddingNorm(nn.Module):
         else:
             word_vectors, _token_types, padding_mask, masked_positions = inputs
             tokens = unpad_padded(word_vectors, padding_mask, masked_positions)
-        return (self.dropout(self.norm(tokens.hidden)), tokens.sample_ids, tokens.masked_positions,
+        hidden = tokens.hidden
+        if self.context is not None and self.context.size > 1:  # this rank's share of the row's tokens
+            hidden = self.context.split(hidden.shape[1]).local(hidden, dim=1)
+        return (self.dropout(self.norm(hidden)), tokens.sample_ids, tokens.masked_positions,
                 tokens.cls_positions, tokens.position_ids)
 
 
@@ -119,9 +124,10 @@ class ModernLayer(nn.Module):
     products runs as fused.py's groups (compiled per model.compile)."""
 
     def __init__(self, layer_index: int, model_cfg, mp_config: ModelParallelConfig, rng: RngTracker, tp_group,
-                 cache: MicroBatchCache | None = None):
+                 cache: MicroBatchCache | None = None, context: ContextGroup | None = None):
         super().__init__()
         self.layer_index = layer_index
+        self.context = context if context is not None and context.size > 1 else None
         self.rng = rng
         self.cache = cache if cache is not None else MicroBatchCache()
         self.recompute = model_cfg.recompute
@@ -163,8 +169,7 @@ class ModernLayer(nn.Module):
         normed = self.attn_norm(hidden) if self.attn_norm is not None else hidden
         qkv = self.attn_qkv(normed)[0].view(rows, seq, self.local_heads, 3, self.head_dim)
         query, key, value = qkv.unbind(3)  # [rows, seq, heads, head_dim] each
-        cos, sin = self.cache.get(sample_ids, ("rotary", self.is_global, hidden.dtype), lambda: rotary_tables(
-            position_ids, self.head_dim, self.rope_theta, hidden.dtype, self.rope_scaling, self.max_position_embeddings))
+        cos, sin = self.cache.get(sample_ids, ("rotary", self.is_global, hidden.dtype), self._rotary(position_ids, hidden.dtype))
         query, key = kernels.rotate_query_key(query, key, cos, sin)
         if self.recompute == "selective" and self.training and torch.is_grad_enabled():
             context = checkpoint_with_rng(self._attention_core, self.rng, query, key, value, sample_ids)
@@ -179,8 +184,25 @@ class ModernLayer(nn.Module):
             gated = dropout(gated, self.mlp_dropout, self.training)
         return hidden + self.mlp_out(gated)[0]
 
+    def _rotary(self, position_ids, dtype):
+        """The builder of this layer kind's rotary tables for the micro-batch: over the whole row
+        (dynamic NTK scales with its longest document), then this rank's share under CP."""
+        def build():
+            cos, sin = rotary_tables(position_ids, self.head_dim, self.rope_theta, dtype, self.rope_scaling,
+                                     self.max_position_embeddings)
+            if self.context is None:
+                return cos, sin
+            split = self.context.split(position_ids.shape[1])
+            return split.local(cos, 1), split.local(sin, 1)
+        return build
+
     def _attention_core(self, query, key, value, sample_ids) -> torch.Tensor:
         dropout_p = self.attention_dropout if self.training else 0.0
+        if self.context is not None:  # [1, share, heads, head_dim]: this rank's queries, the row's documents
+            split = self.context.split(sample_ids.shape[1])
+            with self.rng.fork():
+                return context_parallel_attention(query[0], key[0], value[0], sample_ids[0], split,
+                                                  half_window=self.half_window, dropout_p=dropout_p)[None]
         with self.rng.fork():  # this rank's heads: a TP-rank-specific dropout stream
             return packed_attention(query, key, value, sample_ids, half_window=self.half_window, dropout_p=dropout_p,
                                     cache=self.cache, kernel=self.attention_kernel)
@@ -199,8 +221,9 @@ class ModernMlmHead(nn.Module):
     """The encoder's final LayerNorm and the MLM head (dense -> GELU -> LayerNorm), applied at the
     masked positions only (LayerNorm is per token, so norming those alone is the same numbers)."""
 
-    def __init__(self, model_cfg, params_dtype: torch.dtype):
+    def __init__(self, model_cfg, params_dtype: torch.dtype, context: ContextGroup | None = None):
         super().__init__()
+        self.context = context if context is not None and context.size > 1 else None
         hidden, eps, bias = model_cfg.hidden_size, model_cfg.layernorm_epsilon, model_cfg.norm_bias
         self.final_norm = layer_norm(hidden, eps, params_dtype, bias)
         self.dense = nn.Linear(hidden, hidden, bias=model_cfg.classifier_bias, dtype=params_dtype)
@@ -208,9 +231,13 @@ class ModernMlmHead(nn.Module):
         self.classifier_pooling = model_cfg.classifier_pooling  # read by sequence-level fine-tuning
 
     def forward(self, inputs):
-        hidden, _sample_ids, masked_positions, _cls_positions, _position_ids = inputs  # flat positions
+        hidden, sample_ids, masked_positions, _cls_positions, _position_ids = inputs  # flat positions
         tokens = hidden.reshape(-1, hidden.shape[-1])
-        masked_hidden = tokens.index_select(0, masked_positions.reshape(-1)).view(*masked_positions.shape, -1)
+        if self.context is not None:  # every rank's share of the masked tokens, the head then run on all
+            split = self.context.split(sample_ids.shape[1])
+            masked_hidden = gather_masked(tokens, masked_positions, split)
+        else:
+            masked_hidden = tokens.index_select(0, masked_positions.reshape(-1)).view(*masked_positions.shape, -1)
         return self.transform(self.final_norm(masked_hidden)), None
 
     def transform(self, normed: torch.Tensor) -> torch.Tensor:
@@ -219,7 +246,7 @@ class ModernMlmHead(nn.Module):
 
 
 def modern_stage_specs(model_cfg, padded_vocab_size: int, mp_config: ModelParallelConfig, rng: RngTracker,
-                       tp_group) -> list:
+                       tp_group, context: ContextGroup | None = None) -> list:
     """ModernBERT as bert.stage_specs' ordered list of layer specs (see the module docstring)."""
     dtype = mp_config.params_dtype
     token = partial(TiedLayerSpec, TIED_EMBEDDING_KEY, TokenEmbedding, padded_vocab_size, model_cfg.hidden_size,
@@ -227,9 +254,10 @@ def modern_stage_specs(model_cfg, padded_vocab_size: int, mp_config: ModelParall
     cache = MicroBatchCache()  # one per model (per stage in a pipeline): its layers share the micro-batch's masks
     return [
         token(),  # no forward_fn on the first use: see bert.stage_specs
-        LayerSpec(EmbeddingNorm, model_cfg, dtype),
-        *[LayerSpec(ModernLayer, i, model_cfg, mp_config, rng, tp_group, cache) for i in range(model_cfg.num_layers)],
-        LayerSpec(ModernMlmHead, model_cfg, dtype),
+        LayerSpec(EmbeddingNorm, model_cfg, dtype, context),
+        *[LayerSpec(ModernLayer, i, model_cfg, mp_config, rng, tp_group, cache, context)
+          for i in range(model_cfg.num_layers)],
+        LayerSpec(ModernMlmHead, model_cfg, dtype, context),
         token(forward_fn=decode_tokens),
         LayerSpec(DecoderBias, model_cfg.vocab_size, padded_vocab_size, mp_config, tp_group),
     ]

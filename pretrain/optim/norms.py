@@ -59,8 +59,8 @@ class ExactClipping:
             if tensor.grad is not None:
                 flat = tensor.grad.detach().reshape(-1)
                 total += torch.dot(flat, flat).double()  # fp32 BLAS per tensor, float64 across tensors
-        device.all_reduce(total)  # over the world: every DP replica holds the same gradients
-        return (total / self.parallel.dp_size).sqrt()
+        device.all_reduce(total)  # over the world: every (context x) data-parallel replica holds the same gradients
+        return (total / self.parallel.dp_cp_size).sqrt()
 
     def __call__(self) -> torch.Tensor:
         norm = self.norm()
@@ -92,8 +92,8 @@ def params_norm(model, parallel) -> float:
     total = torch.zeros((), dtype=torch.float64, device=parallel.device)
     for lp in counted_once(model, parallel):
         zero3 = internals.is_zero3_param(lp.param)
-        if not zero3 and parallel.dp_rank != 0:
-            continue  # replicated over DP; a ZeRO-3 partition is this rank's own
+        if not zero3 and parallel.dp_cp_rank != 0:
+            continue  # replicated over CP x DP; a ZeRO-3 partition is this rank's own
         tensor = internals.zero3_partition(lp.param) if zero3 else lp.param
         total += tensor.detach().double().pow(2).sum()
     return math.sqrt(device.all_reduce(total).item())

@@ -23,6 +23,7 @@ from ..config.choices import compile_enabled
 from ..distributed import device, internals
 from ..distributed.parallel import Parallel
 from ..model.bert import PretrainingLoss, build_model, init_weights
+from ..model.context_parallel import ContextGroup
 from ..model.names import logical_parameters
 from ..model.rng import RngTracker
 from ..optim import Lamb, StableAdamW, build_optimizer, layout_for_deepspeed, make_lr_scheduler
@@ -86,14 +87,15 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
     def make_model():
         model = build_model(cfg.model, padded_vocab, torch.float32, tracker, par.tp_group,
                             pipeline_topology=par.topology if pipelined else None, loss_fn=loss_fn,
-                            binary_head=cfg.binary_head, shapes_vary=cfg.shapes_vary)
+                            binary_head=cfg.binary_head, shapes_vary=cfg.shapes_vary,
+                            context=ContextGroup(par.cp_rank, par.cp_size, par.cp_group))
         init_weights(model, cfg.model, cfg.train.seed, par.tp_rank, par.tp_size)
         return model
 
     if cfg.parallel.zero_stage == 3:
-        # Partition at construction, over the data-parallel group only: without it shards of
-        # different TP ranks would be mixed and the loss silently wrong.
-        with deepspeed.zero.Init(data_parallel_group=par.dp_group, config_dict_or_path=ds_config, mpu=par.mpu,
+        # Partition at construction, over the (context x) data-parallel group only: without it
+        # shards of different TP ranks would be mixed and the loss silently wrong.
+        with deepspeed.zero.Init(data_parallel_group=par.dp_cp_group, config_dict_or_path=ds_config, mpu=par.mpu,
                                  remote_device=None, pin_memory=False):
             model = make_model()
     else:
@@ -119,13 +121,13 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
         model, optimizer, ds_config, par, lr_scheduler=scheduler, grad_clip=o.clip(),
         counted=[lp.param for lp in counted_once(model, par)], step_is_bad=guard.step_is_bad,
         mpu=None if pipelined else par.mpu)  # the pipeline engine takes its grid from the topology
-    if par.dp_size == 1 and cfg.parallel.zero_stage == 0 and not pipelined:
+    if par.dp_cp_size == 1 and cfg.parallel.zero_stage == 0 and not pipelined:
         internals.skip_backward_allreduce(engine)
     if cfg.train.precision == "fp16":
         internals.let_loss_scaler_reach_minimum(engine)
     if isinstance(optimizer, (Lamb, StableAdamW)):  # per-parameter terms over whole logical parameters
         optimizer.set_layout(layout_for_deepspeed(engine, par.tp_group if par.tp_size > 1 else None,
-                                                  par.dp_group if par.dp_size > 1 else None, par.device))
+                                                  par.dp_cp_group if par.dp_cp_size > 1 else None, par.device))
     accumulation, reduction = internals.gradient_dtypes(engine)
     logger.info(f"optimizer {o.name} under DeepSpeed's {type(engine.optimizer).__name__}; "
                 f"gradients accumulated in {_dtype_name(accumulation)}, reduced in {_dtype_name(reduction)}, "

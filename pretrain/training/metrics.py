@@ -32,8 +32,8 @@ def reduce_metrics(parallel: Parallel, sums: list[torch.Tensor], grad_norms: lis
     its whole global batch (per masked token, per sequence), with this rank's gradient norm of
     each step: one collective and one host sync for all of them.
 
-    Only the last stage computes the loss, and its TP ranks hold identical values: the (last
-    stage, TP rank 0) ranks contribute, everyone receives the result.
+    Only the last stage computes the loss, and its TP ranks (and CP ranks) hold identical values:
+    the (last stage, TP rank 0, CP rank 0) ranks contribute, everyone receives the result.
     """
     return reduce_window(parallel, sums, grad_norms)[0]
 
@@ -45,7 +45,7 @@ def reduce_window(parallel: Parallel, sums: list[torch.Tensor], grad_norms: list
     [world_size, k] zero table appended to the reduced sums, which the sum turns into every
     rank's rows. Returns (the metrics, the rows or None)."""
     p = parallel
-    contributes = p.is_last_stage and p.tp_rank == 0
+    contributes = p.is_last_stage and p.tp_rank == 0 and p.cp_rank == 0
     stacked = torch.stack([s if contributes else torch.zeros_like(s) for s in sums])
     parts = [stacked.reshape(-1)]
     if rank_figures is not None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Config
+from ..config.deepspeed import deepspeed_batch
 from ..distributed import device, internals
 from ..distributed.parallel import Parallel
 from ..model.bert import PretrainingLoss
@@ -45,7 +46,8 @@ class StepRunner:
         """The global batch of the steps from now on (the batch warmup's): more or fewer
         micro-batches per rank, the same micro-batch shape."""
         if samples != self.global_batch:
-            self.engine.set_train_batch_size(samples)  # the accumulation steps (the pipeline's micro-batches)
+            # the accumulation steps (the pipeline's micro-batches)
+            self.engine.set_train_batch_size(deepspeed_batch(self.cfg, samples))
             self.grad_accum = samples // (self.cfg.train.micro_batch_size * self.parallel.dp_size)
             self.global_batch = samples
 

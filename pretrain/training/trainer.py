@@ -57,7 +57,7 @@ class Trainer:
         self._allocated_before = device.device_memory_allocated(parallel.device) or 0
         prepare_device(cfg, parallel)
         self.tracker = RngTracker(parallel.device)
-        seed_streams(self.tracker, cfg.train.seed, parallel.tp_rank, parallel.pp_rank, parallel.dp_rank)
+        seed_streams(self.tracker, cfg.train.seed, parallel.tp_rank, parallel.pp_rank, parallel.dp_cp_rank)
         self.loss_fn = PretrainingLoss(parallel.tp_group, parallel.tp_rank, cfg.model.compile)
         built = build_pretraining_engine(cfg, parallel, self.tracker, self.loss_fn)
         self.engine, self.model = built.engine, built.model
