@@ -50,12 +50,25 @@ BF16 = [("dp4-bf16", 1, 1, 1, ["train.precision=bf16", "parallel.zero_stage=2"])
         ("cp2-dp2-zero2-bf16", 1, 1, 2, ["train.precision=bf16", "parallel.zero_stage=2"])]
 
 
+def resume_runs(directory) -> list[dict]:
+    """3 of 6 steps at CP2 x DP2 (ZeRO-1) saved, resumed at CP4 and at CP1 (DP4), and 6 steps straight at DP4."""
+    six = MODERN + ["train.train_steps=6", "parallel.zero_stage=1"]
+    saved = f"checkpoint.load_dir={directory}/cp2"
+    return [{"name": "first-cp2", "cp": 2, "overrides": six + [f"checkpoint.save_dir={directory}/cp2",
+                                                                "resilience.exit_after_steps=3"]},
+            {"name": "straight-dp4", "cp": 1, "overrides": six},
+            {"name": "second-cp4", "cp": 4, "overrides": six + [saved, f"checkpoint.save_dir={directory}/cp4"]},
+            {"name": "second-cp1", "cp": 1, "overrides": six + [saved, f"checkpoint.save_dir={directory}/cp1"]}]
+
+
 @pytest.fixture(scope="module")
 def training_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cp") / "training.json"
+    directory = tmp_path_factory.mktemp("cp")
+    out = directory / "training.json"
     runs = [json.dumps({"name": f"{name}/{data}", "tp": tp, "pp": pp, "cp": cp, "evaluate": True,
                         "overrides": MODERN + overrides + [f"data.packing={str(data == 'packed').lower()}"]})
             for data in ("padded", "packed") for name, tp, pp, cp, overrides in LAYOUTS + BF16]
+    runs += [json.dumps(run) for run in resume_runs(directory)]
     run_ranks(["tests/_train_worker.py", str(out), "1", "1", *runs], 4, timeout=600)
     return json.loads(out.read_text())
 
@@ -96,3 +109,20 @@ def test_training_at_every_context_parallel_layout_equals_one_replica(training_r
         [step["lm_loss"] for step in bf16["history"]], abs=2e-2)
     check_layout(cp_bf16, "cp2-dp2-zero2-bf16", 1, 1, 2)
 
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_at_cp2_resumes_at_cp4_and_cp1(training_results):
+    """CP leaves no trace in the weights: the CP2 run's step-3 checkpoint resumed at CP4 and at CP1
+    (layout-free: another context x data size) continues as the straight run (1e-5)."""
+    straight = [step["lm_loss"] for step in training_results["straight-dp4"]["history"]]
+    first = [step["lm_loss"] for step in training_results["first-cp2"]["history"]]
+    assert len(straight) == 6 and first == pytest.approx(straight[:3], abs=1e-5)
+    for name in ("second-cp4", "second-cp1"):
+        second = training_results[name]["history"]
+        assert len(second) == 3, name  # steps 4-6
+        assert [step["lm_loss"] for step in second] == pytest.approx(straight[3:], abs=1e-5), name
+        assert training_results[name]["params_norm"] == pytest.approx(
+            training_results["straight-dp4"]["params_norm"], abs=1e-5), name
+        assert any("context_parallel: checkpoint 2 vs run" in line and "loaded layout-free" in line
+                   for line in training_results[name]["log"]), name

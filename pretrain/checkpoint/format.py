@@ -197,7 +197,10 @@ def layout_of(cfg: Config, parallel) -> dict:
     return {
         "tensor_parallel": parallel.tp_size,
         "pipeline_parallel": parallel.pp_size,
-        "data_parallel": parallel.dp_size,
+        # DeepSpeed's data-parallel size, whose ranks write the ZeRO files: context x data (the
+        # weights hold no trace of CP; its ranks are replicas to DeepSpeed)
+        "data_parallel": parallel.dp_cp_size,
+        "context_parallel": parallel.cp_size,
         "zero_stage": cfg.parallel.zero_stage,
         "precision": cfg.train.precision,
         # bf16's gradient dtype picks DeepSpeed's optimizer wrapper (ZeRO-1: BF16_Optimizer for fp32,
@@ -323,10 +326,11 @@ def config_of(meta: dict, tag_dir: str) -> Config:
 
 def layout_differences(meta: dict, cfg: Config, parallel) -> list[str]:
     ours = layout_of(cfg, parallel)
-    return [f"{key}: checkpoint {meta['layout'].get(key)} vs run {ours[key]}"
-            for key in ("tensor_parallel", "pipeline_parallel", "data_parallel", "zero_stage", "precision",
-                        "grad_accum_dtype", "optimizer")
-            if meta["layout"].get(key) != ours[key]]
+    saved = {"context_parallel": 1, **meta["layout"]}  # checkpoints from before CP: 1
+    return [f"{key}: checkpoint {saved.get(key)} vs run {ours[key]}"
+            for key in ("tensor_parallel", "pipeline_parallel", "context_parallel", "data_parallel", "zero_stage",
+                        "precision", "grad_accum_dtype", "optimizer")
+            if saved.get(key) != ours[key]]
 
 
 def shape_differences(saved_shape: dict, cfg: Config, ignore: tuple[str, ...] = ()) -> list[str]:
