@@ -168,7 +168,7 @@ def main():
         results[run["name"]] = {"history": history, "params_norm": trainer.params_norm(),
                                 "device": where_it_ran(trainer, parallel),
                                 "ranks": device.all_gather_object(layout_report(trainer, parallel)),
-                                "log": lines}
+                                "log": lines, "memory": trainer.first_step_memory}
         if run.get("evaluate"):
             results[run["name"]]["evaluation"] = trainer.evaluate()
         trainer.close_loaders()  # the evaluation's loader processes (training closed its own)

@@ -46,6 +46,10 @@ MODERN = ["model.architecture=modernbert", "data.segment_pairs=none", "model.glo
 LAYOUTS = [("dp4", 1, 1, 1, []), ("cp4", 1, 1, 4, []), ("cp2-dp2-zero1", 1, 1, 2, ["parallel.zero_stage=1"]),
            ("cp2-tp2-recompute-full", 2, 1, 2, ["model.recompute=full"]),
            ("cp2-pp2-recompute-selective", 1, 2, 2, ["model.recompute=selective"])]
+# one step on rows of one 2,048-token sample each, one per rank and micro-batch
+LONG_ROW = ["data.seq_length=2048", "model.max_position_embeddings=2048", "data.synthetic_min_fraction=1.0",
+            "data.short_seq_prob=0", "train.global_batch_size=4", "train.micro_batch_size=1", "train.train_steps=1",
+            "data.max_predictions_per_seq=null", "scheduler.warmup_steps=0"]
 BF16 = [("dp4-bf16", 1, 1, 1, ["train.precision=bf16", "parallel.zero_stage=2"]),
         ("cp2-dp2-zero2-bf16", 1, 1, 2, ["train.precision=bf16", "parallel.zero_stage=2"])]
 
@@ -69,6 +73,7 @@ def training_results(tmp_path_factory):
                         "overrides": MODERN + overrides + [f"data.packing={str(data == 'packed').lower()}"]})
             for data in ("padded", "packed") for name, tp, pp, cp, overrides in LAYOUTS + BF16]
     runs += [json.dumps(run) for run in resume_runs(directory)]
+    runs += [json.dumps({"name": f"memory-cp{cp}", "cp": cp, "overrides": MODERN + LONG_ROW}) for cp in (1, 2, 4)]
     run_ranks(["tests/_train_worker.py", str(out), "1", "1", *runs], 4, timeout=600)
     return json.loads(out.read_text())
 
@@ -126,3 +131,18 @@ def test_a_checkpoint_written_at_cp2_resumes_at_cp4_and_cp1(training_results):
             training_results["straight-dp4"]["params_norm"], abs=1e-5), name
         assert any("context_parallel: checkpoint 2 vs run" in line and "loaded layout-free" in line
                    for line in training_results[name]["log"]), name
+
+
+@pytest.mark.slow
+def test_activation_memory_per_rank_falls_with_the_context_parallel_size(training_results):
+    """The same 2,048-token rows at CP1, CP2 and CP4: each rank's measured activation peak (the
+    trainer's own measurement after its first step) and the planner's prediction beside it."""
+    peaks, planned = {}, {}
+    for cp in (1, 2, 4):
+        memory = training_results[f"memory-cp{cp}"]["memory"]
+        peaks[cp] = max(rank["measured"]["activations_peak"] for rank in memory)
+        planned[cp] = max(rank["planned"]["activations_peak"] for rank in memory)
+    print({"measured": peaks, "planned": planned})
+    assert 0.4 < peaks[2] / peaks[1] < 0.65 and 0.2 < peaks[4] / peaks[1] < 0.4, peaks
+    for cp in (1, 2, 4):
+        assert 0.8 < planned[cp] / peaks[cp] < 1.25, (cp, planned, peaks)

@@ -76,6 +76,8 @@ tests/test_memory_plan.py keeps it there.
 """
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass
 
 from ..config.choices import compile_enabled
@@ -332,6 +334,24 @@ def heads_bytes(cfg, tp: int, micro: int, precision: str, kernels: Kernels) -> i
 def in_flight(stage: int, stages: int, micro_batches: int) -> int:
     """Micro-batches whose activations stage `stage` holds at once under 1F1B."""
     return min(stages - stage, micro_batches)
+
+
+def context_share(cfg, cp: int):
+    """`cfg` as one CP rank's activations see it, for an estimate: rows of seq_length / cp tokens
+    (the rank's share; context_kv_bytes adds what it gathers from the others)."""
+    out = copy.copy(cfg)
+    out.data = copy.copy(cfg.data)
+    out.data.seq_length = -(-cfg.data.seq_length // cp)
+    return out
+
+
+def context_kv_bytes(cfg, tp: int, cp: int, micro: int, precision: str, layers: range) -> int:
+    """What a CP rank keeps beyond its share for backward: the keys and values of the other ranks'
+    shares that each global layer gathers (context_parallel.py's checkpointed blocks keep them)."""
+    m = cfg.model
+    global_layers = sum(1 for i in layers if m.is_global_layer(i))
+    others = micro * cfg.data.seq_length * (cp - 1) // cp
+    return global_layers * 2 * others * (m.hidden_size // tp) * {"fp32": 4, "bf16": 2, "fp16": 2}[precision]
 
 
 def stage_activation_bytes(cfg, tp: int, stage: int, stages: int, layers: int, first: bool, last: bool,

@@ -29,16 +29,18 @@ class Layout:
     micro_batch: int
     recompute: str
     precision: str
+    cp: int = 1  # context parallelism: the config's own (not enumerated)
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     def overrides(self) -> list[str]:
         """The config overrides that select this layout (as `python -m pretrain` takes them)."""
         return [f"parallel.tensor_parallel={self.tp}", f"parallel.pipeline_parallel={self.pp}",
                 f"parallel.zero_stage={self.zero}", f"train.micro_batch_size={self.micro_batch}",
-                f"model.recompute={self.recompute}", f"train.precision={self.precision}"]
+                f"model.recompute={self.recompute}", f"train.precision={self.precision}"] + \
+            ([f"parallel.context_parallel={self.cp}"] if self.cp > 1 else [])
 
     def apply(self, cfg: Config) -> Config:
         """A copy of `cfg` with this layout's settings. The three sections it sets are copied, the
@@ -46,21 +48,21 @@ class Layout:
         out = copy.copy(cfg)
         out.parallel, out.train, out.model = copy.copy(cfg.parallel), copy.copy(cfg.train), copy.copy(cfg.model)
         out.parallel.tensor_parallel, out.parallel.pipeline_parallel = self.tp, self.pp
-        out.parallel.zero_stage = self.zero
+        out.parallel.zero_stage, out.parallel.context_parallel = self.zero, self.cp
         out.train.micro_batch_size = self.micro_batch
         out.model.recompute = self.recompute
         out.train.precision = self.precision
         return out
 
     def label(self) -> str:
-        return f"TP{self.tp} PP{self.pp} DP{self.dp}"
+        return f"TP{self.tp} PP{self.pp} DP{self.dp}" + (f" CP{self.cp}" if self.cp > 1 else "")
 
 
 def layout_of(cfg: Config, world_size: int) -> Layout:
     """The layout a config runs at on `world_size` ranks."""
     par, t = cfg.parallel, cfg.train
-    return Layout(par.tensor_parallel, par.pipeline_parallel, world_size // (par.tensor_parallel * par.pipeline_parallel),
-                  par.zero_stage, t.micro_batch_size, cfg.model.recompute, t.precision)
+    return Layout(par.tensor_parallel, par.pipeline_parallel, world_size // par.model_parallel,
+                  par.zero_stage, t.micro_batch_size, cfg.model.recompute, t.precision, par.context_parallel)
 
 
 def divisors(n: int) -> list[int]:
@@ -82,14 +84,18 @@ def candidate_layouts(cfg: Config, gpus: int, gpus_per_node: int, precisions: It
     """Every layout of `gpus` ranks the trainer accepts for `cfg`, and a count of the refused
     ones by the trainer's reason. Tensor parallelism stays inside a node (its all-reduces run in
     every layer); micro-batches are the powers of two dividing each rank's share of the global
-    batch (up to MAX_MICRO_BATCH) and the config's own, unless `micro_batches` lists them."""
+    batch (up to MAX_MICRO_BATCH) and the config's own, unless `micro_batches` lists them. Context
+    parallelism stays the config's (parallel.context_parallel)."""
     cfg = shapes_only(cfg)
+    cp = cfg.parallel.context_parallel
     valid, refused = [], Counter()
     for tp in divisors(min(gpus, gpus_per_node)):
         if gpus_per_node % tp:
             continue
         for pp in divisors(gpus // tp):
-            dp = gpus // (tp * pp)
+            if (gpus // (tp * pp)) % cp:
+                continue
+            dp = gpus // (tp * pp * cp)
             share = cfg.train.global_batch_size // dp if cfg.train.global_batch_size % dp == 0 else 0
             sizes = sorted(set(micro_batches) if micro_batches is not None else
                            {m for m in (2 ** i for i in range(8)) if m <= MAX_MICRO_BATCH} | {cfg.train.micro_batch_size})
@@ -99,7 +105,7 @@ def candidate_layouts(cfg: Config, gpus: int, gpus_per_node: int, precisions: It
                 for zero in zero_stages:
                     for precision in precisions:
                         for mode in recompute:
-                            layout = Layout(tp, pp, dp, zero, micro, mode, precision)
+                            layout = Layout(tp, pp, dp, zero, micro, mode, precision, cp)
                             try:
                                 layout.apply(cfg).validate(world_size=gpus)
                             except ConfigError as error:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..config import Config
 from ..config.deepspeed import read_user_deepspeed_config
-from .activations import kernels_for, layer_bytes, stage_activation_bytes
+from .activations import context_kv_bytes, context_share, in_flight, kernels_for, layer_bytes, stage_activation_bytes
 from .layouts import Layout, layout_of
 from .shapes import StageParams, stage_parameters
 from .states import ITEM, ZERO_DEFAULTS, model_states
@@ -103,13 +103,18 @@ def predict_memory(cfg: Config, layout: Layout, stage_index: int, stages: list[S
     stage = stages[stage_index]
     t = cfg.train
     micro_batches = t.global_batch_size // (layout.micro_batch * layout.dp)
-    states = model_states(stage.groups, layout.dp, dp_rank, layout.precision, layout.zero, t.grad_accum_dtype,
+    # ZeRO partitions over DeepSpeed's data group, context x data; dp_rank is the rank's place in it
+    states = model_states(stage.groups, layout.dp * layout.cp, dp_rank, layout.precision, layout.zero, t.grad_accum_dtype,
                           cfg.optimizer.name, layout.pp > 1, zero_config)
     kernels = kernels_for(device_type, cfg.model.attention_dropout, layout.precision, cfg.model.compile)
-    activations = stage_activation_bytes(cfg, layout.tp, stage_index, layout.pp, stage.transformer_layers,
+    activations = stage_activation_bytes(cfg if layout.cp == 1 else context_share(cfg, layout.cp), layout.tp, stage_index, layout.pp, stage.transformer_layers,
                                          stage.first, stage.last, layout.micro_batch, micro_batches,
                                          layout.precision, kernels,
                                          first_layer=sum(s.transformer_layers for s in stages[:stage_index]))
+    if layout.cp > 1:  # an estimate (the CP ranks' shares, and the keys and values global layers gather)
+        first = sum(s.transformer_layers for s in stages[:stage_index])
+        activations += in_flight(stage_index, layout.pp, micro_batches) * context_kv_bytes(
+            cfg, layout.tp, layout.cp, layout.micro_batch, layout.precision, range(first, first + stage.transformer_layers))
     buffers = states.persistent_buffers + states.step_buffers + _pipeline_buffers(cfg, layout, stage, micro_batches)
     reduced = ITEM[t.grad_accum_dtype] if layout.precision == "bf16" else ITEM[layout.precision]
     return MemoryPrediction(states.wrapper, states.parameters, states.gradients, states.optimizer_state, activations,

@@ -113,7 +113,8 @@ def predict_step_time(cfg, layout: Layout, hw: Hardware, stage_numels: list[int]
     micro_batches = cfg.train.global_batch_size // (micro * dp)
     flops_per_second = hw.flops[layout.precision]
     act = BYTES[layout.precision]
-    topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=t, num_dp=dp)
+    cp = layout.cp  # each CP rank computes its share of every row's tokens (and of its attention)
+    topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=t, num_dp=dp * cp)
 
     layers = m.num_layers // pp
     # the slowest stage's layers (ModernBERT's global layers cost more than its windowed ones)
@@ -122,8 +123,8 @@ def predict_step_time(cfg, layout: Layout, hw: Hardware, stage_numels: list[int]
         per_layer += encoder_forward_flops(m, seq) / m.num_layers
     elif layout.recompute == "selective":
         per_layer += sum(attention_core_forward_flops(m, seq, i) for i in range(m.num_layers)) / m.num_layers
-    encoder = layers * micro * per_layer / t
-    elementwise = layers * micro * layer_elementwise_bytes(m, seq, t, layout.precision, layout.recompute)
+    encoder = layers * micro * per_layer / t / cp
+    elementwise = layers * micro * layer_elementwise_bytes(m, seq, t, layout.precision, layout.recompute) / cp
     vocab = m.padded_vocab_size(t)
     pooler = pooler_forward_flops(m) if cfg.binary_head else 0.0
     # the transform is replicated over TP, the vocabulary projection split
@@ -134,10 +135,15 @@ def predict_step_time(cfg, layout: Layout, hw: Hardware, stage_numels: list[int]
     per_micro = ((encoder + heads) / flops_per_second + (elementwise + softmax) / hw.memory_bandwidth
                  + hw.layer_overhead * layers)
 
-    activation = micro * seq * hidden * act
+    activation = micro * seq * hidden * act / cp
     tp_bw = _group_bandwidth(topology, "model", hw)
     collectives = 4 * layers + (2 * layers if layout.recompute == "full" else 0) + 1
     tp_per_micro = collectives * _all_reduce(activation, t, tp_bw, hw.latency)
+    if cp > 1:  # global layers gather every share's keys and values (and reduce their gradients back);
+        # local layers' halos are small. Counted with TP's communication, over the data group's bandwidth
+        global_layers = sum(1 for i in range(layers) if not m.modern or m.is_global_layer(i))
+        kv = 2 * micro * seq * hidden * act / t
+        tp_per_micro += global_layers * 2 * _one_way(kv, cp, _group_bandwidth(topology, "data", hw), hw.latency)
 
     pp_per_micro = 0.0
     if pp > 1:
@@ -151,6 +157,7 @@ def predict_step_time(cfg, layout: Layout, hw: Hardware, stage_numels: list[int]
     pp_time = slots * pp_per_micro
 
     dp_bw = _group_bandwidth(topology, "data", hw)
+    dp = dp * cp  # gradients average over context x data
     numel = max(stage_numels)
     grads, params = numel * grad_bytes, numel * act
     if layout.zero == 0:

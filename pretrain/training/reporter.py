@@ -121,7 +121,7 @@ class Reporter:
         rank on the logging rank (one collective, once); kept in `first_step_memory`."""
         p = self.parallel
         try:
-            planned = predict_rank_memory(self.cfg, p.world_size, p.pp_rank, p.device.type, p.dp_rank).breakdown()
+            planned = predict_rank_memory(self.cfg, p.world_size, p.pp_rank, p.device.type, p.dp_cp_rank).breakdown()
         except Exception as error:  # a planner bug must not stop a training run: say it, go on
             planned = {}
             logger.warning(f"memory planner failed on rank {p.rank}: {type(error).__name__}: {error}")
