@@ -33,15 +33,17 @@ logger = logging.getLogger(__name__)
 def inference_model(ckpt: LogicalCheckpoint, parallel):
     """`ckpt`'s whole pretraining model (encoder and heads) on this rank's device, its TP shard of
     the weights loaded, in eval mode: what the tools that only run a checkpoint use (fill-mask,
-    embeddings)."""
+    embeddings, position accuracy), its rows split over the CP group where the ranks have one."""
     from ..model.bert import build_model
+    from ..model.context_parallel import ContextGroup
     from ..model.rng import RngTracker
 
     m = ckpt.config.model
     tracker = RngTracker(parallel.device)
     seed_streams(tracker, 0, parallel.tp_rank, 0, parallel.dp_rank)
     padded = m.padded_vocab_size(parallel.tp_size)
-    model = build_model(m, padded, torch.float32, tracker, parallel.tp_group).to(parallel.device)
+    context = ContextGroup(parallel.cp_rank, parallel.cp_size, parallel.cp_group)
+    model = build_model(m, padded, torch.float32, tracker, parallel.tp_group, context=context).to(parallel.device)
     load_hf_state_dict(model, ckpt.weights, padded, parallel.tp_rank, parallel.tp_size)
     return model.eval()
 
