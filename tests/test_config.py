@@ -783,3 +783,17 @@ def test_the_modernbert_recipe_holds_the_published_settings(size, peak, ramp):
     assert two.train.global_batch_size * 8192 == 4608 * 1024 and two.scheduler.decay == "constant"
     assert (three.scheduler.decay, three.scheduler.min_lr, three.scheduler.warmup_tokens) == ("1-sqrt", 3e-7, 0)
     assert three.scheduler.min_lr == pytest.approx(0.001 * two.optimizer.lr)
+
+
+def test_the_context_extension_recipe_stretches_the_global_layers_to_32k():
+    """configs/recipes/modernbert-base-context-32k.yaml (docs/long-context.md): 32k rows, YaRN on the
+    global layers only over the trained 8,192, CP4, the phases' 4.7M tokens a step."""
+    cfg = recipe("modernbert-base-context-32k.yaml")
+    m = cfg.model
+    assert (cfg.data.seq_length, m.max_position_embeddings, cfg.parallel.context_parallel) == (32768, 32768, 4)
+    assert m.rope_scaling_of(True) == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}
+    assert m.rope_scaling_of(False) is None and m.global_rope_theta == 160000.0
+    assert cfg.train.global_batch_size * 32768 == 4608 * 1024
+    with pytest.raises(ConfigError, match=r"parallel.tensor_parallel x parallel.pipeline_parallel x "
+                                          r"parallel.context_parallel \(1 x 1 x 4 = 4\)"):
+        cfg.validate(world_size=6)

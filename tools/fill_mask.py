@@ -19,7 +19,8 @@ tokens with their probabilities (softmax over the whole vocabulary, vocabulary p
     [MASK] #1: paris 0.412 | lyon 0.101 | ...
 
 --json prints one JSON object per sentence instead. Several processes (launcher.sh
---nproc-per-node 2 tool tools/fill_mask.py ... --tp 2) split the model with tensor parallelism;
+--nproc-per-node 2 tool tools/fill_mask.py ... --tp 2) split the model with tensor parallelism,
+or a ModernBERT's long texts with context parallelism (--cp: each text's tokens over the ranks);
 rank 0 prints. Exit status: 0 done, 1 bad input, 2 bad usage.
 """
 from __future__ import annotations
@@ -51,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=positive_int, default=5, help="predictions per [MASK] (default 5)")
     parser.add_argument("--vocab-file", help="vocab.txt or tokenizer.json; default: the checkpoint's own")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (the world size when launched)")
+    parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel size: each text's tokens split "
+                                                                    "over --cp processes (ModernBERT; tp x cp launched)")
     parser.add_argument("--json", action="store_true", help="one JSON object per sentence")
     parser.add_argument("--batch-size", type=positive_int, default=32)
     accept_launcher_args(parser)
@@ -224,18 +227,21 @@ def start(args: argparse.Namespace) -> int:
         from pretrain.distributed.parallel import discover_launch_env
 
         launch = discover_launch_env()
-        if launch.world_size % args.tp:
+        group = args.tp * args.cp
+        if launch.world_size % group:
             if launch.rank != 0:
                 return UsageError.exit_status  # rank 0 says why
-            raise UsageError(f"--tp {args.tp} needs a multiple of {args.tp} processes, {launch.world_size} "
-                             f"launched (launcher.sh --nproc-per-node {args.tp} tool tools/fill_mask.py ...)")
+            split = f"--tp {args.tp}" + (f" x --cp {args.cp}" if args.cp > 1 else "")
+            raise UsageError(f"{split} needs a multiple of {group} processes, "
+                             f"{launch.world_size} launched (launcher.sh --nproc-per-node {group} tool "
+                             "tools/fill_mask.py ...)")
 
         def answer(parallel) -> None:
             lines = run(args, parallel)
             if parallel.rank == 0:
                 print("\n".join(lines), file=predictions, flush=True)
 
-        return run_distributed(answer, args.tp, launch=launch)
+        return run_distributed(answer, args.tp, launch=launch, context_parallel=args.cp)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,10 @@ NOT_SETTINGS = {"data": ("paths", "valid_paths", "test_paths", "vocab_file", "in
 
 
 def phase_model_keys(cfg: Config) -> tuple[str, ...]:
-    """The model.* keys this run may set apart from its init_from checkpoint's."""
-    if not cfg.checkpoint.new_phase:
+    """The model.* keys this run may set apart from its init_from checkpoint's: a new phase, or
+    weights alone (a Hugging Face directory; a context extension of the published ModernBERT-base
+    starts there), may change what the weights do not fix."""
+    if not cfg.checkpoint.init_from:
         return ()
     return PHASE_MODEL_KEYS if cfg.model.modern else PHASE_MODEL_KEYS[:3]
 

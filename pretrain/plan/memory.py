@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from ..config import Config
 from ..config.deepspeed import read_user_deepspeed_config
-from .activations import context_kv_bytes, context_share, in_flight, kernels_for, layer_bytes, stage_activation_bytes
+from .activations import (context_kv_bytes, context_share, heads_bytes, in_flight, kernels_for, layer_bytes,
+                          stage_activation_bytes)
 from .layouts import Layout, layout_of
 from .shapes import StageParams, stage_parameters
 from .states import ITEM, ZERO_DEFAULTS, model_states
@@ -111,10 +112,15 @@ def predict_memory(cfg: Config, layout: Layout, stage_index: int, stages: list[S
                                          stage.first, stage.last, layout.micro_batch, micro_batches,
                                          layout.precision, kernels,
                                          first_layer=sum(s.transformer_layers for s in stages[:stage_index]))
-    if layout.cp > 1:  # an estimate (the CP ranks' shares, and the keys and values global layers gather)
+    if layout.cp > 1:  # an estimate: the CP ranks' shares, the keys and values global layers gather, and the
+        # heads, which every CP rank runs on all of the row's masked tokens
         first = sum(s.transformer_layers for s in stages[:stage_index])
-        activations += in_flight(stage_index, layout.pp, micro_batches) * context_kv_bytes(
-            cfg, layout.tp, layout.cp, layout.micro_batch, layout.precision, range(first, first + stage.transformer_layers))
+        extra = context_kv_bytes(cfg, layout.tp, layout.cp, layout.micro_batch, layout.precision,
+                                 range(first, first + stage.transformer_layers))
+        if stage.last:
+            extra += heads_bytes(cfg, layout.tp, layout.micro_batch, layout.precision, kernels) - heads_bytes(
+                context_share(cfg, layout.cp), layout.tp, layout.micro_batch, layout.precision, kernels)
+        activations += in_flight(stage_index, layout.pp, micro_batches) * extra
     buffers = states.persistent_buffers + states.step_buffers + _pipeline_buffers(cfg, layout, stage, micro_batches)
     reduced = ITEM[t.grad_accum_dtype] if layout.precision == "bf16" else ITEM[layout.precision]
     return MemoryPrediction(states.wrapper, states.parameters, states.gradients, states.optimizer_state, activations,
