@@ -140,3 +140,20 @@ def test_a_config_json_rope_scaling_reads_for_both_kinds():
     m = config_from_hf(hf, "legacy").model
     assert m.rope_scaling == {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024}
     assert (m.global_rope_theta, m.local_rope_theta) == (160000.0, 10000.0)
+
+
+def test_a_run_from_a_checkpoints_weights_may_set_its_own_context_length_and_rotary_scaling(tmp_path):
+    """The weights of a ModernBERT do not depend on its context length or rotary settings: a run
+    from a Hugging Face directory (weights alone, no new phase) may change them, not its shape."""
+    from pretrain.checkpoint.starting_point import load_run_config, starting_point_problems
+
+    hf_model(None, 128).config.save_pretrained(tmp_path / "hf")
+    start = ["data.segment_pairs=none", f"checkpoint.init_from={tmp_path / 'hf'}", "data.seq_length=512",
+             "model.max_position_embeddings=512", "data.max_predictions_per_seq=null"]
+    longer = load_run_config(None, start + ["model.rope_scaling={rope_type: yarn, factor: 4, "
+                                            "original_max_position_embeddings: 128}"])
+    assert longer.model.modern and longer.model.hidden_size == 64  # the shape taken from config.json
+    assert starting_point_problems(longer) == []
+    wider = load_run_config(None, start + ["model.hidden_size=128"])
+    (problem,) = starting_point_problems(wider)
+    assert "model.hidden_size: run 128, checkpoint 64" in problem
