@@ -131,7 +131,7 @@ def run_distributed(work: Callable[["Parallel"], int | None], tensor_parallel: i
     prepare_hang_diagnostics()
     prepare_extensions_dir()
     parallel = init_parallel(launch, tensor_parallel, pipeline_parallel, timeout_minutes, rendezvous_timeout_minutes,
-                             context_parallel)
+                             context_parallel=context_parallel)
     configure_logging(parallel.rank, parallel.world_size, parallel.logging_rank)
     try:
         return work(parallel) or 0

@@ -119,7 +119,8 @@ def fake_groups(monkeypatch):
     of an absent key records nothing to restore, so the exported variables would outlive the test)."""
     calls = []
 
-    def init_parallel(launch, tensor_parallel, pipeline_parallel, timeout_minutes, rendezvous_timeout_minutes=10.0):
+    def init_parallel(launch, tensor_parallel, pipeline_parallel, timeout_minutes, rendezvous_timeout_minutes=10.0,
+                      context_parallel=1):
         calls.append(("init", {key: os.environ.get(key) for key in (*LAUNCH_KEYS, MAX_CONNECTIONS_ENV)},
                       tensor_parallel, pipeline_parallel, timeout_minutes))
         return SimpleNamespace(rank=launch.rank, world_size=launch.world_size, logging_rank=1)

@@ -200,7 +200,7 @@ def test_each_rank_writes_its_own_row_in_the_one_reduction(one_rank_group, monke
     sums = [torch.arange(width, dtype=torch.float64) + i for i in range(2)]
     norms = [torch.tensor(2.5), 1.5]
     # rank 1 of 3 (the others' rows are theirs to fill: in one process they stay zero)
-    parallel = SimpleNamespace(rank=1, world_size=3, is_last_stage=True, tp_rank=0, device=CPU)
+    parallel = SimpleNamespace(rank=1, world_size=3, is_last_stage=True, tp_rank=0, cp_rank=0, device=CPU)
     plain = reduce_metrics(parallel, sums, norms)
     metrics, rows = reduce_window(parallel, sums, norms, [412.0, 3.0, 57.0])
     assert calls == [2 * width, 2 * width + 3 * 3]  # one collective each: the metrics, then with the table

@@ -505,11 +505,11 @@ def test_config_rules_and_the_pre_start_check(tmp_path):
     unset = load_run_config(None, init + ["model.num_layers=3"])  # hidden etc. not inherited: the defaults (768, ...)
     assert unset.model.hidden_size == 768
     bad = load_run_config(None, init + ["model.hidden_size=64", "model.num_attention_heads=4", "model.num_layers=5",
-                                    "model.ffn_hidden_size=32", "model.max_position_embeddings=128"])
+                                    "model.ffn_hidden_size=32", "model.local_attention=16"])
     problems = starting_point_problems(bad)
     assert any(p.startswith("checkpoint.init_tiled: model.ffn_hidden_size: this run's 32 is smaller") for p in problems)
     assert any(p.startswith("checkpoint.init_tiled: model.num_layers: 2 -> 5 layers") for p in problems)
-    assert any("model.max_position_embeddings: run 128, checkpoint 64" in p for p in problems)  # the usual check
+    assert any("model.local_attention: run 16, checkpoint 8" in p for p in problems)  # the usual check
 
     bert = load_run_config(None, [f"checkpoint.init_from={tmp_path / 'small'}", "checkpoint.init_tiled=true",
                               "model.architecture=bert", "model.hidden_size=64", "model.num_attention_heads=4"])
