@@ -100,7 +100,8 @@ def test_logits_equal_transformers_with_the_same_rope_scaling(one_rank, tmp_path
     for layer_type, params in CASES[case].items():
         assert {k: v for k, v in written[layer_type].items() if k != "rope_theta"} == params
     with torch.no_grad():
-        again = ModernBertForMaskedLM.from_pretrained(tmp_path / "out").eval()(input_ids=ids, attention_mask=mask).logits
+        reloaded = ModernBertForMaskedLM.from_pretrained(tmp_path / "out").eval()
+        again = reloaded(input_ids=ids, attention_mask=mask).logits
     assert (again[real] - theirs[real]).abs().max().item() < 1e-5
 
 

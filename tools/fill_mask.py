@@ -52,8 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=positive_int, default=5, help="predictions per [MASK] (default 5)")
     parser.add_argument("--vocab-file", help="vocab.txt or tokenizer.json; default: the checkpoint's own")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (the world size when launched)")
-    parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel size: each text's tokens split "
-                                                                    "over --cp processes (ModernBERT; tp x cp launched)")
+    parser.add_argument("--cp", type=positive_int, default=1,
+                        help="context-parallel size: each text's tokens split over --cp processes (ModernBERT)")
     parser.add_argument("--json", action="store_true", help="one JSON object per sentence")
     parser.add_argument("--batch-size", type=positive_int, default=32)
     accept_launcher_args(parser)

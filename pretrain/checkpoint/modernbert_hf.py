@@ -83,7 +83,8 @@ def _rope(hf: dict, problems: list[str]) -> tuple[float, float, dict | None]:
         return thetas["full_attention"], thetas["sliding_attention"], None
     if scaling.get("global") == scaling.get("local"):
         return thetas["full_attention"], thetas["sliding_attention"], scaling["global"]
-    return thetas["full_attention"], thetas["sliding_attention"], {kind: scaling.get(kind) for kind in rope_scaling.KINDS}
+    per_kind = {kind: scaling.get(kind) for kind in rope_scaling.KINDS}
+    return thetas["full_attention"], thetas["sliding_attention"], per_kind
 
 
 def config_from_modern_hf(hf: dict, source: str) -> Config:

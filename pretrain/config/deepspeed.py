@@ -72,10 +72,10 @@ def build_deepspeed_config(cfg: Config, world_size: int) -> dict:
 
     # Keys we own: (path in DeepSpeed JSON, our value as shown to the user, what to set instead).
     precision = f"train.precision={t.precision}"
+    cp = cfg.parallel.context_parallel
+    times_cp = f" x parallel.context_parallel={cp}" if cp > 1 else ""
     owned = [
-        (("train_batch_size",), f"train.global_batch_size={t.global_batch_size}"
-         + (f" x parallel.context_parallel={cfg.parallel.context_parallel}" if cfg.parallel.context_parallel > 1 else ""),
-         "train.global_batch_size"),
+        (("train_batch_size",), f"train.global_batch_size={t.global_batch_size}" + times_cp, "train.global_batch_size"),
         (("train_micro_batch_size_per_gpu",), f"train.micro_batch_size={t.micro_batch_size}",
          "train.micro_batch_size"),
         (("gradient_accumulation_steps",),

@@ -169,7 +169,8 @@ class ModernLayer(nn.Module):
         normed = self.attn_norm(hidden) if self.attn_norm is not None else hidden
         qkv = self.attn_qkv(normed)[0].view(rows, seq, self.local_heads, 3, self.head_dim)
         query, key, value = qkv.unbind(3)  # [rows, seq, heads, head_dim] each
-        cos, sin = self.cache.get(sample_ids, ("rotary", self.is_global, hidden.dtype), self._rotary(position_ids, hidden.dtype))
+        cos, sin = self.cache.get(sample_ids, ("rotary", self.is_global, hidden.dtype),
+                                  self._rotary(position_ids, hidden.dtype))
         query, key = kernels.rotate_query_key(query, key, cos, sin)
         if self.recompute == "selective" and self.training and torch.is_grad_enabled():
             context = checkpoint_with_rng(self._attention_core, self.rng, query, key, value, sample_ids)

@@ -61,7 +61,8 @@ def _yarn(head_dim: int, theta: float, scaling: dict, factor: float, exponents: 
     high = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=exponents.device) - low) / (high - low)).clamp(0, 1)
+    dims = torch.arange(head_dim // 2, dtype=torch.float32, device=exponents.device)
+    ramp = ((dims - low) / (high - low)).clamp(0, 1)
     frequencies = theta ** exponents
     extrapolated = 1 - ramp  # the share of each dimension kept as trained
     inv_freq = (1.0 / (factor * frequencies)) * (1 - extrapolated) + (1.0 / frequencies) * extrapolated

@@ -105,10 +105,11 @@ def predict_memory(cfg: Config, layout: Layout, stage_index: int, stages: list[S
     t = cfg.train
     micro_batches = t.global_batch_size // (layout.micro_batch * layout.dp)
     # ZeRO partitions over DeepSpeed's data group, context x data; dp_rank is the rank's place in it
-    states = model_states(stage.groups, layout.dp * layout.cp, dp_rank, layout.precision, layout.zero, t.grad_accum_dtype,
-                          cfg.optimizer.name, layout.pp > 1, zero_config)
+    states = model_states(stage.groups, layout.dp * layout.cp, dp_rank, layout.precision, layout.zero,
+                          t.grad_accum_dtype, cfg.optimizer.name, layout.pp > 1, zero_config)
     kernels = kernels_for(device_type, cfg.model.attention_dropout, layout.precision, cfg.model.compile)
-    activations = stage_activation_bytes(cfg if layout.cp == 1 else context_share(cfg, layout.cp), layout.tp, stage_index, layout.pp, stage.transformer_layers,
+    shared = cfg if layout.cp == 1 else context_share(cfg, layout.cp)  # a CP rank's share of each row
+    activations = stage_activation_bytes(shared, layout.tp, stage_index, layout.pp, stage.transformer_layers,
                                          stage.first, stage.last, layout.micro_batch, micro_batches,
                                          layout.precision, kernels,
                                          first_layer=sum(s.transformer_layers for s in stages[:stage_index]))

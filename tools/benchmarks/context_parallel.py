@@ -131,8 +131,8 @@ def main(argv=None) -> None:
         per_token = step / statistics.median(r["tokens"]) * 1e3
         base = base or per_token
         memory = ", ".join(f"{a / MB:.0f}/{p / MB:.0f}" for a, p in zip(r["activations"], r["planned"]) if a)
-        print(f"  {name:<7} {step * 1e3:>9.0f} {per_token * 1e3:>9.1f} {memory:>46}   ({per_token / base:.2f}x CP1's time "
-              f"per token; loss {r['lm_loss']:.3f})")
+        print(f"  {name:<7} {step * 1e3:>9.0f} {per_token * 1e3:>9.1f} {memory:>46}   "
+              f"({per_token / base:.2f}x CP1's time per token; loss {r['lm_loss']:.3f})")
     if args.json:
         write_json(args.json, {"seq": args.seq, "results": results})
 
