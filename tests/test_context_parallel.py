@@ -2,7 +2,10 @@
 a row equals its share of one process's attention over the whole row, forward and backward, at CP2
 and CP4, for packed documents crossing the ranks' boundaries and one long document, global and
 local layers; local layers exchange only the halo (half a window with each neighbour) unless the
-shares are shorter than it.
+shares are shorter than it. Training (one 4-rank job runs every configuration): ModernBERT and
+BERT at CP4, CP2 x DP2 (ZeRO-1, -3), CP2 x TP2 and CP2 x PP2 equal DP4; bf16 within its rounding; a
+CP2 checkpoint resumes at CP4 and CP1; activation memory per rank falls with CP, beside the
+planner's estimate.
 """
 import json
 
@@ -44,12 +47,20 @@ MODERN = ["model.architecture=modernbert", "data.segment_pairs=none", "model.glo
 # (name, tp, pp, cp, overrides): one process group of 4 ranks runs them all; recomputation (full,
 # selective) must not change the numbers either
 LAYOUTS = [("dp4", 1, 1, 1, []), ("cp4", 1, 1, 4, []), ("cp2-dp2-zero1", 1, 1, 2, ["parallel.zero_stage=1"]),
+           ("cp2-dp2-zero3", 1, 1, 2, ["parallel.zero_stage=3"]),
            ("cp2-tp2-recompute-full", 2, 1, 2, ["model.recompute=full"]),
            ("cp2-pp2-recompute-selective", 1, 2, 2, ["model.recompute=selective"])]
 # one step on rows of one 2,048-token sample each, one per rank and micro-batch
 LONG_ROW = ["data.seq_length=2048", "model.max_position_embeddings=2048", "data.synthetic_min_fraction=1.0",
             "data.short_seq_prob=0", "train.global_batch_size=4", "train.micro_batch_size=1", "train.train_steps=1",
             "data.max_predictions_per_seq=null", "scheduler.warmup_steps=0"]
+# BERT (learned positions, full attention, the next-sentence head): the same, and ZeRO-3
+BERT = [("bert-dp4", 1, 1, 1, []), ("bert-cp4", 1, 1, 4, []), ("bert-cp2-dp2-zero3", 1, 1, 2, ["parallel.zero_stage=3"]),
+        ("bert-cp2-tp2", 2, 1, 2, []), ("bert-cp2-pp2-recompute-selective", 1, 2, 2, ["model.recompute=selective"])]
+BERT_DATA = ["data.synthetic_min_fraction=0.1", "train.global_batch_size=16", "train.micro_batch_size=4",
+             "train.train_steps=3"]
+# packed input (ModernBERT: unpadded into the same row as padded input) at these layouts
+PACKED = ("cp4", "cp2-tp2-recompute-full")
 BF16 = [("dp4-bf16", 1, 1, 1, ["train.precision=bf16", "parallel.zero_stage=2"]),
         ("cp2-dp2-zero2-bf16", 1, 1, 2, ["train.precision=bf16", "parallel.zero_stage=2"])]
 
@@ -69,9 +80,15 @@ def resume_runs(directory) -> list[dict]:
 def training_results(tmp_path_factory):
     directory = tmp_path_factory.mktemp("cp")
     out = directory / "training.json"
-    runs = [json.dumps({"name": f"{name}/{data}", "tp": tp, "pp": pp, "cp": cp, "evaluate": True,
-                        "overrides": MODERN + overrides + [f"data.packing={str(data == 'packed').lower()}"]})
-            for data in ("padded", "packed") for name, tp, pp, cp, overrides in LAYOUTS + BF16]
+    def run(name, tp, pp, cp, overrides, data, base):
+        return json.dumps({"name": f"{name}/{data}", "tp": tp, "pp": pp, "cp": cp, "evaluate": True,
+                           "overrides": base + overrides + [f"data.packing={str(data == 'packed').lower()}"]})
+
+    runs = [run(*layout, "padded", MODERN) for layout in LAYOUTS]
+    runs += [run(*layout, "packed", MODERN) for layout in LAYOUTS if layout[0] in PACKED + ("dp4",)]
+    runs += [run(*layout, "packed", MODERN) for layout in BF16]
+    runs += [run(*layout, "padded", BERT_DATA) for layout in BERT]
+    runs += [run(*layout, "packed", BERT_DATA) for layout in BERT if layout[0] in ("bert-dp4", "bert-cp4")]
     runs += [json.dumps(run) for run in resume_runs(directory)]
     runs += [json.dumps({"name": f"memory-cp{cp}", "cp": cp, "overrides": MODERN + LONG_ROW}) for cp in (1, 2, 4)]
     run_ranks(["tests/_train_worker.py", str(out), "1", "1", *runs], 4, timeout=600)
@@ -94,20 +111,24 @@ def check_layout(run, name, tp, pp, cp):
 @pytest.mark.parametrize("data", ["padded", "packed"])
 def test_training_at_every_context_parallel_layout_equals_one_replica(training_results, data):
     """Losses per step, the weights after them (their norm) and the evaluation at CP4, CP2 x DP2
-    with ZeRO-1, CP2 x TP2 and CP2 x PP2 equal DP4 (the same global batch) in fp32; bf16 with
-    ZeRO-2 at CP2 x DP2 equals DP4's within bf16's rounding. Packed input (fewer rows, the same
-    samples) is unpadded into the same row of real tokens as padded input: the same training."""
+    with ZeRO-1 and ZeRO-3, CP2 x TP2 and CP2 x PP2 equal DP4 (the same global batch) in fp32;
+    bf16 with ZeRO-2 at CP2 x DP2 equals DP4's within bf16's rounding. Packed input (fewer rows,
+    the same samples, unpadded into the same row of real tokens) at CP4 and CP2 x TP2."""
     reference = training_results[f"dp4/{data}"]
     losses = [step["lm_loss"] for step in reference["history"]]
     assert len(losses) == 3 and all(loss > 1.0 for loss in losses)
     local, row, documents, forwards = reference["ranks"][0]["tokens_computed"]
     assert local == row and documents == 4 * forwards  # one replica computes every token of its 4 samples
     for name, tp, pp, cp, _ in LAYOUTS[1:]:
+        if data == "packed" and name not in PACKED:
+            continue
         run = training_results[f"{name}/{data}"]
         assert [step["lm_loss"] for step in run["history"]] == pytest.approx(losses, abs=1e-5), name
         assert run["params_norm"] == pytest.approx(reference["params_norm"], abs=1e-5), name
         assert run["evaluation"]["lm_loss"] == pytest.approx(reference["evaluation"]["lm_loss"], abs=1e-5), name
         check_layout(run, name, tp, pp, cp)
+    if data == "padded":
+        return
     bf16, cp_bf16 = (training_results[f"{name}/{data}"] for name, *_ in BF16)
     assert all(rank["parameter_dtypes"] == "torch.bfloat16" for rank in cp_bf16["ranks"])
     assert [step["lm_loss"] for step in cp_bf16["history"]] == pytest.approx(
@@ -146,3 +167,24 @@ def test_activation_memory_per_rank_falls_with_the_context_parallel_size(trainin
     assert 0.4 < peaks[2] / peaks[1] < 0.65 and 0.2 < peaks[4] / peaks[1] < 0.4, peaks
     for cp in (1, 2, 4):
         assert 0.8 < planned[cp] / peaks[cp] < 1.25, (cp, planned, peaks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data", ["padded", "packed"])
+def test_bert_at_every_context_parallel_layout_equals_one_replica(training_results, data):
+    """BERT (learned positions, full attention, masked LM and next sentence): CP4, CP2 x DP2 with
+    ZeRO-3, CP2 x TP2 and CP2 x PP2 (selective recomputation) equal DP4 in fp32 (1e-5), losses of
+    both heads, weights and evaluation; DeepSpeed averaged over context x data."""
+    reference = training_results[f"bert-dp4/{data}"]
+    assert all(step["nsp_loss"] > 0.1 for step in reference["history"])
+    for name, tp, pp, cp, _ in BERT[1:]:
+        if data == "packed" and name != "bert-cp4":
+            continue
+        run = training_results[f"{name}/{data}"]
+        for key in ("lm_loss", "nsp_loss"):
+            assert [s[key] for s in run["history"]] == pytest.approx([s[key] for s in reference["history"]],
+                                                                     abs=1e-5), (name, key)
+        assert run["params_norm"] == pytest.approx(reference["params_norm"], abs=1e-5), name
+        assert run["evaluation"]["lm_loss"] == pytest.approx(reference["evaluation"]["lm_loss"], abs=1e-5), name
+        for rank in run["ranks"]:
+            assert rank["megatron_cp_size"] == cp and rank["deepspeed_dp_size"] == 4 // (tp * pp), (name, rank)

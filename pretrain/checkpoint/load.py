@@ -35,7 +35,7 @@ def inference_model(ckpt: LogicalCheckpoint, parallel):
     the weights loaded, in eval mode: what the tools that only run a checkpoint use (fill-mask,
     embeddings, position accuracy), its rows split over the CP group where the ranks have one."""
     from ..model.bert import build_model
-    from ..model.context_parallel import ContextGroup
+    from ..model.context_split import ContextGroup
     from ..model.rng import RngTracker
 
     m = ckpt.config.model

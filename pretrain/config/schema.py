@@ -159,10 +159,6 @@ class Config:
         if s.min_lr > o.lr:
             p.append(f"scheduler.min_lr ({s.min_lr}) must be <= optimizer.lr ({o.lr})")
         p += d.problems()
-        if par.context_parallel > 1 and not m.modern:
-            p.append(f"parallel.context_parallel {par.context_parallel} splits ModernBERT's rows (model.architecture "
-                     "modernbert); BERT's padded rows and next-sentence head are not split yet: use "
-                     "parallel.context_parallel 1")
         if m.modern and d.segment_pairs != "none":
             p.append(f"model.architecture modernbert has no next-sentence head: set data.segment_pairs none "
                      f"(not {d.segment_pairs})")

@@ -170,6 +170,14 @@ def zero3_partition(param: torch.Tensor) -> torch.Tensor:
     return param.ds_tensor
 
 
+def zero3_values(param: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of `param` under ZeRO-3: its partition less the padding past the
+    parameter's end (whose memory DeepSpeed leaves as it found it)."""
+    size, numel, group = param.partition_numel(), param.ds_numel, param.ds_process_group
+    start = torch.distributed.get_rank(group) * size
+    return param.ds_tensor.narrow(0, 0, max(0, min(size, numel - start)))
+
+
 def full_shape(param: torch.Tensor) -> torch.Size:
     """The shape of the (TP-local) parameter, also while ZeRO-3 holds only a partition of it."""
     return param.ds_shape if is_zero3_param(param) else param.shape

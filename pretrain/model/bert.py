@@ -28,7 +28,7 @@ from .layers import (
     decode_tokens,
     megatron_config,
 )
-from .context_parallel import ContextGroup
+from .context_split import ContextGroup
 from .cross_entropy import vocab_parallel_cross_entropy
 from ..config.choices import compile_enabled
 from .fused import check_can_compile
@@ -58,9 +58,10 @@ def stage_specs(model_cfg, padded_vocab_size: int, params_dtype: torch.dtype, rn
         # itself, and re-broadcasts the tied weight from this first owner after loading.
         word(),
         LayerSpec(EmbeddingTail, hidden, model_cfg.max_position_embeddings, model_cfg.type_vocab_size,
-                  model_cfg.layernorm_epsilon, model_cfg.hidden_dropout, params_dtype),
-        *[LayerSpec(TransformerLayer, i, model_cfg, mp_config, rng, tp_group) for i in range(model_cfg.num_layers)],
-        LayerSpec(PretrainingHeads if binary_head else MlmHead, model_cfg, params_dtype),
+                  model_cfg.layernorm_epsilon, model_cfg.hidden_dropout, params_dtype, context),
+        *[LayerSpec(TransformerLayer, i, model_cfg, mp_config, rng, tp_group, context)
+          for i in range(model_cfg.num_layers)],
+        LayerSpec(PretrainingHeads if binary_head else MlmHead, model_cfg, params_dtype, context),
         word(forward_fn=decode_tokens),
         LayerSpec(MlmOutputBias, model_cfg.vocab_size, padded_vocab_size, mp_config, tp_group),
     ]

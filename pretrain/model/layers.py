@@ -37,7 +37,9 @@ import torch.nn.functional as F
 from megatron.core import ModelParallelConfig, tensor_parallel
 from torch import nn
 
+from ..distributed.device import all_reduce_with_grad
 from ..distributed.internals import CpuGemmOverride
+from .context_split import ContextGroup, ContextSplit, gather_row
 from .cpu_bf16 import upcast_bf16
 from .rng import RngTracker, checkpoint_with_rng
 
@@ -275,8 +277,10 @@ def self_attention(query, key, value, bias: torch.Tensor, dropout_p: float) -> t
 class EmbeddingTail(nn.Module):
     """Adds position and token-type embeddings, LayerNorm, dropout (a replicated region)."""
 
-    def __init__(self, hidden_size, max_positions, type_vocab_size, eps, dropout, params_dtype):
+    def __init__(self, hidden_size, max_positions, type_vocab_size, eps, dropout, params_dtype,
+                 context: ContextGroup | None = None):
         super().__init__()
+        self.context = _split_group(context)
         self.position_embeddings = nn.Embedding(max_positions, hidden_size, dtype=params_dtype)
         self.token_type_embeddings = nn.Embedding(type_vocab_size, hidden_size, dtype=params_dtype)
         self.layernorm = layer_norm(hidden_size, eps, params_dtype)
@@ -290,6 +294,10 @@ class EmbeddingTail(nn.Module):
             word_vectors, token_type_ids, padding_mask, masked_positions = inputs
             position_ids = torch.arange(word_vectors.shape[1], device=word_vectors.device)
             passed_on = (padding_mask, masked_positions)
+        if self.context is not None:  # this rank's share of every row's columns (context parallelism)
+            split = self.context.split(word_vectors.shape[1])
+            word_vectors, token_type_ids = split.local(word_vectors, 1), split.local(token_type_ids, 1)
+            position_ids = split.local(position_ids, position_ids.dim() - 1)
         hidden = word_vectors + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)
         hidden = self.dropout(self.layernorm(hidden))
         return hidden, *passed_on
@@ -298,9 +306,11 @@ class EmbeddingTail(nn.Module):
 class TransformerLayer(nn.Module):
     """Post-LN encoder layer: attention on this rank's heads, then the MLP column/row split."""
 
-    def __init__(self, layer_index: int, model_cfg, mp_config: ModelParallelConfig, rng: RngTracker, tp_group):
+    def __init__(self, layer_index: int, model_cfg, mp_config: ModelParallelConfig, rng: RngTracker, tp_group,
+                 context: ContextGroup | None = None):
         super().__init__()
         self.layer_index = layer_index
+        self.context = _split_group(context)
         self.rng = rng
         self.recompute = model_cfg.recompute  # "none" | "selective" | "full"
         hidden, tp = model_cfg.hidden_size, mp_config.tensor_model_parallel_size
@@ -347,6 +357,11 @@ class TransformerLayer(nn.Module):
         key = self._split_heads(self.key(hidden)[0])
         value = self._split_heads(self.value(hidden)[0])
         bias = packed_attention_bias(mask, query.dtype) if packed else attention_bias(mask, query.dtype)
+        if self.context is not None:  # this rank's queries against every share's keys and values
+            split = self.context.split(mask.shape[1])
+            key, value = _gather_columns(key, split), _gather_columns(value, split)
+            if packed:
+                bias = split.local(bias, 2)  # the block-diagonal mask's rows of this rank's queries
         if self.recompute == "selective" and self.training and torch.is_grad_enabled():
             # the attention core only: its [batch, heads, seq, seq] scores and probabilities are
             # recomputed in backward instead of kept; the projections' outputs stay
@@ -390,8 +405,9 @@ class PretrainingHeads(nn.Module):
 
     binary_head = True
 
-    def __init__(self, model_cfg, params_dtype):
+    def __init__(self, model_cfg, params_dtype, context: ContextGroup | None = None):
         super().__init__()
+        self.context = _split_group(context)
         hidden = model_cfg.hidden_size
         if self.binary_head:
             self.pooler = nn.Linear(hidden, hidden, dtype=params_dtype)
@@ -400,7 +416,9 @@ class PretrainingHeads(nn.Module):
         self.mlm_layernorm = layer_norm(hidden, model_cfg.layernorm_epsilon, params_dtype)
 
     def forward(self, inputs):
-        if len(inputs) == 4:  # packed: flat positions into the [rows * seq] tokens, per sample
+        if self.context is not None:
+            cls_hidden, masked_hidden = _gather_heads_input(inputs, self.context)
+        elif len(inputs) == 4:  # packed: flat positions into the [rows * seq] tokens, per sample
             hidden, _sample_ids, masked_positions, cls_positions = inputs
             tokens = hidden.reshape(-1, hidden.shape[-1])
             cls_hidden = tokens[cls_positions]
@@ -414,6 +432,41 @@ class PretrainingHeads(nn.Module):
         # Sparse prediction: only the masked positions go through the vocabulary projection.
         mlm_hidden = self.mlm_layernorm(F.gelu(self.mlm_dense(masked_hidden)))
         return mlm_hidden, nsp_logits
+
+
+def _split_group(context: ContextGroup | None) -> ContextGroup | None:
+    return context if context is not None and context.size > 1 else None
+
+
+def _gather_columns(tensor: torch.Tensor, split: ContextSplit) -> torch.Tensor:
+    """[batch, heads, share, head_dim] -> the whole rows' [batch, heads, seq, head_dim] from every share."""
+    return gather_row(tensor.permute(2, 0, 1, 3), split).permute(1, 2, 0, 3)
+
+
+def _gather_heads_input(inputs, context: ContextGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under context parallelism: the [CLS] vectors and those at the masked positions, each from
+    the share that holds it (the others add zeros), summed over the CP group so that every rank
+    runs the heads on all of them."""
+    hidden, mask, masked_positions, *cls = inputs
+    rows, share, width = hidden.shape
+    split = context.split(mask.shape[1])
+    if cls:  # packed: flat positions into the whole [rows * seq] tokens
+        columns = torch.cat([cls[0], masked_positions.reshape(-1)])
+        row, column = columns // mask.shape[1], columns % mask.shape[1]
+    else:  # padded: column positions per row, [CLS] at column 0
+        column = torch.cat([torch.zeros(rows, 1, dtype=masked_positions.dtype, device=masked_positions.device),
+                            masked_positions], dim=1).reshape(-1)
+        row = torch.arange(rows, device=column.device).repeat_interleave(1 + masked_positions.shape[1])
+    mine = (column >= split.start) & (column < split.end)
+    local = row * share + (column - split.start).clamp(0, share - 1)
+    picked = hidden.reshape(-1, width).index_select(0, local) * mine[:, None].to(hidden.dtype)
+    picked = all_reduce_with_grad(picked, split.group)
+    if cls:
+        cls_hidden, masked = picked[:cls[0].numel()], picked[cls[0].numel():]
+    else:
+        picked = picked.view(rows, 1 + masked_positions.shape[1], width)
+        cls_hidden, masked = picked[:, 0], picked[:, 1:].reshape(-1, width)
+    return cls_hidden, masked.view(*masked_positions.shape, width)
 
 
 class MlmHead(PretrainingHeads):

@@ -61,7 +61,8 @@ from .layers import (
 from ..distributed.internals import GemmOperandsOverride
 from .attention import packed_attention
 from .fused import layer_kernels
-from .context_parallel import ContextGroup, context_parallel_attention, gather_masked
+from .context_parallel import context_parallel_attention
+from .context_split import ContextGroup, gather_masked
 from .micro_batch import MicroBatchCache
 from .rng import RngTracker, checkpoint_with_rng
 from .rotary import rotary_tables

@@ -94,6 +94,6 @@ def params_norm(model, parallel) -> float:
         zero3 = internals.is_zero3_param(lp.param)
         if not zero3 and parallel.dp_cp_rank != 0:
             continue  # replicated over CP x DP; a ZeRO-3 partition is this rank's own
-        tensor = internals.zero3_partition(lp.param) if zero3 else lp.param
+        tensor = internals.zero3_values(lp.param) if zero3 else lp.param
         total += tensor.detach().double().pow(2).sum()
     return math.sqrt(device.all_reduce(total).item())

@@ -349,7 +349,7 @@ def context_kv_bytes(cfg, tp: int, cp: int, micro: int, precision: str, layers: 
     """What a CP rank keeps beyond its share for backward: the keys and values of the other ranks'
     shares that each global layer gathers (context_parallel.py's checkpointed blocks keep them)."""
     m = cfg.model
-    global_layers = sum(1 for i in layers if m.is_global_layer(i))
+    global_layers = sum(1 for i in layers if not m.modern or m.is_global_layer(i))  # BERT's are all global
     others = micro * cfg.data.seq_length * (cp - 1) // cp
     return global_layers * 2 * others * (m.hidden_size // tp) * {"fp32": 4, "bf16": 2, "fp16": 2}[precision]
 

@@ -23,7 +23,7 @@ from ..config.choices import compile_enabled
 from ..distributed import device, internals
 from ..distributed.parallel import Parallel
 from ..model.bert import PretrainingLoss, build_model, init_weights
-from ..model.context_parallel import ContextGroup
+from ..model.context_split import ContextGroup
 from ..model.names import logical_parameters
 from ..model.rng import RngTracker
 from ..optim import Lamb, StableAdamW, build_optimizer, layout_for_deepspeed, make_lr_scheduler
