@@ -183,3 +183,15 @@ def library_log():
         logger.removeHandler(handler)
         logger.setLevel(level)
 
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """A one-rank gloo world in this process (a FileStore, no launch variables), ended after the
+    module: for tests that build a model in-process (its TP group is this world)."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

@@ -19,7 +19,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from pretrain.model.cross_entropy import vocab_parallel_cross_entropy
@@ -28,14 +27,6 @@ from pretrain.model.fused import compile_counters
 pytestmark = pytest.mark.slow  # compiles: a minute of CPU
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def micro_batches(lengths_per_batch, seq, vocab, seed=0):

@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from test_modernbert import VOCAB, hf_config, randomise, tiny_tokenizer_json
 
@@ -24,14 +23,6 @@ CASES = {
                                          "attention_factor": 1.3, "beta_fast": 16, "beta_slow": 2},
                       "sliding_attention": {"rope_type": "linear", "factor": 2.0}},
 }
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def hf_model(rope: dict | None, max_positions: int):

@@ -13,7 +13,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from pretrain.config import load_config
 from pretrain.model.unpadding import PaddingLayoutError, repad, unpad_packed, unpad_padded
@@ -84,15 +83,6 @@ def test_a_batch_of_padding_only_keeps_one_token():
 
 
 # ------------------------------------------------------------------------------------ the model
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    """A one-rank gloo world in this process (a FileStore, no launch variables), ended afterwards."""
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def tiny_modernbert(tp_group, *overrides):

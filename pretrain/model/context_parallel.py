@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import _attend
 from .context_split import ContextGroup, ContextSplit, gather_masked, gather_row, halo
+from .micro_batch import MicroBatchCache
 
 __all__ = ["ContextGroup", "ContextSplit", "attention_work", "blocked_attention", "context_parallel_attention",
            "gather_masked", "gather_row", "halo"]
@@ -65,15 +66,17 @@ def _document_bounds(ids: torch.Tensor) -> tuple[list[int], list[int]]:
 # ----------------------------------------------------------------------------- attention
 def blocked_attention(query, key, value, sample_ids, key_start: int, split: ContextSplit, *,
                       half_window: int | None, dropout_p: float = 0.0, scale: float | None = None,
-                      block: int | None = None) -> torch.Tensor:
+                      block: int | None = None, cache: MicroBatchCache | None = None) -> torch.Tensor:
     """This rank's queries [L, heads, head_dim] (row tokens split.start ...) against keys and values
     [K, heads, head_dim] that hold row tokens key_start ... key_start + K, under the module's rule;
-    `sample_ids` [T]: the whole row's. The context [L, heads, head_dim]."""
+    `sample_ids` [T] or [1, T]: the whole row's. The context [L, heads, head_dim]. With `cache`, the
+    documents' bounds (one host read) are taken once per micro-batch, not per layer."""
     if scale is None:
         scale = query.shape[-1] ** -0.5
     block = block or (GLOBAL_BLOCK if half_window is None else LOCAL_BLOCK)
     ids = sample_ids.reshape(-1)
-    starts, ends = _document_bounds(ids)
+    starts, ends = (_document_bounds(ids) if cache is None else
+                    cache.get(sample_ids, "cp-document-bounds", lambda: _document_bounds(ids)))
     key_end = key_start + key.shape[0]
     reach = half_window if half_window is not None else ids.numel()
     outputs = []
@@ -104,10 +107,12 @@ def _attend_block(q, k, v, ids_q, ids_k, offset: int, half_window, dropout_p, sc
 
 
 def context_parallel_attention(query, key, value, sample_ids, split: ContextSplit, *, half_window: int | None,
-                               dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
+                               dropout_p: float = 0.0, scale: float | None = None,
+                               cache: MicroBatchCache | None = None) -> torch.Tensor:
     """This rank's context [L, heads, head_dim] from its queries, keys and values [L, heads,
-    head_dim] (rotary applied) and the row's sample ids [T]: the halo on local layers whose shares
-    are at least the window's half, every share's keys otherwise (see the module docstring)."""
+    head_dim] (rotary applied) and the row's sample ids ([T] or [1, T]; `cache`: see
+    blocked_attention): the halo on local layers whose shares are at least the window's half, every
+    share's keys otherwise (see the module docstring)."""
     if half_window is not None and split.shortest >= half_window:
         width = half_window if split.size > 1 else 0
         keys, values = halo(key, width, split), halo(value, width, split)
@@ -115,4 +120,4 @@ def context_parallel_attention(query, key, value, sample_ids, split: ContextSpli
     else:
         keys, values, key_start = gather_row(key, split), gather_row(value, split), 0
     return blocked_attention(query, keys, values, sample_ids, key_start, split, half_window=half_window,
-                             dropout_p=dropout_p, scale=scale)
+                             dropout_p=dropout_p, scale=scale, cache=cache)

@@ -203,8 +203,9 @@ class ModernLayer(nn.Module):
         if self.context is not None:  # [1, share, heads, head_dim]: this rank's queries, the row's documents
             split = self.context.split(sample_ids.shape[1])
             with self.rng.fork():
-                return context_parallel_attention(query[0], key[0], value[0], sample_ids[0], split,
-                                                  half_window=self.half_window, dropout_p=dropout_p)[None]
+                return context_parallel_attention(query[0], key[0], value[0], sample_ids, split,
+                                                  half_window=self.half_window, dropout_p=dropout_p,
+                                                  cache=self.cache)[None]
         with self.rng.fork():  # this rank's heads: a TP-rank-specific dropout stream
             return packed_attention(query, key, value, sample_ids, half_window=self.half_window, dropout_p=dropout_p,
                                     cache=self.cache, kernel=self.attention_kernel)

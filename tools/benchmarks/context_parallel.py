@@ -18,16 +18,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pretrain.distributed.ports import free_port  # noqa: E402
-from tools.benchmarks.harness import write_json  # noqa: E402
+from tools.benchmarks.harness import launch_ranks, write_json  # noqa: E402
 
 CORES = 2
 LAYOUTS = {"cp1": 1, "cp2": 2, "cp4": 4}
@@ -71,25 +68,10 @@ def child(args) -> dict:
 
 
 def launch(name: str, args) -> dict:
-    cp = LAYOUTS[name]
-    ranks = max(cp, 1)
-    threads = max(1, CORES // ranks)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--child-out", str(out),
-               "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-        port = str(free_port())
-        procs = []
-        for rank in range(ranks):
-            env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), RANK=str(rank),
-                       LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                       BERT_FAKE_GPU="0", PYTHONPATH=str(REPO))
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        outputs = [p.communicate()[0] for p in procs]
-        if any(p.returncode for p in procs) or not out.exists():
-            sys.stderr.write("\n".join(o[-4000:] for o in outputs))
-            raise SystemExit(f"context-parallel benchmark: {name} failed")
-        return json.loads(out.read_text())
+    ranks = LAYOUTS[name]  # one rank per CP share, the machine's cores shared out
+    return launch_ranks([str(Path(__file__).resolve()), "--child", name, "--seq", str(args.seq), "--steps",
+                         str(args.steps), "--warmup", str(args.warmup)], ranks, max(1, CORES // ranks),
+                        f"context-parallel benchmark: {name}")
 
 
 def parse_args(argv=None):

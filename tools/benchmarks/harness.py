@@ -62,6 +62,32 @@ def token_rates(rounds: list[tuple[float, tuple[float, float]]]) -> dict[str, fl
             "seconds_per_step": seconds / len(rounds), "real_share_of_computed": real / computed}
 
 
+def launch_ranks(argv: list[str], ranks: int, threads: int, what: str) -> dict:
+    """`python ARGV... --child-out OUT` as `ranks` processes of one world on this machine (127.0.0.1,
+    a free port, the CPU: no test device), each with `threads` threads; what rank 0 wrote to OUT.
+    A failed rank: the ranks' output tails, and an exit naming `what`."""
+    import subprocess
+    import sys
+    import tempfile
+
+    repo = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        port = str(free_port())
+        procs = []
+        for rank in range(ranks):
+            env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), RANK=str(rank),
+                       LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                       BERT_FAKE_GPU="0", PYTHONPATH=str(repo))
+            procs.append(subprocess.Popen([sys.executable, *argv, "--child-out", str(out)], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate()[0] for p in procs]
+        if any(p.returncode for p in procs) or not out.exists():
+            sys.stderr.write("\n".join(o[-4000:] for o in outputs))
+            raise SystemExit(f"{what} failed")
+        return json.loads(out.read_text())
+
+
 def write_json(path: str | os.PathLike | None, payload: Any, indent: int = 1) -> None:
     """The figures as JSON at `path` (nothing when None), written whole: a file that exists is complete."""
     if path is None:

@@ -20,17 +20,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pretrain.distributed.ports import free_port  # noqa: E402
-from tools.benchmarks.harness import one_rank_world, write_json  # noqa: E402
+from tools.benchmarks.harness import launch_ranks, one_rank_world, write_json  # noqa: E402
 
 CONFIGS = {"mini": REPO / "configs" / "bert-mini.yaml", "small": REPO / "configs" / "bert-small.yaml"}
 # name -> (tensor parallel, pipeline parallel, ranks); ranks share the machine's 2 cores
@@ -152,24 +149,10 @@ def child_link(args) -> dict:
 
 
 def launch_children(kind: str, ranks: int, threads: int, args) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--child-out", str(out),
-               "--config", args.config, "--seq", str(args.seq), "--micro-batch", str(args.micro_batch),
-               "--global-batch", str(args.global_batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--threads", str(threads)]
-        port = str(free_port())
-        procs = []
-        for rank in range(ranks):
-            env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), RANK=str(rank),
-                       LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                       BERT_FAKE_GPU="0", PYTHONPATH=str(REPO))
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        outputs = [p.communicate()[0] for p in procs]
-        if any(p.returncode for p in procs) or not out.exists():
-            sys.stderr.write("\n".join(o[-4000:] for o in outputs))
-            raise SystemExit(f"layouts benchmark: {kind} failed")
-        return json.loads(out.read_text())
+    return launch_ranks([str(Path(__file__).resolve()), "--child", kind, "--config", args.config, "--seq", str(args.seq),
+                         "--micro-batch", str(args.micro_batch), "--global-batch", str(args.global_batch),
+                         "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(threads)],
+                        ranks, threads, f"layouts benchmark: {kind}")
 
 
 def predictions(args, rates: dict[int, dict], link: dict) -> dict[str, float]:
