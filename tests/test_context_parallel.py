@@ -22,22 +22,32 @@ def attention_results(tmp_path_factory):
 
 
 def test_each_share_of_the_attention_equals_one_process(attention_results):
-    from _cp_attention_worker import CASES, HEADS, DIM
+    from _cp_attention_worker import CASES, SPLITS
 
-    assert len(attention_results) == 2 * len(CASES)
+    assert len(attention_results) == 2 * len(CASES) * len(SPLITS)
     for case, r in attention_results.items():
         cp = int(case.split("/")[0][2:])
         assert r["max_abs"] < 1e-10, (case, r)  # float64: the same sums in another order
         assert r["scale"] > 0.1, case
-        # the split took effect: rank 0 computed its share of the queries only
-        assert r["queries"] == r["share"] == -(-r["tokens"] // cp), case
-        lengths, half_window = CASES[case.split("/")[1]]
-        if half_window is not None and r["share"] >= half_window:
-            # rank 0 has one neighbour: half a window of keys, of values (forward), of their gradients (backward)
-            assert r["exchanged"] == [half_window * HEADS * DIM] * 4, (case, r["exchanged"])
-        else:
-            assert r["exchanged"] == [], case
+        # the split took effect: rank 0 computed its share of the queries only, shares equal to a token
+        assert r["queries"] == r["shares"][0] and max(r["shares"]) - min(r["shares"]) <= 1, case
+        assert sum(r["shares"]) == r["tokens"], case
+        # rank 0 sent the keys and values other ranks' windows reach (forward) and received their
+        # gradients back, and the reverse: exactly the tokens the rule says, none on global layers
+        assert r["exchanged"] == ([] if CASES[case.split("/")[1]][1] is None else r["expected_exchange"]), case
+        lengths = CASES[case.split("/")[1]][0]
         assert sum(r["work"]) == sum(n * n for n in lengths), case
+    # the local cases crossed ranks; a halo of 5 over shares of 3 reached two ranks away: rank 0
+    # (positions 0-2) received 3-6, the rest of its 7-token document, from ranks 1 and 2
+    assert attention_results["cp2/packed-local/even"]["exchanged"][0] > 0
+    assert attention_results["cp4/short-shares-local/even"]["exchanged"][2] == 4 * 16
+    # balanced: every document of at least cp x 2 tokens cut into one piece per rank, and the
+    # global layers' work within 10 % of even where the contiguous split is 3x off
+    for cp in (2, 4):
+        balanced, even = (attention_results[f"cp{cp}/skewed-global/{how}"] for how in ("balanced", "even"))
+        assert sum(1 for runs in balanced["runs"] if any(a == 0 and b >= 40 for a, b in runs)) == 0
+        assert max(balanced["work"]) / min(balanced["work"]) < 1.1, balanced["work"]
+        assert max(even["work"]) / min(even["work"]) > 3, even["work"]
 
 
 MODERN = ["model.architecture=modernbert", "data.segment_pairs=none", "model.global_attn_every_n_layers=2",

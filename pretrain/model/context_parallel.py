@@ -3,27 +3,28 @@ ranks of a CP group, each rank computing the layers for its share only (the spli
 exchanges are context_split.py's).
 
 The model computes one row of the micro-batch's T real tokens (unpadding.py); every CP rank
-holds that row's sample ids (which document each token belongs to), and `ContextSplit` gives rank
-r the contiguous tokens [bounds[r], bounds[r + 1]): equal shares (at most one token apart).
-`attention_work` says how even the global layers' work is, each query costing the length of its
-document.
+holds that row's sample ids (which document each token belongs to), and `ContextSplit.balanced`
+gives each rank an equal share of the tokens and of the global layers' work (each long document
+cut into one piece per rank, the short ones filling the rest). `attention_work` says how even
+that work is, each query costing the length of its document.
 
 Attention of the rank's queries, with the rule of attention.py (a query sees the keys of its own
 document, within half_window positions on a local layer):
 
-- local layers: each rank receives the last half_window keys and values of the rank before it
-  and the first half_window of the rank after it (`halo`, point to point; the gradients go back
-  the same way): nothing else crosses ranks. A split whose shares are shorter than the halo falls
-  back to the global layers' gathering (short rows only).
+- local layers: each rank receives the keys and values its queries' windows reach in other
+  shares (`neighbours`, point to point, planned per micro-batch from the split and the documents;
+  the gradients go back the same way): half a window on each side of each cut, within the
+  document. Nothing else crosses ranks.
 - global layers: every rank's keys and values are gathered (all-gather; the gradient of each
   rank's share comes back summed over the ranks), and the queries attend the span of documents
   they touch.
 
-Both run `blocked_attention`: query blocks of `block` tokens, each attending only the keys its
-documents (and window) reach, each block checkpointed, so that what a layer keeps for backward is
-its operands, not [queries x keys] probabilities, and the memory per rank falls with the CP size.
-Dropout on the probabilities draws per block: the same numbers as one process only without it
-(ModernBERT trains without attention dropout).
+Both run `blocked_attention`: query blocks of at most `block` tokens within each run of the
+rank's share, each attending only the keys its documents (and window) reach, each block
+checkpointed, so that what a layer keeps for backward is its operands, not [queries x keys]
+probabilities, and the memory per rank falls with the CP size. Dropout on the probabilities
+draws per block: the same numbers as one process only without it (ModernBERT trains without
+attention dropout).
 """
 from __future__ import annotations
 
@@ -31,11 +32,12 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .attention import _attend
-from .context_split import ContextGroup, ContextSplit, gather_masked, gather_row, halo
+from .context_split import (ContextGroup, ContextSplit, KeyLayout, NeighbourPlan, gather_masked, gather_row,
+                            neighbours)
 from .micro_batch import MicroBatchCache
 
 __all__ = ["ContextGroup", "ContextSplit", "attention_work", "blocked_attention", "context_parallel_attention",
-           "gather_masked", "gather_row", "halo"]
+           "gather_masked", "gather_row", "neighbours"]
 
 # Query block of the global layers: memory [heads, block, span] per block in flight
 GLOBAL_BLOCK = 512
@@ -44,9 +46,8 @@ LOCAL_BLOCK = 128
 
 def attention_work(sample_ids: torch.Tensor, split: ContextSplit) -> list[int]:
     """Per rank, the global layers' query-key pairs: each query attends its whole document."""
-    ids = sample_ids.reshape(-1)
-    lengths = document_lengths(ids)
-    return [int(lengths[a:b].sum()) for a, b in zip(split.bounds[:-1], split.bounds[1:])]
+    lengths = document_lengths(sample_ids.reshape(-1))
+    return [sum(int(lengths[a:b].sum()) for a, b in runs) for runs in split.runs]
 
 
 def document_lengths(ids: torch.Tensor) -> torch.Tensor:
@@ -64,34 +65,42 @@ def _document_bounds(ids: torch.Tensor) -> tuple[list[int], list[int]]:
 
 
 # ----------------------------------------------------------------------------- attention
-def blocked_attention(query, key, value, sample_ids, key_start: int, split: ContextSplit, *,
+def blocked_attention(query, key, value, sample_ids, keys: KeyLayout, split: ContextSplit, *,
                       half_window: int | None, dropout_p: float = 0.0, scale: float | None = None,
                       block: int | None = None, cache: MicroBatchCache | None = None) -> torch.Tensor:
-    """This rank's queries [L, heads, head_dim] (row tokens split.start ...) against keys and values
-    [K, heads, head_dim] that hold row tokens key_start ... key_start + K, under the module's rule;
-    `sample_ids` [T] or [1, T]: the whole row's. The context [L, heads, head_dim]. With `cache`, the
-    documents' bounds (one host read) are taken once per micro-batch, not per layer."""
+    """This rank's queries [L, heads, head_dim] (its share: row positions split.mine) against keys
+    and values [K, heads, head_dim] at the row positions `keys` says, under the module's rule;
+    `sample_ids` [T] or [1, T]: the whole row's. The context [L, heads, head_dim]. With `cache`,
+    the documents' bounds (one host read) are taken once per micro-batch, not per layer."""
     if scale is None:
         scale = query.shape[-1] ** -0.5
     block = block or (GLOBAL_BLOCK if half_window is None else LOCAL_BLOCK)
     ids = sample_ids.reshape(-1)
-    starts, ends = (_document_bounds(ids) if cache is None else
-                    cache.get(sample_ids, "cp-document-bounds", lambda: _document_bounds(ids)))
-    key_end = key_start + key.shape[0]
+    starts, ends = document_bounds(sample_ids, cache)
     reach = half_window if half_window is not None else ids.numel()
-    outputs = []
-    for q0 in range(split.start, split.end, block):
-        q1 = min(q0 + block, split.end)
-        lo = max(starts[q0], q0 - reach, key_start)
-        hi = min(ends[q1 - 1], q1 + reach, key_end)
-        q = query[q0 - split.start:q1 - split.start]
-        k, v = key[lo - key_start:hi - key_start], value[lo - key_start:hi - key_start]
-        args = (q, k, v, ids[q0:q1], ids[lo:hi], q0 - lo, half_window, dropout_p, scale)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            outputs.append(checkpoint(_attend_block, *args, use_reentrant=False))
-        else:
-            outputs.append(_attend_block(*args))
-    return torch.cat(outputs)
+    outputs, offset = [], 0
+    for a, b in split.mine:
+        for q0 in range(a, b, block):
+            q1 = min(q0 + block, b)
+            lo, hi = max(starts[q0], q0 - reach), min(ends[q1 - 1], q1 + reach)
+            at = keys.locate(lo, hi)
+            q = query[offset + q0 - a:offset + q1 - a]
+            k, v = key[at:at + hi - lo], value[at:at + hi - lo]
+            args = (q, k, v, ids[q0:q1], ids[lo:hi], q0 - lo, half_window, dropout_p, scale)
+            if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+                outputs.append(checkpoint(_attend_block, *args, use_reentrant=False))
+            else:
+                outputs.append(_attend_block(*args))
+        offset += b - a
+    return torch.cat(outputs) if outputs else query.new_zeros(query.shape)
+
+
+def document_bounds(sample_ids: torch.Tensor, cache: MicroBatchCache | None = None) -> tuple[list[int], list[int]]:
+    """_document_bounds of the row, once per micro-batch with `cache`."""
+    ids = sample_ids.reshape(-1)
+    if cache is None:
+        return _document_bounds(ids)
+    return cache.get(sample_ids, "cp-document-bounds", lambda: _document_bounds(ids))
 
 
 def _attend_block(q, k, v, ids_q, ids_k, offset: int, half_window, dropout_p, scale):
@@ -111,13 +120,16 @@ def context_parallel_attention(query, key, value, sample_ids, split: ContextSpli
                                cache: MicroBatchCache | None = None) -> torch.Tensor:
     """This rank's context [L, heads, head_dim] from its queries, keys and values [L, heads,
     head_dim] (rotary applied) and the row's sample ids ([T] or [1, T]; `cache`: see
-    blocked_attention): the halo on local layers whose shares are at least the window's half, every
-    share's keys otherwise (see the module docstring)."""
-    if half_window is not None and split.shortest >= half_window:
-        width = half_window if split.size > 1 else 0
-        keys, values = halo(key, width, split), halo(value, width, split)
-        key_start = split.start - (width if split.rank > 0 else 0)
+    blocked_attention): on local layers the keys its windows reach from the other shares, on
+    global layers every share's (see the module docstring)."""
+    if half_window is not None:
+        def plan():
+            starts, ends = document_bounds(sample_ids, cache)
+            return NeighbourPlan.build(split, starts, ends, half_window)
+        planned = plan() if cache is None else cache.get(sample_ids, ("cp-neighbours", split, half_window), plan)
+        keys, values, layout = neighbours(key, split, planned), neighbours(value, split, planned), planned.layout
     else:
-        keys, values, key_start = gather_row(key, split), gather_row(value, split), 0
-    return blocked_attention(query, keys, values, sample_ids, key_start, split, half_window=half_window,
+        keys, values = gather_row(key, split), gather_row(value, split)
+        layout = KeyLayout.of(((0, split.tokens),))
+    return blocked_attention(query, keys, values, sample_ids, layout, split, half_window=half_window,
                              dropout_p=dropout_p, scale=scale, cache=cache)

@@ -77,16 +77,26 @@ class DecoderBias(MlmOutputBias):
     """ModernBERT's MLM decoder bias (decoder.bias)."""
 
 
+def context_split(context: ContextGroup, sample_ids: torch.Tensor, min_piece: int, cache: MicroBatchCache):
+    """The micro-batch row's CP split, balanced by tokens and global-attention work (context_split.py),
+    built once per micro-batch: pieces of at least half a local window, so that a local layer's
+    halo comes from the neighbouring ranks."""
+    return cache.get(sample_ids, ("cp-split", min_piece), lambda: context.balanced(sample_ids, min_piece))
+
+
 class EmbeddingNorm(nn.Module):
     """The micro-batch's real tokens as one row (unpadding.py: padded and packed rows alike), then
     LayerNorm and dropout of their vectors (a replicated region). Every layer after it computes on
     real tokens only."""
 
-    def __init__(self, model_cfg, params_dtype: torch.dtype, context: ContextGroup | None = None):
+    def __init__(self, model_cfg, params_dtype: torch.dtype, context: ContextGroup | None = None,
+                 cache: MicroBatchCache | None = None):
         super().__init__()
         self.norm = layer_norm(model_cfg.hidden_size, model_cfg.layernorm_epsilon, params_dtype, model_cfg.norm_bias)
         self.dropout = Dropout(model_cfg.hidden_dropout)
-        self.context = context
+        self.context = context if context is not None and context.size > 1 else None
+        self.min_piece = model_cfg.local_attention // 2
+        self.cache = cache if cache is not None else MicroBatchCache()
 
     def forward(self, inputs):
         if len(inputs) == 6:  # packed rows
@@ -96,8 +106,8 @@ class EmbeddingNorm(nn.Module):
             word_vectors, _token_types, padding_mask, masked_positions = inputs
             tokens = unpad_padded(word_vectors, padding_mask, masked_positions)
         hidden = tokens.hidden
-        if self.context is not None and self.context.size > 1:  # this rank's share of the row's tokens
-            hidden = self.context.split(hidden.shape[1]).local(hidden, dim=1)
+        if self.context is not None:  # this rank's share of the row's tokens
+            hidden = context_split(self.context, tokens.sample_ids, self.min_piece, self.cache).local(hidden, dim=1)
         return (self.dropout(self.norm(hidden)), tokens.sample_ids, tokens.masked_positions,
                 tokens.cls_positions, tokens.position_ids)
 
@@ -139,6 +149,7 @@ class ModernLayer(nn.Module):
         self.head_dim = hidden // model_cfg.num_attention_heads
         self.is_global = model_cfg.is_global_layer(layer_index)
         self.half_window = None if self.is_global else model_cfg.local_attention // 2
+        self.min_piece = model_cfg.local_attention // 2  # the CP split's (see context_split)
         self.rope_theta = model_cfg.global_rope_theta if self.is_global else model_cfg.local_rope_theta
         self.rope_scaling = model_cfg.rope_scaling_of(self.is_global)
         self.max_position_embeddings = model_cfg.max_position_embeddings
@@ -171,7 +182,7 @@ class ModernLayer(nn.Module):
         qkv = self.attn_qkv(normed)[0].view(rows, seq, self.local_heads, 3, self.head_dim)
         query, key, value = qkv.unbind(3)  # [rows, seq, heads, head_dim] each
         cos, sin = self.cache.get(sample_ids, ("rotary", self.is_global, hidden.dtype),
-                                  self._rotary(position_ids, hidden.dtype))
+                                  self._rotary(sample_ids, position_ids, hidden.dtype))
         query, key = kernels.rotate_query_key(query, key, cos, sin)
         if self.recompute == "selective" and self.training and torch.is_grad_enabled():
             context = checkpoint_with_rng(self._attention_core, self.rng, query, key, value, sample_ids)
@@ -186,7 +197,7 @@ class ModernLayer(nn.Module):
             gated = dropout(gated, self.mlp_dropout, self.training)
         return hidden + self.mlp_out(gated)[0]
 
-    def _rotary(self, position_ids, dtype):
+    def _rotary(self, sample_ids, position_ids, dtype):
         """The builder of this layer kind's rotary tables for the micro-batch: over the whole row
         (dynamic NTK scales with its longest document), then this rank's share under CP."""
         def build():
@@ -194,14 +205,14 @@ class ModernLayer(nn.Module):
                                      self.max_position_embeddings)
             if self.context is None:
                 return cos, sin
-            split = self.context.split(position_ids.shape[1])
+            split = context_split(self.context, sample_ids, self.min_piece, self.cache)
             return split.local(cos, 1), split.local(sin, 1)
         return build
 
     def _attention_core(self, query, key, value, sample_ids) -> torch.Tensor:
         dropout_p = self.attention_dropout if self.training else 0.0
         if self.context is not None:  # [1, share, heads, head_dim]: this rank's queries, the row's documents
-            split = self.context.split(sample_ids.shape[1])
+            split = context_split(self.context, sample_ids, self.min_piece, self.cache)
             with self.rng.fork():
                 return context_parallel_attention(query[0], key[0], value[0], sample_ids, split,
                                                   half_window=self.half_window, dropout_p=dropout_p,
@@ -224,9 +235,12 @@ class ModernMlmHead(nn.Module):
     """The encoder's final LayerNorm and the MLM head (dense -> GELU -> LayerNorm), applied at the
     masked positions only (LayerNorm is per token, so norming those alone is the same numbers)."""
 
-    def __init__(self, model_cfg, params_dtype: torch.dtype, context: ContextGroup | None = None):
+    def __init__(self, model_cfg, params_dtype: torch.dtype, context: ContextGroup | None = None,
+                 cache: MicroBatchCache | None = None):
         super().__init__()
         self.context = context if context is not None and context.size > 1 else None
+        self.min_piece = model_cfg.local_attention // 2
+        self.cache = cache if cache is not None else MicroBatchCache()
         hidden, eps, bias = model_cfg.hidden_size, model_cfg.layernorm_epsilon, model_cfg.norm_bias
         self.final_norm = layer_norm(hidden, eps, params_dtype, bias)
         self.dense = nn.Linear(hidden, hidden, bias=model_cfg.classifier_bias, dtype=params_dtype)
@@ -237,7 +251,7 @@ class ModernMlmHead(nn.Module):
         hidden, sample_ids, masked_positions, _cls_positions, _position_ids = inputs  # flat positions
         tokens = hidden.reshape(-1, hidden.shape[-1])
         if self.context is not None:  # every rank's share of the masked tokens, the head then run on all
-            split = self.context.split(sample_ids.shape[1])
+            split = context_split(self.context, sample_ids, self.min_piece, self.cache)
             masked_hidden = gather_masked(tokens, masked_positions, split)
         else:
             masked_hidden = tokens.index_select(0, masked_positions.reshape(-1)).view(*masked_positions.shape, -1)
@@ -257,10 +271,10 @@ def modern_stage_specs(model_cfg, padded_vocab_size: int, mp_config: ModelParall
     cache = MicroBatchCache()  # one per model (per stage in a pipeline): its layers share the micro-batch's masks
     return [
         token(),  # no forward_fn on the first use: see bert.stage_specs
-        LayerSpec(EmbeddingNorm, model_cfg, dtype, context),
+        LayerSpec(EmbeddingNorm, model_cfg, dtype, context, cache),
         *[LayerSpec(ModernLayer, i, model_cfg, mp_config, rng, tp_group, cache, context)
           for i in range(model_cfg.num_layers)],
-        LayerSpec(ModernMlmHead, model_cfg, dtype, context),
+        LayerSpec(ModernMlmHead, model_cfg, dtype, context, cache),
         token(forward_fn=decode_tokens),
         LayerSpec(DecoderBias, model_cfg.vocab_size, padded_vocab_size, mp_config, tp_group),
     ]
