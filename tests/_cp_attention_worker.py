@@ -30,7 +30,7 @@ CASES = {
     "short-shares-local": ([7, 5], 5),  # 12 tokens over 4 ranks: shares of 3 < the halo: keys from 2 ranks away
     "skewed-global": ([40, 3, 2, 4, 1, 6, 4, 4], None),  # one long document among short ones: contiguous is uneven
 }
-SPLITS = ("even", "balanced")
+SPLITS = ("even", "balanced", "ring")  # ring: the balanced split, global layers' keys passed around the ring
 MIN_PIECE = 2  # the balanced split cuts documents of at least cp x 2 tokens
 
 
@@ -65,18 +65,24 @@ def main():
     groups = {4: dist.group.WORLD, 2: None}
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     groups[2] = pairs[rank // 2]
-    sent = []  # (CP size, case, elements per exchange) on this rank
-    exchange = device.exchange
+    sent, gathers = [], []  # elements per point-to-point exchange, all-gathers, on this rank
+    start_exchange, all_gather = device.start_exchange, device.all_gather_with_grad
 
     def counting(sends, receives, group):
-        sent.append(sum(t.numel() for t in sends.values()))
-        return exchange(sends, receives, group)
+        sent.append(sum(t.numel() for _, t in (sends.items() if isinstance(sends, dict) else sends)))
+        return start_exchange(sends, receives, group)
 
-    device.exchange = counting
+    def counting_gathers(tensor, group=None):
+        gathers.append(tensor.shape[0])
+        return all_gather(tensor, group)
+
+    device.start_exchange, device.all_gather_with_grad = counting, counting_gathers
     results = {}
     for cp, group in groups.items():
         cp_rank = dist.get_rank(group)
         for (name, (lengths, half_window)), how in ((c, h) for c in CASES.items() for h in SPLITS):
+            if how == "ring" and half_window is not None:
+                continue  # the ring is the global layers'
             generator = torch.Generator().manual_seed(len(name))
             tokens = sum(lengths)
             ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))
@@ -88,8 +94,8 @@ def main():
             owner = split.placement(torch.device("cpu"))[0].tolist()
             sends, receives = expected_exchange(ids.tolist(), owner, cp_rank, half_window)
             mine = [split.local(t).clone().requires_grad_() for t in (q, k, v)]
-            del sent[:]
-            out = context_parallel_attention(*mine, ids, split, half_window=half_window)
+            del sent[:], gathers[:]
+            out = context_parallel_attention(*mine, ids, split, half_window=half_window, ring=how == "ring")
             out.backward(split.local(upstream))
             got = (out.detach(), *(t.grad for t in mine))
             worst = max((a - split.local(b)).abs().max().item() for a, b in zip(got, expected))
@@ -97,6 +103,7 @@ def main():
             results[f"cp{cp}/{name}/{how}"] = {
                 "max_abs": worst, "scale": expected[0].abs().max().item(),
                 "queries": out.shape[0], "shares": [split.share(r) for r in range(cp)], "exchanged": list(sent),
+                "gathers": len(gathers),
                 "expected_exchange": [n * HEADS * DIM for n in (sends, sends, receives, receives)],
                 "work": attention_work(ids, split), "tokens": tokens, "runs": [list(r) for r in split.runs],
             }

@@ -63,6 +63,7 @@ def layout_report(trainer, parallel) -> dict:
         "rank": parallel.rank, "tp_rank": parallel.tp_rank, "pp_rank": parallel.pp_rank, "dp_rank": parallel.dp_rank,
         "cp_rank": parallel.cp_rank, "megatron_cp_size": ps.get_context_parallel_world_size(),
         "tokens_computed": getattr(trainer, "tokens_seen_by_layers", None),
+        "ring_calls": getattr(trainer, "ring_calls", None),
         "megatron_tp_size": ps.get_tensor_model_parallel_world_size(),
         "deepspeed_dp_size": engine.dp_world_size,
         "deepspeed_stages": engine.num_stages if trainer.pipelined else 1,
@@ -193,6 +194,16 @@ def count_layer_tokens(trainer) -> None:
         trainer.tokens_seen_by_layers[3] += 1
 
     layers[0].register_forward_pre_hook(count)
+    # the global layers' ring attention (parallel.context_attention: ring), counted where it is called
+    from pretrain.model import context_parallel
+
+    trainer.ring_calls, ring = 0, context_parallel.ring_attention
+
+    def counted_ring(*args, **kwargs):
+        trainer.ring_calls += 1
+        return ring(*args, **kwargs)
+
+    context_parallel.ring_attention = counted_ring
 
 
 def finish(parallel, out_path: str, results: dict) -> None:

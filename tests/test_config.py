@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -797,3 +798,16 @@ def test_the_context_extension_recipe_stretches_the_global_layers_to_32k():
     with pytest.raises(ConfigError, match=r"parallel.tensor_parallel x parallel.pipeline_parallel x "
                                           r"parallel.context_parallel \(1 x 1 x 4 = 4\)"):
         cfg.validate(world_size=6)
+
+
+def test_ring_attention_is_modernberts_without_attention_dropout():
+    """parallel.context_attention: ring passes ModernBERT's global keys around the CP group; BERT,
+    attention dropout and an unknown value are each one line naming the key."""
+    load_config(str(CONFIGS / "modernbert-tiny.yaml"), ["parallel.context_attention=ring"]).validate()
+    for overrides, wanted in (([], "parallel.context_attention ring is ModernBERT's"),
+                              (["model.architecture=modernbert", "model.attention_dropout=0.1",
+                                "data.segment_pairs=none"], "model.attention_dropout 0 (not modernbert, 0.1)")):
+        with pytest.raises(ConfigError, match=re.escape(wanted)):
+            load_config(str(CONFIGS / "bert-tiny.yaml"), ["parallel.context_attention=ring", *overrides]).validate()
+    with pytest.raises(ConfigError, match=r"parallel.context_attention \('rings'\) must be one of allgather, ring"):
+        load_config(str(CONFIGS / "modernbert-tiny.yaml"), ["parallel.context_attention=rings"]).validate()

@@ -22,11 +22,14 @@ def attention_results(tmp_path_factory):
 
 
 def test_each_share_of_the_attention_equals_one_process(attention_results):
-    from _cp_attention_worker import CASES, SPLITS
+    from _cp_attention_worker import CASES, DIM, HEADS, SPLITS
 
-    assert len(attention_results) == 2 * len(CASES) * len(SPLITS)
+    globals_ = sum(1 for _, window in CASES.values() if window is None)
+    assert len(attention_results) == 2 * (len(CASES) * (len(SPLITS) - 1) + globals_)
     for case, r in attention_results.items():
         cp = int(case.split("/")[0][2:])
+        if case.endswith("/ring"):
+            continue
         assert r["max_abs"] < 1e-10, (case, r)  # float64: the same sums in another order
         assert r["scale"] > 0.1, case
         # the split took effect: rank 0 computed its share of the queries only, shares equal to a token
@@ -41,6 +44,18 @@ def test_each_share_of_the_attention_equals_one_process(attention_results):
     # (positions 0-2) received 3-6, the rest of its 7-token document, from ranks 1 and 2
     assert attention_results["cp2/packed-local/even"]["exchanged"][0] > 0
     assert attention_results["cp4/short-shares-local/even"]["exchanged"][2] == 4 * 16
+    # the ring equals one process without gathering anything: each step passes one share's keys and
+    # values ([2, longest share, heads, dim]) to the next rank, backward the same with the gradient
+    # accumulated for them, and one last hop returns each share's gradient to its owner
+    for case, r in attention_results.items():
+        if not case.endswith("/ring"):
+            continue
+        cp = int(case.split("/")[0][2:])
+        assert r["max_abs"] < 1e-10 and r["scale"] > 0.1, (case, r)
+        assert r["queries"] == r["shares"][0] and max(r["shares"]) - min(r["shares"]) <= 1, case
+        kv = 2 * max(r["shares"]) * HEADS * DIM
+        assert r["gathers"] == 0, case
+        assert r["exchanged"] == [kv] * (cp - 1) + [kv] + [2 * kv] * (cp - 2) + [kv, kv], (case, r["exchanged"])
     # balanced: every document of at least cp x 2 tokens cut into one piece per rank, and the
     # global layers' work within 10 % of even where the contiguous split is 3x off
     for cp in (2, 4):
@@ -59,7 +74,8 @@ MODERN = ["model.architecture=modernbert", "data.segment_pairs=none", "model.glo
 LAYOUTS = [("dp4", 1, 1, 1, []), ("cp4", 1, 1, 4, []), ("cp2-dp2-zero1", 1, 1, 2, ["parallel.zero_stage=1"]),
            ("cp2-dp2-zero3", 1, 1, 2, ["parallel.zero_stage=3"]),
            ("cp2-tp2-recompute-full", 2, 1, 2, ["model.recompute=full"]),
-           ("cp2-pp2-recompute-selective", 1, 2, 2, ["model.recompute=selective"])]
+           ("cp2-pp2-recompute-selective", 1, 2, 2, ["model.recompute=selective"]),
+           ("cp4-ring", 1, 1, 4, ["parallel.context_attention=ring"])]
 # one step on rows of one 2,048-token sample each, one per rank and micro-batch
 LONG_ROW = ["data.seq_length=2048", "model.max_position_embeddings=2048", "data.synthetic_min_fraction=1.0",
             "data.short_seq_prob=0", "train.global_batch_size=4", "train.micro_batch_size=1", "train.train_steps=1",
@@ -70,9 +86,11 @@ BERT = [("bert-dp4", 1, 1, 1, []), ("bert-cp4", 1, 1, 4, []), ("bert-cp2-dp2-zer
 BERT_DATA = ["data.synthetic_min_fraction=0.1", "train.global_batch_size=16", "train.micro_batch_size=4",
              "train.train_steps=3"]
 # packed input (ModernBERT: unpadded into the same row as padded input) at these layouts
-PACKED = ("cp4", "cp2-tp2-recompute-full")
+PACKED = ("cp4", "cp2-tp2-recompute-full", "cp4-ring")
 BF16 = [("dp4-bf16", 1, 1, 1, ["train.precision=bf16", "parallel.zero_stage=2"]),
-        ("cp2-dp2-zero2-bf16", 1, 1, 2, ["train.precision=bf16", "parallel.zero_stage=2"])]
+        ("cp2-dp2-zero2-bf16", 1, 1, 2, ["train.precision=bf16", "parallel.zero_stage=2"]),
+        ("cp2-dp2-zero2-bf16-ring", 1, 1, 2, ["train.precision=bf16", "parallel.zero_stage=2",
+                                              "parallel.context_attention=ring"])]
 
 
 def resume_runs(directory) -> list[dict]:
@@ -112,6 +130,8 @@ def check_layout(run, name, tp, pp, cp):
     forwards = len(run["history"]) * 4 * 2 + 2 * 4  # steps x micro-batches x (forward, recompute) + evaluation
     for rank in run["ranks"]:
         assert rank["megatron_cp_size"] == cp and rank["deepspeed_dp_size"] == 4 // (tp * pp), (name, rank)
+        if rank["ring_calls"] is not None:  # ModernBERT: ring attention ran in its ring layouts only
+            assert (rank["ring_calls"] > 0) == ("ring" in name), (name, rank["ring_calls"])
         if rank["tokens_computed"] is not None:  # ranks of the first pipeline stage
             local, row, _, _ = rank["tokens_computed"]
             assert row > 0 and abs(local - row / cp) <= forwards, (name, rank)
@@ -120,10 +140,11 @@ def check_layout(run, name, tp, pp, cp):
 @pytest.mark.slow
 @pytest.mark.parametrize("data", ["padded", "packed"])
 def test_training_at_every_context_parallel_layout_equals_one_replica(training_results, data):
-    """Losses per step, the weights after them (their norm) and the evaluation at CP4, CP2 x DP2
-    with ZeRO-1 and ZeRO-3, CP2 x TP2 and CP2 x PP2 equal DP4 (the same global batch) in fp32;
-    bf16 with ZeRO-2 at CP2 x DP2 equals DP4's within bf16's rounding. Packed input (fewer rows,
-    the same samples, unpadded into the same row of real tokens) at CP4 and CP2 x TP2."""
+    """Losses per step, the weights after them (their norm) and the evaluation at CP4 (all-gather
+    and ring), CP2 x DP2 with ZeRO-1 and ZeRO-3, CP2 x TP2 and CP2 x PP2 equal DP4 (the same
+    global batch) in fp32; bf16 with ZeRO-2 at CP2 x DP2 (all-gather and ring) equals DP4's
+    within bf16's rounding. Packed input (fewer rows, the same samples, unpadded into the same row
+    of real tokens) at CP4 (both) and CP2 x TP2."""
     reference = training_results[f"dp4/{data}"]
     losses = [step["lm_loss"] for step in reference["history"]]
     assert len(losses) == 3 and all(loss > 1.0 for loss in losses)
@@ -139,11 +160,12 @@ def test_training_at_every_context_parallel_layout_equals_one_replica(training_r
         check_layout(run, name, tp, pp, cp)
     if data == "padded":
         return
-    bf16, cp_bf16 = (training_results[f"{name}/{data}"] for name, *_ in BF16)
-    assert all(rank["parameter_dtypes"] == "torch.bfloat16" for rank in cp_bf16["ranks"])
-    assert [step["lm_loss"] for step in cp_bf16["history"]] == pytest.approx(
-        [step["lm_loss"] for step in bf16["history"]], abs=2e-2)
-    check_layout(cp_bf16, "cp2-dp2-zero2-bf16", 1, 1, 2)
+    bf16, *cp_bf16 = (training_results[f"{name}/{data}"] for name, *_ in BF16)
+    for run, (name, *_) in zip(cp_bf16, BF16[1:]):
+        assert all(rank["parameter_dtypes"] == "torch.bfloat16" for rank in run["ranks"]), name
+        assert [step["lm_loss"] for step in run["history"]] == pytest.approx(
+            [step["lm_loss"] for step in bf16["history"]], abs=2e-2), name
+        check_layout(run, name, 1, 1, 2)
 
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+CONTEXT_ATTENTION = ("allgather", "ring")
 
 
 @dataclass
@@ -13,6 +14,10 @@ class ParallelConfig:
     # ranks that split each micro-batch's tokens (pretrain/model/context_parallel.py); they read
     # the same micro-batches, and gradients average (and ZeRO partitions) over context x data
     context_parallel: int = 1
+    # how CP's global attention layers see every share's keys: "allgather" (gathered, each layer
+    # keeps the row's keys and values) or "ring" (passed around the CP group, overlapped with the
+    # attention; keeps only the rank's own; ModernBERT without attention dropout)
+    context_attention: str = "allgather"
     # data parallel size is derived: world_size // (tensor_parallel * pipeline_parallel * context_parallel)
 
     @property
@@ -28,6 +33,9 @@ class ParallelConfig:
             p.append(f"parallel.pipeline_parallel ({self.pipeline_parallel}) must be >= 1")
         if self.context_parallel < 1:
             p.append(f"parallel.context_parallel ({self.context_parallel}) must be >= 1")
+        if self.context_attention not in CONTEXT_ATTENTION:
+            p.append(f"parallel.context_attention ({self.context_attention!r}) must be one of "
+                     f"{', '.join(CONTEXT_ATTENTION)}")
         if self.zero_stage not in (0, 1, 2, 3):
             p.append(f"parallel.zero_stage ({self.zero_stage}) must be one of 0, 1, 2, 3")
         # DeepSpeed's pipeline engine does not support gradient/parameter partitioning.

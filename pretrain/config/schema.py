@@ -162,6 +162,10 @@ class Config:
         if m.modern and d.segment_pairs != "none":
             p.append(f"model.architecture modernbert has no next-sentence head: set data.segment_pairs none "
                      f"(not {d.segment_pairs})")
+        if par.context_attention == "ring" and (not m.modern or m.attention_dropout > 0):
+            p.append("parallel.context_attention ring is ModernBERT's global attention without dropout: "
+                     f"set model.architecture modernbert and model.attention_dropout 0 (not {m.architecture}, "
+                     f"{m.attention_dropout:g}), or context_attention allgather")
         if d.seq_length > m.max_position_embeddings:
             p.append(f"data.seq_length ({d.seq_length}) must be <= "
                      f"model.max_position_embeddings ({m.max_position_embeddings})")

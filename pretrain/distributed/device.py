@@ -256,16 +256,33 @@ def all_gather_with_grad(tensor: torch.Tensor, group=None) -> torch.Tensor:
 def exchange(sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor], group) -> None:
     """Point-to-point within `group`: each tensor of `sends` to its group rank, each buffer of
     `receives` filled from its group rank, in one batch (the peers post the matching calls)."""
+    start_exchange(sends, receives, group).wait()
+
+
+class Exchange:
+    """Point-to-point transfers in flight (start_exchange); `wait` completes them."""
+
+    def __init__(self, works):
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+
+
+def start_exchange(sends: list | dict, receives: list | dict, group) -> Exchange:
+    """`exchange` without waiting, so that computation overlaps the transfers. `sends` and
+    `receives` are {group rank: tensor} or lists of (group rank, tensor): every peer posts its
+    transfers to another in the same order (NCCL matches them by order)."""
     ops = []
-    for peer, tensor in sends.items():
+    for peer, tensor in (sends.items() if isinstance(sends, dict) else sends):
         _check(tensor, group, "exchange")
         ops.append(dist.P2POp(dist.isend, tensor.contiguous(), group=group, group_peer=peer))
-    for peer, buffer in receives.items():
+    for peer, buffer in (receives.items() if isinstance(receives, dict) else receives):
         _check(buffer, group, "exchange")
         ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    return Exchange(dist.batch_isend_irecv(ops) if ops else [])
 
 
 class _AllReduceWithGrad(torch.autograd.Function):

@@ -35,6 +35,7 @@ from .attention import _attend
 from .context_split import (ContextGroup, ContextSplit, KeyLayout, NeighbourPlan, gather_masked, gather_row,
                             neighbours)
 from .micro_batch import MicroBatchCache
+from .ring_attention import RingPlan, ring_attention
 
 __all__ = ["ContextGroup", "ContextSplit", "attention_work", "blocked_attention", "context_parallel_attention",
            "gather_masked", "gather_row", "neighbours"]
@@ -117,11 +118,20 @@ def _attend_block(q, k, v, ids_q, ids_k, offset: int, half_window, dropout_p, sc
 
 def context_parallel_attention(query, key, value, sample_ids, split: ContextSplit, *, half_window: int | None,
                                dropout_p: float = 0.0, scale: float | None = None,
-                               cache: MicroBatchCache | None = None) -> torch.Tensor:
+                               cache: MicroBatchCache | None = None, ring: bool = False) -> torch.Tensor:
     """This rank's context [L, heads, head_dim] from its queries, keys and values [L, heads,
     head_dim] (rotary applied) and the row's sample ids ([T] or [1, T]; `cache`: see
     blocked_attention): on local layers the keys its windows reach from the other shares, on
-    global layers every share's (see the module docstring)."""
+    global layers every share's, all-gathered or, with `ring`, passed around the ring
+    (ring_attention.py; no attention dropout)."""
+    if half_window is None and ring:
+        if dropout_p > 0:
+            raise ValueError("ring attention has no attention dropout (parallel.context_attention: ring)")
+        def ring_plan():
+            starts, ends = document_bounds(sample_ids, cache)
+            return RingPlan.build(split, sample_ids, starts, ends, GLOBAL_BLOCK)
+        planned = ring_plan() if cache is None else cache.get(sample_ids, ("cp-ring", split), ring_plan)
+        return ring_attention(query, key, value, split, planned, scale=scale)
     if half_window is not None:
         def plan():
             starts, ends = document_bounds(sample_ids, cache)

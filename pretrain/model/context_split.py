@@ -34,6 +34,7 @@ class ContextGroup:
     rank: int
     size: int
     group: object = None
+    ring: bool = False  # global layers pass keys around the ring (ring_attention.py) instead of gathering
 
     def split(self, tokens: int) -> "ContextSplit":
         """Contiguous equal shares of a row of `tokens`."""

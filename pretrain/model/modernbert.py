@@ -216,7 +216,7 @@ class ModernLayer(nn.Module):
             with self.rng.fork():
                 return context_parallel_attention(query[0], key[0], value[0], sample_ids, split,
                                                   half_window=self.half_window, dropout_p=dropout_p,
-                                                  cache=self.cache)[None]
+                                                  cache=self.cache, ring=self.context.ring)[None]
         with self.rng.fork():  # this rank's heads: a TP-rank-specific dropout stream
             return packed_attention(query, key, value, sample_ids, half_window=self.half_window, dropout_p=dropout_p,
                                     cache=self.cache, kernel=self.attention_kernel)

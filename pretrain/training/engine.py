@@ -88,7 +88,8 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
         model = build_model(cfg.model, padded_vocab, torch.float32, tracker, par.tp_group,
                             pipeline_topology=par.topology if pipelined else None, loss_fn=loss_fn,
                             binary_head=cfg.binary_head, shapes_vary=cfg.shapes_vary,
-                            context=ContextGroup(par.cp_rank, par.cp_size, par.cp_group))
+                            context=ContextGroup(par.cp_rank, par.cp_size, par.cp_group,
+                                                         ring=cfg.parallel.context_attention == "ring"))
         init_weights(model, cfg.model, cfg.train.seed, par.tp_rank, par.tp_size)
         return model
 
