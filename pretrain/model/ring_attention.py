@@ -13,7 +13,8 @@ for them so far, and one last hop returns each share's gradient to its owner.
 Each step attends the rank's query blocks (context_parallel.GLOBAL_BLOCK tokens within each run of
 its share) to the keys of the held share that lie in the blocks' documents (a contiguous range
 of that share: its positions are sorted), with the document mask. The arithmetic is spelled out
-(no fused kernel returns the log-sum-exp through a public API), in at least float32. Attention
+(no fused kernel returns the log-sum-exp through a public API), in at least float32; keys and
+values travel in the model's dtype, their gradients in float32. Attention
 dropout is not supported (ModernBERT trains without it; the config refuses it).
 """
 from __future__ import annotations
@@ -61,9 +62,14 @@ def _padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.nn.functional.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, rows - tensor.shape[0]))
 
 
-def _scores(q, k, allowed, scale, acc):
-    scores = torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc)) * scale
-    return scores.masked_fill(~allowed[None], float("-inf"))
+def _scores(q, k, allowed, scale):
+    """Head-major q [h, Q, d] and k [h, K, d]: the masked scores [h, Q, K]."""
+    return torch.matmul(q, k.transpose(1, 2)).mul_(scale).masked_fill_(~allowed[None], float("-inf"))
+
+
+def _head_major(tensor: torch.Tensor, rows: int, dtype) -> torch.Tensor:
+    """Token-major [L, h, d] as head-major [h, rows, d] in `dtype`, zero-padded to `rows`."""
+    return _padded(tensor, rows).to(dtype).transpose(0, 1).contiguous()
 
 
 class _RingAttention(torch.autograd.Function):
@@ -73,9 +79,10 @@ class _RingAttention(torch.autograd.Function):
         acc = torch.promote_types(query.dtype, torch.float32)
         after, before = (rank + 1) % size, (rank - 1) % size
         mine_ids = plan.ids[rank]
-        out = torch.zeros(query.shape, dtype=acc, device=query.device)
-        lse = torch.full((query.shape[1], query.shape[0]), float("-inf"), dtype=acc, device=query.device)
-        held = torch.stack([_padded(key, plan.longest), _padded(value, plan.longest)])
+        q_h = _head_major(query, query.shape[0], acc)
+        out = torch.zeros(q_h.shape, dtype=acc, device=query.device)  # head-major
+        lse = torch.full(q_h.shape[:2], float("-inf"), dtype=acc, device=query.device)
+        held = torch.stack([_head_major(key, plan.longest, key.dtype), _head_major(value, plan.longest, key.dtype)])
         for step in range(size):
             source = (rank - step) % size
             transfer, incoming = None, None
@@ -89,21 +96,21 @@ class _RingAttention(torch.autograd.Function):
                 if k0 == k1:
                     continue
                 allowed = mine_ids[q0:q1, None] == plan.ids[source][None, k0:k1]
-                scores = _scores(query[q0:q1], held[0, k0:k1], allowed, scale, acc)
+                scores = _scores(q_h[:, q0:q1], held[0, :, k0:k1].to(acc), allowed, scale)
                 part_lse = torch.logsumexp(scores, -1)  # [heads, q]; -inf where no key of this share
                 finite = torch.isfinite(part_lse)
-                probs = torch.exp(scores - torch.where(finite, part_lse, 0)[..., None])
-                part = torch.einsum("hqk,khd->qhd", probs, held[1, k0:k1].to(acc))
+                probs = scores.sub_(torch.where(finite, part_lse, 0)[..., None]).exp_()
+                part = torch.matmul(probs, held[1, :, k0:k1].to(acc))
                 merged = torch.logaddexp(lse[:, q0:q1], part_lse)
                 safe = torch.where(torch.isfinite(merged), merged, 0)
-                keep = torch.exp(lse[:, q0:q1] - safe).T[..., None]
-                add = torch.exp(part_lse - safe).T[..., None]
-                out[q0:q1] = out[q0:q1] * keep + part * add
+                keep = torch.exp(lse[:, q0:q1] - safe)[..., None]
+                add = torch.exp(part_lse - safe)[..., None]
+                out[:, q0:q1] = out[:, q0:q1] * keep + part * add
                 lse[:, q0:q1] = merged
             if transfer is not None:
                 transfer.wait()
                 held = incoming
-        result = out.to(query.dtype)
+        result = out.transpose(0, 1).to(query.dtype)
         ctx.save_for_backward(query, key, value, result, lse)
         ctx.split, ctx.plan, ctx.scale, ctx.overlap = split, plan, scale, overlap
         return result
@@ -116,10 +123,11 @@ class _RingAttention(torch.autograd.Function):
         acc = lse.dtype
         after, before = (rank + 1) % size, (rank - 1) % size
         mine_ids = plan.ids[rank]
-        grad = grad.to(acc)
-        delta = (grad * out.to(acc)).sum(-1).T  # [heads, q]: rowsum(dO * O)
-        dq = torch.zeros(query.shape, dtype=acc, device=query.device)
-        held = torch.stack([_padded(key, plan.longest), _padded(value, plan.longest)])
+        rows = query.shape[0]
+        g_h, q_h = _head_major(grad, rows, acc), _head_major(query, rows, acc)
+        delta = (g_h * _head_major(out, rows, acc)).sum(-1)  # [heads, q]: rowsum(dO * O)
+        dq = torch.zeros(q_h.shape, dtype=acc, device=query.device)
+        held = torch.stack([_head_major(key, plan.longest, key.dtype), _head_major(value, plan.longest, key.dtype)])
         sent_grad = None  # the gradient for the keys held at the previous step, passed on with them
         for step in range(size):
             source = (rank - step) % size
@@ -129,25 +137,24 @@ class _RingAttention(torch.autograd.Function):
                 sends.append((after, held))
                 receives.append((before, incoming))
             if step > 0:
-                arriving = torch.empty((2, plan.longest, *key.shape[1:]), dtype=acc, device=key.device)
+                arriving = torch.empty_like(held, dtype=acc)
                 sends.append((after, sent_grad))
                 receives.append((before, arriving))
             transfer = device.start_exchange(sends, receives, group)
             if not ctx.overlap:
                 transfer.wait()
-            local = torch.zeros((2, plan.longest, *key.shape[1:]), dtype=acc, device=key.device)
+            local = torch.zeros_like(held, dtype=acc)
             for q0, q1, lo, hi in plan.blocks:
                 k0, k1 = plan.key_range(source, lo, hi)
                 if k0 == k1:
                     continue
                 allowed = mine_ids[q0:q1, None] == plan.ids[source][None, k0:k1]
-                k, v = held[0, k0:k1].to(acc), held[1, k0:k1].to(acc)
-                probs = torch.exp(_scores(query[q0:q1], k, allowed, scale, acc) - lse[:, q0:q1, None])
-                g = grad[q0:q1]
-                local[1, k0:k1] += torch.einsum("hqk,qhd->khd", probs, g)
-                dscores = probs * (torch.einsum("qhd,khd->hqk", g, v) - delta[:, q0:q1, None])
-                dq[q0:q1] += torch.einsum("hqk,khd->qhd", dscores, k) * scale
-                local[0, k0:k1] += torch.einsum("hqk,qhd->khd", dscores, query[q0:q1].to(acc)) * scale
+                k, v, q, g = held[0, :, k0:k1].to(acc), held[1, :, k0:k1].to(acc), q_h[:, q0:q1], g_h[:, q0:q1]
+                probs = _scores(q, k, allowed, scale).sub_(lse[:, q0:q1, None]).exp_()
+                local[1, :, k0:k1] += torch.matmul(probs.transpose(1, 2), g)
+                dscores = probs.mul_(torch.matmul(g, v.transpose(1, 2)).sub_(delta[:, q0:q1, None])).mul_(scale)
+                dq[:, q0:q1] += torch.matmul(dscores, k)
+                local[0, :, k0:k1] += torch.matmul(dscores.transpose(1, 2), q)
             transfer.wait()
             sent_grad = local if arriving is None else local + arriving
             if incoming is not None:
@@ -157,9 +164,9 @@ class _RingAttention(torch.autograd.Function):
         if size > 1:
             own = torch.empty_like(sent_grad)
             device.start_exchange([(after, sent_grad)], [(before, own)], group).wait()
-        rows = key.shape[0]
-        return (dq.to(query.dtype), own[0, :rows].to(key.dtype), own[1, :rows].to(value.dtype),
-                None, None, None, None)
+        keys = key.shape[0]
+        return (dq.transpose(0, 1).to(query.dtype), own[0, :, :keys].transpose(0, 1).to(key.dtype),
+                own[1, :, :keys].transpose(0, 1).to(value.dtype), None, None, None, None)
 
 
 def ring_attention(query, key, value, split: ContextSplit, plan: RingPlan, *, scale: float | None = None,
