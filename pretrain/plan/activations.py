@@ -347,8 +347,14 @@ def context_share(cfg, cp: int):
 
 def context_kv_bytes(cfg, tp: int, cp: int, micro: int, precision: str, layers: range) -> int:
     """What a CP rank keeps beyond its share for backward: the keys and values of the other ranks'
-    shares that each global layer gathers (context_parallel.py's checkpointed blocks keep them)."""
+    shares that each global layer gathers (context_parallel.py's checkpointed blocks keep them).
+    ModernBERT's ring attention keeps none of those, but its own share's keys and values and its
+    float32 context (ring_attention.py)."""
     m = cfg.model
+    if m.modern and cfg.parallel.context_attention == "ring":
+        global_layers = sum(1 for i in layers if m.is_global_layer(i))
+        share = micro * -(-cfg.data.seq_length // cp)
+        return global_layers * share * (m.hidden_size // tp) * (2 * {"fp32": 4, "bf16": 2, "fp16": 2}[precision] + 4)
     global_layers = sum(1 for i in layers if not m.modern or m.is_global_layer(i))  # BERT's are all global
     others = micro * cfg.data.seq_length * (cp - 1) // cp
     return global_layers * 2 * others * (m.hidden_size // tp) * {"fp32": 4, "bf16": 2, "fp16": 2}[precision]

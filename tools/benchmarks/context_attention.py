@@ -180,11 +180,13 @@ def main(argv=None) -> None:
     lengths = out["lengths"]
     print(f"one global attention layer (12 x 64 heads, fp32), forward + backward, CP{args.cp}, rows of "
           f"{args.seq:,} tokens in {len(lengths)} documents (longest {max(lengths):,}), one thread per rank")
-    print(f"  {'variant':<26} {'ms/step':>8} {'vs contiguous':>13} {'work max/min':>12} {'kept beyond q, k, v, out':>25}")
+    print(f"  {'variant':<26} {'ms/step':>8} {'vs contiguous':>13} {'work max/min':>12} "
+          f"{'kept beyond q, k, v, out':>25}")
     base = r["contiguous-allgather"]["time"]
     for name in VARIANTS:
         v = r[name]
-        print(f"  {name:<26} {v['time'] * 1e3:>8.0f} {base / v['time']:>12.2f}x {max(v['work']) / min(v['work']):>12.2f} "
+        balance = max(v["work"]) / min(v["work"])
+        print(f"  {name:<26} {v['time'] * 1e3:>8.0f} {base / v['time']:>12.2f}x {balance:>12.2f} "
               f"{v['kept_mb']:>22.1f} MB")
     alone = r["ring-transfers-alone"]["time"]
     exposed, blocked = r["balanced-ring"]["waited"], r["balanced-ring-no-overlap"]["waited"]
