@@ -113,17 +113,20 @@ def kernels_for(device_type: str, attention_dropout: float, precision: str, comp
     return Kernels("spelled" if attention_dropout > 0 else "cpu_flash", None, None, upcast, compiled)
 
 
-def _attention_core(k: Kernels, b: int, s: int, n: int, h_t: int, a_t: int, B: int, dropout: bool) -> int:
-    """The bytes of the attention core beyond Q, K, V (none recomputed), and the context."""
+def _attention_core(k: Kernels, b: int, s: int, n: int, h_t: int, a_t: int, B: int, dropout: bool,
+                    keys: int | None = None) -> int:
+    """The bytes of the attention core beyond Q, K, V (none recomputed), and the context: `s`
+    queries per row against `keys` keys (`s` by default; BERT under CP: its share against the row)."""
+    keys = s if keys is None else keys
     if k.attention == "efficient":
-        return B * b * _ceil(s, 8) + B * n * h_t + 4 * b * a_t * _ceil(s, 32) + 16
+        return B * b * _ceil(keys, 8) + B * n * h_t + 4 * b * a_t * _ceil(s, 32) + 16
     if k.attention == "math":
-        probabilities = (2 * 4 + 1) * b * a_t * s * s if dropout else 4 * b * a_t * s * s
+        probabilities = (2 * 4 + 1) * b * a_t * s * keys if dropout else 4 * b * a_t * s * keys
         return 3 * (4 - B) * n * h_t + probabilities + B * n * h_t  # Q, K, V upcast to fp32 (beyond B)
     wide = 4 if k.upcast_bf16 else B  # the fp32 route attends on fp32 copies
     qkv_extra = 3 * (wide - B) * n * h_t
     if k.attention == "spelled":
-        return qkv_extra + 3 * wide * b * a_t * s * s + B * n * h_t
+        return qkv_extra + 3 * wide * b * a_t * s * keys + B * n * h_t
     # cpu_flash: its output is laid out [b, s, heads, d], so the context is a view of it
     return qkv_extra + wide * b * s + wide * n * h_t + 4 * b * a_t * s
 
@@ -358,6 +361,19 @@ def context_kv_bytes(cfg, tp: int, cp: int, micro: int, precision: str, layers: 
     global_layers = sum(1 for i in layers if not m.modern or m.is_global_layer(i))  # BERT's are all global
     others = micro * cfg.data.seq_length * (cp - 1) // cp
     return global_layers * 2 * others * (m.hidden_size // tp) * {"fp32": 4, "bf16": 2, "fp16": 2}[precision]
+
+
+def context_scores_bytes(cfg, tp: int, cp: int, micro: int, precision: str, kernels: Kernels, layers: int) -> int:
+    """BERT under CP: what its layers' attention cores keep beyond a share-by-share estimate (each
+    rank's queries attend the whole row's keys: scores [share x row], not [share x share])."""
+    m = cfg.model
+    if m.modern or cp == 1 or m.recompute in ("full", "selective"):
+        return 0  # ModernBERT's blocks keep no scores; recomputation keeps no core
+    B = 2 if precision in ("bf16", "fp16") else 4
+    share = -(-cfg.data.seq_length // cp)
+    args = (kernels, micro, share, micro * share, m.hidden_size // tp, m.num_attention_heads // tp, B,
+            m.attention_dropout > 0)
+    return layers * (_attention_core(*args, keys=cfg.data.seq_length) - _attention_core(*args))
 
 
 def stage_activation_bytes(cfg, tp: int, stage: int, stages: int, layers: int, first: bool, last: bool,

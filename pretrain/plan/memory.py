@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from ..config import Config
 from ..config.deepspeed import read_user_deepspeed_config
-from .activations import (context_kv_bytes, context_share, heads_bytes, in_flight, kernels_for, layer_bytes,
-                          stage_activation_bytes)
+from .activations import (context_kv_bytes, context_scores_bytes, context_share, heads_bytes, in_flight,
+                          kernels_for, layer_bytes, stage_activation_bytes)
 from .layouts import Layout, layout_of
 from .shapes import StageParams, stage_parameters
 from .states import ITEM, ZERO_DEFAULTS, model_states
@@ -118,6 +118,8 @@ def predict_memory(cfg: Config, layout: Layout, stage_index: int, stages: list[S
         first = sum(s.transformer_layers for s in stages[:stage_index])
         extra = context_kv_bytes(cfg, layout.tp, layout.cp, layout.micro_batch, layout.precision,
                                  range(first, first + stage.transformer_layers))
+        extra += context_scores_bytes(cfg, layout.tp, layout.cp, layout.micro_batch, layout.precision, kernels,
+                                      stage.transformer_layers)
         if stage.last:
             extra += heads_bytes(cfg, layout.tp, layout.micro_batch, layout.precision, kernels) - heads_bytes(
                 context_share(cfg, layout.cp), layout.tp, layout.micro_batch, layout.precision, kernels)
