@@ -135,7 +135,7 @@ def context_parallel_attention(query, key, value, sample_ids, split: ContextSpli
     if half_window is not None:
         def plan():
             starts, ends = document_bounds(sample_ids, cache)
-            return NeighbourPlan.build(split, starts, ends, half_window)
+            return NeighbourPlan.build(split, starts, ends, half_window, key.device)
         planned = plan() if cache is None else cache.get(sample_ids, ("cp-neighbours", split, half_window), plan)
         keys, values, layout = neighbours(key, split, planned), neighbours(value, split, planned), planned.layout
     else:

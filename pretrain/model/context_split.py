@@ -141,11 +141,17 @@ class ContextSplit:
         return torch.cat(pieces, dim) if pieces else tensor.narrow(dim, 0, 0)
 
     def placement(self, on: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row position: the rank holding it, and its index in that rank's share ([T] each, on `on`)."""
-        owner, index = self._placement
-        return owner.to(on), index.to(on)
+        """Per row position: the rank holding it, and its index in that rank's share ([T] each, on
+        `on`; copied there once per split, which the model builds once per micro-batch)."""
+        key = str(on)
+        if key not in self._placements:
+            self._placements[key] = tuple(t.to(on) for t in self._placement())
+        return self._placements[key]
 
     @cached_property
+    def _placements(self) -> dict:
+        return {}
+
     def _placement(self) -> tuple[torch.Tensor, torch.Tensor]:
         owner = torch.empty(self.tokens, dtype=torch.long)
         index = torch.empty(self.tokens, dtype=torch.long)
@@ -259,10 +265,13 @@ class NeighbourPlan:
     receives: dict
     layout: KeyLayout
     order: torch.Tensor
+    send_index: dict  # peer -> the indices in this rank's share of what it sends there (on the model's device)
 
     @classmethod
-    def build(cls, split: ContextSplit, starts: list[int], ends: list[int], width: int) -> "NeighbourPlan":
-        """`starts`/`ends`: per row position, its document's first and one-past-last positions."""
+    def build(cls, split: ContextSplit, starts: list[int], ends: list[int], width: int,
+              on: torch.device | None = None) -> "NeighbourPlan":
+        """`starts`/`ends`: per row position, its document's first and one-past-last positions;
+        the plan's index tensors are made on `on` (the CPU by default)."""
         def needed(r: int) -> Intervals:
             reach = []
             for a, b in split.runs[r]:
@@ -274,7 +283,9 @@ class NeighbourPlan:
         receives = {s: iv for s in peers if (iv := _intersect(wanted, split.runs[s]))}
         sends = {s: iv for s in peers if (iv := _intersect(needed(s), split.mine))}
         positions = torch.cat([_positions(split.mine), *(_positions(receives[s]) for s in sorted(receives))])
-        return cls(sends, receives, KeyLayout.of(_merge(split.mine + wanted)), torch.argsort(positions, stable=True))
+        order = torch.argsort(positions, stable=True).to(on)
+        send_index = {s: split.local_indices(iv).to(on) for s, iv in sends.items()}
+        return cls(sends, receives, KeyLayout.of(_merge(split.mine + wanted)), order, send_index)
 
 
 class _Exchange(torch.autograd.Function):
@@ -283,7 +294,7 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, split: ContextSplit, plan: NeighbourPlan):
-        index = {s: split.local_indices(iv).to(tensor.device) for s, iv in plan.sends.items()}
+        index = {s: i.to(tensor.device) for s, i in plan.send_index.items()}
         sends = {s: tensor.index_select(0, i) for s, i in index.items()}
         receives = {s: tensor.new_empty((_count(iv), *tensor.shape[1:])) for s, iv in plan.receives.items()}
         device.exchange(sends, receives, split.group)
