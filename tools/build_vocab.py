@@ -1,7 +1,7 @@
 """Train a BERT WordPiece vocabulary, or a byte-level BPE tokenizer, from raw text.
 
 usage: python tools/build_vocab.py --input FILE|GLOB [...] --output-dir DIR [--model wordpiece|bpe]
-           [--input-format jsonl|text-lines|text-blank-lines] [--json-keys text ...]
+           [--input-format jsonl|text-lines|text-blank-lines|parquet|arrow] [--json-keys text ...]
            [--lowercase | --cased] [--vocab-size 30522] [--min-frequency 2] [--limit-alphabet 1000]
            [--strict] [--force]
 
@@ -24,17 +24,20 @@ import sys
 import time
 
 from pretrain.cli import positive_int, run_command
+from pretrain.data.preprocess.corpus import INPUT_FORMATS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python tools/build_vocab.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", nargs="+", required=True, metavar="FILE|GLOB",
-                        help="input files or globs (quote globs); .gz .bz2 .xz .zst are decompressed")
-    parser.add_argument("--input-format", default="jsonl", choices=("jsonl", "text-lines", "text-blank-lines"),
+    parser.add_argument("--input", nargs="+", required=True, metavar="FILE|GLOB|FOLDER",
+                        help="input files or globs (quote globs); .gz .bz2 .xz .zst are decompressed; parquet: "
+                             "files or folders of shards; arrow: a folder saved by datasets.save_to_disk")
+    parser.add_argument("--input-format", default="jsonl", choices=INPUT_FORMATS,
                         help="jsonl: one JSON object per line (default); text-lines: one document per line; "
-                             "text-blank-lines: documents separated by blank lines")
-    parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys whose text is used (default: text)")
+                             "text-blank-lines: documents separated by blank lines; parquet, arrow: tables")
+    parser.add_argument("--json-keys", nargs="+", default=["text"],
+                        help="JSON keys (table columns) whose text is used (default: text)")
     parser.add_argument("--model", default="wordpiece", choices=("wordpiece", "bpe"),
                         help="wordpiece: BERT's vocab.txt and tokenizer.json (default); bpe: a byte-level BPE "
                              "tokenizer.json as ModernBERT's, special tokens after the learnt entries")
@@ -75,7 +78,7 @@ def build(args: argparse.Namespace) -> None:
     from pretrain.data.preprocess.vocab_builder import VocabOptions, build_vocab
 
     try:
-        files = expand_inputs(args.input)
+        files = expand_inputs(args.input, args.input_format)
     except CorpusError:
         files = []  # build_vocab names the input that is missing
     for path in files:  # as preprocess_data.py says it: a vocabulary learnt from such documents is off too

@@ -2,7 +2,7 @@
 
 usage: python tools/preprocess_data.py --input FILE|GLOB [...] --output-prefix PREFIX
            (--vocab-file vocab.txt | --tokenizer-json tokenizer.json) [--tokenizer-type T]
-           [--input-format jsonl|text-lines|text-blank-lines] [--json-keys text ...]
+           [--input-format jsonl|text-lines|text-blank-lines|parquet|arrow] [--json-keys text ...]
            [--split-sentences [--keep-newlines]] [--append-eod] [--workers N] [--partitions N]
            [--dtype auto|uint16|int32|int64] [--strict] [--log-interval DOCS]
 
@@ -21,6 +21,7 @@ import sys
 
 from pretrain.cli import INTERRUPTED, positive_int, run_command
 from pretrain.common.errors import UserError
+from pretrain.data.preprocess.corpus import INPUT_FORMATS
 
 # Library imports happen inside run(): worker processes start by re-importing this file, and
 # must not pay for megatron-core (torch) on the way.
@@ -30,15 +31,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python tools/preprocess_data.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input")
-    group.add_argument("--input", nargs="+", required=True, metavar="FILE|GLOB",
-                       help="input files or globs (quote globs); .gz .bz2 .xz .zst are decompressed")
-    group.add_argument("--input-format", default="jsonl", choices=("jsonl", "text-lines", "text-blank-lines"),
+    group.add_argument("--input", nargs="+", required=True, metavar="FILE|GLOB|FOLDER",
+                       help="input files or globs (quote globs); .gz .bz2 .xz .zst are decompressed; parquet: "
+                            "files or folders of shards; arrow: a folder saved by datasets.save_to_disk")
+    group.add_argument("--input-format", default="jsonl", choices=INPUT_FORMATS,
                        help="jsonl: one JSON object per line (default); text-lines: one document per line; "
                             "text-blank-lines: documents separated by blank lines (hard-wrapped text; a warning "
-                            "says when a file looks like the other plain-text format)")
+                            "says when a file looks like the other plain-text format); parquet, arrow: tables "
+                            "read in record batches (the parquet extra)")
     group.add_argument("--json-keys", nargs="+", default=["text"],
-                       help="keys of the JSON objects to extract, one output per key (default: text); "
-                            "for plain text it only names the output")
+                       help="keys of the JSON objects (columns of a table) to extract, one output per key "
+                            "(default: text); for plain text it only names the output")
     group.add_argument("--split-sentences", action="store_true",
                        help="split documents into sentences (blingfire); one item per sentence")
     group.add_argument("--keep-newlines", action="store_true",

@@ -2,6 +2,7 @@
 
 usage: python tools/benchmarks/preprocess.py [--corpus-dir DIR] [--target-mb 50] [--scale 10]
                                         [--vocab-file vocab.txt] [--workdir DIR] [--json out.json]
+                                        [--formats-only]
 
 Method
 ------
@@ -13,7 +14,10 @@ Method
    corpus supports fewer) on one copy of the paragraphs.
 3. Measured one after the other, each in a fresh process:
    - ours: ``tools/preprocess_data.py --split-sentences`` with 1 and 2 workers, and with 2
-     workers on the --scale x corpus. MB/s is input bytes over the run's own processing time
+     workers on the --scale x corpus; the same documents from Parquet files (rows of "text", row
+     groups of 10,000; the parquet extra) with 2 workers, at 1x and --scale x. Parquet's MB/s
+     counts the JSONL's bytes of the same text, so the two rates compare per MB of text.
+     --formats-only runs these four only. MB/s is input bytes over the run's own processing time
      (its report's "elapsed": start-up, mostly importing torch for megatron-core, is reported
      apart). Peak RSS is the largest sum of the resident sets of the whole process tree, sampled
      from /proc every 0.1 s.
@@ -139,16 +143,35 @@ def run_measured(cmd: list[str], env: dict | None = None) -> dict:
     return dict(wall=wall, peak_rss=peak[0], stdout=stdout, other_load=max(0.0, (_busy_seconds() - busy - own) / wall))
 
 
-def ours(corpus: Path, vocab: str, workers: int, workdir: Path) -> dict:
-    prefix = workdir / f"out_w{workers}_{corpus.stem}"
+def ours(corpus: Path, vocab: str, workers: int, workdir: Path, input_format: str = "jsonl") -> dict:
+    prefix = workdir / f"out_w{workers}_{corpus.stem}_{input_format}"
     result = run_measured([sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(corpus),
                            "--output-prefix", str(prefix), "--vocab-file", vocab, "--split-sentences",
-                           "--workers", str(workers), "--quiet"])
+                           "--workers", str(workers), "--input-format", input_format, "--quiet"])
     match = re.search(r"elapsed ([\d,.]+) s", result["stdout"])
     result["time"] = float(match.group(1).replace(",", ""))
     for ext in ("bin", "idx"):
         os.remove(f"{prefix}_text_sentence.{ext}")
     return result
+
+
+def as_parquet(jsonl: Path) -> Path:
+    """The JSONL's documents as a Parquet file of "text" rows, written 10,000 rows (one row group) at a time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = jsonl.with_suffix(".parquet")
+    schema = pa.schema([("text", pa.string())])
+    with open(jsonl, encoding="utf-8") as f, pq.ParquetWriter(str(out), schema) as writer:
+        rows = []
+        for line in f:
+            rows.append(json.loads(line)["text"])
+            if len(rows) == 10_000:
+                writer.write_table(pa.table({"text": rows}, schema=schema))
+                rows = []
+        if rows:
+            writer.write_table(pa.table({"text": rows}, schema=schema))
+    return out
 
 
 def child(kind: str, corpus: Path, vocab: str, threads: int, workdir: Path) -> dict:
@@ -207,6 +230,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vocab-file", help="vocab.txt to use (default: train one with tools/build_vocab.py)")
     parser.add_argument("--workdir", type=Path, help="where corpora and outputs go (default: a temporary directory)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--formats-only", action="store_true",
+                        help="only the JSONL and Parquet runs of ours (2 workers, 1x and --scale x)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--corpus", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -245,25 +270,36 @@ def parent_main(args) -> None:
             return row
 
         ours2 = add("ours, --split-sentences, 2 workers", ours(base, vocab, 2, workdir), base_mb, docs)
-        add("ours, --split-sentences, 1 worker", ours(base, vocab, 1, workdir), base_mb, docs)
+        parquet2 = add("ours from Parquet, 2 workers", ours(as_parquet(base), vocab, 2, workdir, "parquet"),
+                       base_mb, docs)
         big2 = add(f"ours, --split-sentences, 2 workers, {args.scale}x input", ours(big, vocab, 2, workdir),
                    big_mb, docs * args.scale)
-        tok2 = add("tokenizer alone (encode_batch), 2 threads", child("tokenizer", base, vocab, 2, workdir), base_mb, docs)
-        add("tokenizer alone (encode_batch), 1 thread", child("tokenizer", base, vocab, 1, workdir), base_mb, docs)
-        add("blingfire alone, 1 thread", child("blingfire", base, vocab, 1, workdir), base_mb, docs)
-        add("our worker loop in-process, 1 thread", child("pipeline", base, vocab, 1, workdir), base_mb, docs)
+        big_parquet = add(f"ours from Parquet, 2 workers, {args.scale}x input",
+                          ours(as_parquet(big), vocab, 2, workdir, "parquet"), big_mb, docs * args.scale)
+        tok2 = None
+        if not args.formats_only:
+            add("ours, --split-sentences, 1 worker", ours(base, vocab, 1, workdir), base_mb, docs)
+            tok2 = add("tokenizer alone (encode_batch), 2 threads", child("tokenizer", base, vocab, 2, workdir),
+                       base_mb, docs)
+            add("tokenizer alone (encode_batch), 1 thread", child("tokenizer", base, vocab, 1, workdir), base_mb, docs)
+            add("blingfire alone, 1 thread", child("blingfire", base, vocab, 1, workdir), base_mb, docs)
+            add("our worker loop in-process, 1 thread", child("pipeline", base, vocab, 1, workdir), base_mb, docs)
 
         print()
         print("| run | input MB | time s | MB/s | docs/s | peak RSS MB (tree) | MB/s vs tokenizer alone (2 threads) | other load |")
         print("|---|---|---|---|---|---|---|---|")
         for row in rows:
             docs_s = f"{row['docs_per_s']:,.0f}" if row["docs_per_s"] else ""
+            versus = f"{row['mbps'] / tok2['mbps']:.2f}" if tok2 else ""
             print(f"| {row['name']} | {row['mb']:,.1f} | {row['time']:,.1f} | {row['mbps']:.2f} | {docs_s} | "
-                  f"{row['peak_rss_mb']:,.0f} | {row['mbps'] / tok2['mbps']:.2f} | {row['other_load']:.2f} |")
+                  f"{row['peak_rss_mb']:,.0f} | {versus} | {row['other_load']:.2f} |")
         ratio = big2["peak_rss_mb"] / ours2["peak_rss_mb"]
         startup = ours2["wall"] - ours2["time"]
         print()
-        print(f"peak RSS at {args.scale}x the input / at 1x (2 workers): {ratio:.2f}")
+        print(f"peak RSS at {args.scale}x the input / at 1x (2 workers): {ratio:.2f} (JSONL), "
+              f"{big_parquet['peak_rss_mb'] / parquet2['peak_rss_mb']:.2f} (Parquet)")
+        print(f"Parquet / JSONL per MB of text (2 workers): {parquet2['mbps'] / ours2['mbps']:.2f} at 1x, "
+              f"{big_parquet['mbps'] / big2['mbps']:.2f} at {args.scale}x")
         print(f"start-up outside the measured time (2 workers, mostly importing torch for megatron-core): {startup:.1f} s; "
               f"including it: {base_mb / ours2['wall']:.2f} MB/s")
         if any(row["other_load"] > 0.2 for row in rows):

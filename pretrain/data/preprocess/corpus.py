@@ -2,12 +2,14 @@
 and parsing a chunk into documents with every malformed line counted.
 
 Inputs are files or globs; ``.gz``, ``.bz2``, ``.xz`` and ``.zst`` files are decompressed on the
-fly. Three formats:
+fly. Five formats:
 
 - ``jsonl``: one JSON object per line (Megatron's convention), the text under one or more keys;
 - ``text-lines``: plain text, one document per line;
 - ``text-blank-lines``: plain text, documents separated by blank lines (hard-wrapped lines of a
-  document are kept together).
+  document are kept together);
+- ``parquet`` and ``arrow``: tables, the text in one or more string columns (tables.py): Parquet
+  files or folders of shards, datasets saved by ``datasets.save_to_disk``.
 
 Large inputs are cut into chunks of roughly ``chunk_bytes`` that end on a record boundary, so
 that processes can work on chunks independently and no file is ever held in memory whole. An
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO, Iterator, Sequence
 
 from ...common.errors import UserError
+from .tables import TABLE_FORMATS, expand_table_input, parse_table_chunk, table_chunks
 
 __all__ = [
     "INPUT_FORMATS",
@@ -48,9 +51,10 @@ __all__ = [
     "read_chunk",
     "parse_chunk",
     "iter_documents",
+    "chunk_documents",
 ]
 
-INPUT_FORMATS = ("jsonl", "text-lines", "text-blank-lines")
+INPUT_FORMATS = ("jsonl", "text-lines", "text-blank-lines", *TABLE_FORMATS)
 # What a skipped line can be counted as (the report keeps this order).
 PROBLEM_KINDS = ("bad JSON", "missing key", "non-string value", "invalid UTF-8")
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
@@ -75,19 +79,22 @@ class CorpusError(UserError, ValueError):
 # --------------------------------------------------------------------------------------------
 
 
-def expand_inputs(patterns: Sequence[str]) -> list[str]:
-    """Files named by ``patterns`` (paths or globs), in the given order, each glob sorted.
+def expand_inputs(patterns: Sequence[str], input_format: str | None = None) -> list[str]:
+    """Files named by ``patterns`` (paths or globs), in the given order, each glob sorted; for the
+    table formats a folder stands for its files (tables.expand_table_input).
 
-    A path that does not exist, a glob that matches no file, or a directory is an error naming
-    it; a file named twice is read once.
+    A path that does not exist, a glob that matches no file, or a directory (of a text format) is
+    an error naming it; a file named twice is read once.
     """
     if not patterns:
         raise CorpusError("no input given")
     files: list[str] = []
     for pattern in patterns:
-        if os.path.isdir(pattern):
+        if os.path.isdir(pattern) and input_format in TABLE_FORMATS:
+            matched = expand_table_input(pattern, input_format)
+        elif os.path.isdir(pattern):
             raise CorpusError(f"input {pattern!r} is a directory; give files or a glob such as {os.path.join(pattern, '*.jsonl')!r}")
-        if os.path.isfile(pattern):
+        elif os.path.isfile(pattern):
             matched = [pattern]
         elif _GLOB_CHARS.search(pattern):
             matched = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
@@ -179,13 +186,15 @@ class Chunk:
     file_index: int
     path: str
     index: int  # chunk number within its file
-    start: int
+    start: int  # a table's chunk: its first row (from 0) and one past its last
     end: int
     data: bytes | None = None
+    table: tuple[int, int] | None = None  # a table's chunk: its row groups or record batches [first, end)
+    disk: int | None = None  # a table's chunk: its bytes (for progress)
 
     @property
     def disk_bytes(self) -> int:
-        return self.end - self.start
+        return self.disk if self.disk is not None else self.end - self.start
 
 
 def read_chunk(chunk: Chunk) -> bytes:
@@ -203,7 +212,9 @@ def iter_chunks(paths: Sequence[str], input_format: str, chunk_bytes: int = DEFA
     if input_format not in INPUT_FORMATS:
         raise CorpusError(f"unknown input format {input_format!r}; expected one of {', '.join(INPUT_FORMATS)}")
     for file_index, path in enumerate(paths):
-        if is_compressed(path):
+        if input_format in TABLE_FORMATS:
+            yield from table_chunks(file_index, path, input_format, chunk_bytes)
+        elif is_compressed(path):
             yield from _compressed_chunks(file_index, path, input_format, chunk_bytes)
         else:
             yield from _file_chunks(file_index, path, input_format, chunk_bytes)
@@ -397,8 +408,23 @@ def _parse_blank_lines(lines: list[tuple[int, str | None]], result: ParsedChunk)
             block, bad = [], False
 
 
+def locate(chunk: Chunk, number: int, message: str) -> str:
+    """A problem's place: file:line, or file: row N of a table."""
+    if chunk.table is not None:
+        return f"{chunk.path}: row {number}: {message}"
+    return f"{chunk.path}:{number}: {message}"
+
+
+def chunk_documents(chunk: Chunk, input_format: str, keys: Sequence[str]) -> tuple[ParsedChunk, int]:
+    """(the chunk's documents, its bytes of text), whatever its format."""
+    if input_format in TABLE_FORMATS:
+        return parse_table_chunk(chunk, input_format, keys)
+    data = read_chunk(chunk)
+    return parse_chunk(data, input_format, keys, strip_bom=chunk.index == 0), len(data)
+
+
 def iter_documents(paths: Sequence[str], input_format: str, keys: Sequence[str],
                    chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[tuple[Chunk, ParsedChunk]]:
     """Parsed chunks of all files in order, in this process (for tools that need no workers)."""
     for chunk in iter_chunks(paths, input_format, chunk_bytes):
-        yield chunk, parse_chunk(read_chunk(chunk), input_format, keys, strip_bom=chunk.index == 0)
+        yield chunk, chunk_documents(chunk, input_format, keys)[0]

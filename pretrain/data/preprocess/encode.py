@@ -9,6 +9,7 @@ documents without sentences (counted), and pack the ids into one array of the ou
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from itertools import chain
@@ -16,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .corpus import Chunk, Problem, parse_chunk, read_chunk
+from .corpus import Chunk, Problem, chunk_documents
 from .dataset_record import TokenCounts, count_tokens
 
 __all__ = ["EncodeOptions", "EncodedField", "EncodedChunk", "SentenceSplitter", "ChunkEncoder"]
@@ -115,12 +116,11 @@ class ChunkEncoder:
 
     def __call__(self, chunk: Chunk) -> EncodedChunk:
         options = self.options
-        data = read_chunk(chunk)
-        parsed = parse_chunk(data, options.input_format, options.keys, strip_bom=chunk.index == 0)
+        parsed, text_bytes = chunk_documents(chunk, options.input_format, options.keys)
         fields = {key: self.encode_documents([doc[k] for doc in parsed.documents])
                   for k, key in enumerate(options.keys)}
-        meta = Chunk(chunk.file_index, chunk.path, chunk.index, chunk.start, chunk.end)
-        return EncodedChunk(meta, fields, records=len(parsed.documents), lines=parsed.lines, text_bytes=len(data),
+        meta = dataclasses.replace(chunk, data=None)
+        return EncodedChunk(meta, fields, records=len(parsed.documents), lines=parsed.lines, text_bytes=text_bytes,
                             problem_counts=parsed.problem_counts, problems=parsed.problems)
 
     def encode_documents(self, texts: Sequence[str]) -> EncodedField:

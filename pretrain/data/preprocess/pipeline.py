@@ -46,6 +46,7 @@ from .corpus import (
     expand_inputs,
     iter_chunks,
     layout_hint,
+    locate,
 )
 from .dataset_record import TokenCounts, VocabularyRecord, record_members
 from .encode import ChunkEncoder, EncodedChunk, EncodeOptions, encode_in_worker, init_worker
@@ -176,7 +177,7 @@ def preprocess(options: PreprocessOptions, encoder_factory: type[ChunkEncoder] =
     problems = options.problems()
     if problems:
         raise ValueError("\n".join(problems))
-    paths = expand_inputs(options.inputs)
+    paths = expand_inputs(options.inputs, options.input_format)
     info = load_tokenizer(options.vocab_file, options.tokenizer_json, options.tokenizer_type,
                           options.allow_case_mismatch)
     if options.keep_newlines and not options.split_sentences:
@@ -354,15 +355,16 @@ def _encode_ordered(chunks: Iterable[Chunk], options: EncodeOptions, encoder_fac
 
 
 def _result(chunk: Chunk, future: Future) -> EncodedChunk:
-    where = f"{chunk.path} (bytes {chunk.start}-{chunk.end})"
+    where = (f"{chunk.path} (rows {chunk.start + 1}-{chunk.end})" if chunk.table is not None else
+             f"{chunk.path} (bytes {chunk.start}-{chunk.end})")
     try:
         return future.result()
     except PreprocessError:
         raise  # Interrupted, raised by our signal handler while we waited
     except BrokenProcessPool:
         raise PreprocessError(f"a worker process died (killed, or out of memory?) while working on {where}") from None
-    except CorpusError as e:
-        raise PreprocessError(f"{where}: {e}") from None
+    except CorpusError as e:  # named by its file already (a table's column or shard), or by the chunk here
+        raise PreprocessError(str(e) if str(e).startswith(chunk.path) else f"{where}: {e}") from None
     except Exception as e:
         # a bug: keep the worker's traceback (concurrent.futures attaches it as the cause)
         raise PreprocessError(f"a worker failed on {where}: {type(e).__name__}: {e}") from e
@@ -380,7 +382,7 @@ def _account(result: EncodedChunk, report: PreprocessReport, options: Preprocess
     for kind, count in result.problem_counts.items():
         report.problem_counts[kind] = report.problem_counts.get(kind, 0) + count
     for problem in result.problems:
-        located = f"{chunk.path}:{base + problem.line}: {problem.message}"
+        located = locate(chunk, base + problem.line, problem.message)
         if options.strict:
             raise CorpusError(f"{located} (--strict makes malformed lines fatal)")
         if len(report.problems) < options.max_reported:

@@ -32,7 +32,7 @@ from tokenizers.pre_tokenizers import BertPreTokenizer, ByteLevel
 from tokenizers.trainers import BpeTrainer, WordPieceTrainer
 
 from ...common.atomic import atomic_outputs
-from .corpus import PROBLEM_KINDS, CorpusError, Problem, expand_inputs, iter_documents
+from .corpus import PROBLEM_KINDS, CorpusError, expand_inputs, iter_documents, locate
 from .tokenizer import SPECIAL_TOKENS, bert_wordpiece_tokenizer, check_special_tokens
 
 __all__ = ["MODELS", "BPE_SPECIAL_TOKENS", "VocabOptions", "VocabReport", "train_wordpiece", "train_bpe",
@@ -191,7 +191,7 @@ def build_vocab(inputs: Sequence[str], input_format: str, json_keys: Sequence[st
     problems = options.problems()
     if problems:
         raise ValueError("; ".join(problems))
-    paths = expand_inputs(inputs)
+    paths = expand_inputs(inputs, input_format)
     report = VocabReport(files=len(paths))
 
     def texts() -> Iterator[str]:
@@ -202,7 +202,7 @@ def build_vocab(inputs: Sequence[str], input_format: str, json_keys: Sequence[st
             for kind, count in parsed.problem_counts.items():
                 report.problem_counts[kind] = report.problem_counts.get(kind, 0) + count
             for p in parsed.problems:
-                located = _located(chunk.path, base, p)
+                located = locate(chunk, base + p.line, p.message)
                 if strict:
                     raise CorpusError(f"{located} (--strict)")
                 if len(report.problems) < max_reported:
@@ -277,5 +277,4 @@ def _json_entries(tokenizer_json: str) -> int | None:
         return None
 
 
-def _located(path: str, line_base: int, problem: Problem) -> str:
-    return f"{path}:{line_base + problem.line}: {problem.message}"
+

@@ -1,0 +1,173 @@
+"""Reading corpora stored as tables: Parquet files (or folders of shards) and Hugging Face datasets
+saved with `datasets.save_to_disk` (Arrow IPC stream files), the text in one or more string columns.
+
+A table is read in record batches through pyarrow, never whole: a Parquet file's chunks are its
+row groups, an Arrow file's chunks runs of its record batches of about chunk_bytes (the file is
+memory-mapped, so a worker skips to its batches without reading the ones before). A chunk's rows
+are numbered from 1 within it, and the consumer makes them absolute, as corpus.py's lines.
+
+What is wrong with a shard is named with its file (and its row group or rows): an unreadable
+file, a missing text column (with the columns it has), a column that is not text. A null in the
+text column skips that row, counted and named by its row.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Iterator, Sequence
+
+TABLE_FORMATS = ("parquet", "arrow")
+BATCH_ROWS = 8192  # rows decoded at a time within a chunk
+PARQUET_EXTRA = "pip install 'bert-pretrain[parquet]'"
+
+
+def _pyarrow(path: str):
+    from .corpus import CorpusError
+
+    try:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise CorpusError(f"{path}: reading Parquet or Arrow needs pyarrow, which is not installed: "
+                          f"{PARQUET_EXTRA}") from None
+    return pa, pc, pq
+
+
+# ----------------------------------------------------------------------------- inputs
+def expand_table_input(path: str, input_format: str) -> list[str]:
+    """The files of a folder input: a Parquet folder's *.parquet shards (sorted, recursively), a
+    saved dataset's Arrow files (its state.json's order)."""
+    from .corpus import CorpusError
+
+    if input_format == "parquet":
+        shards = sorted(glob.glob(os.path.join(path, "**", "*.parquet"), recursive=True))
+        if not shards:
+            raise CorpusError(f"input folder {path!r} holds no .parquet file")
+        return shards
+    state, splits = os.path.join(path, "state.json"), os.path.join(path, "dataset_dict.json")
+    if os.path.isfile(splits):
+        with open(splits) as f:
+            names = json.load(f).get("splits", [])
+        raise CorpusError(f"input {path!r} is a saved DatasetDict (splits: {', '.join(names)}): give one split's "
+                          f"folder, such as {os.path.join(path, names[0] if names else 'train')!r}")
+    if not os.path.isfile(state):
+        raise CorpusError(f"input folder {path!r} is no dataset saved by datasets.save_to_disk (no state.json)")
+    try:
+        with open(state) as f:
+            files = [entry["filename"] for entry in json.load(f)["_data_files"]]
+    except (ValueError, KeyError, TypeError) as error:
+        raise CorpusError(f"{state}: not a datasets state file ({error})") from None
+    return [os.path.join(path, name) for name in files]
+
+
+# ----------------------------------------------------------------------------- chunks
+def table_chunks(file_index: int, path: str, input_format: str, chunk_bytes: int) -> Iterator:
+    """Chunks of one table file: Parquet row groups; runs of Arrow record batches of about chunk_bytes."""
+    from .corpus import Chunk
+
+    if input_format == "parquet":
+        source = _open_parquet(path)
+        row = 0
+        for group in range(source.metadata.num_row_groups):
+            meta = source.metadata.row_group(group)
+            yield Chunk(file_index, path, group, row, row + meta.num_rows, table=(group, group + 1),
+                        disk=meta.total_byte_size)
+            row += meta.num_rows
+        return
+    row, first, rows, size, index = 0, 0, 0, 0, 0
+    batches = 0
+    for batches, batch in enumerate(_arrow_batches(path), 1):
+        rows, size = rows + batch.num_rows, size + batch.nbytes
+        if size >= chunk_bytes:
+            yield Chunk(file_index, path, index, row, row + rows, table=(first, batches), disk=size)
+            row, first, rows, size, index = row + rows, batches, 0, 0, index + 1
+    if batches > first:
+        yield Chunk(file_index, path, index, row, row + rows, table=(first, batches), disk=size)
+
+
+def _open_parquet(path: str):
+    from .corpus import CorpusError
+
+    _, _, pq = _pyarrow(path)
+    try:
+        return pq.ParquetFile(path)
+    except Exception as error:  # pyarrow's ArrowInvalid, OSError: the file is not Parquet
+        raise CorpusError(f"{path}: not a readable Parquet file ({error})") from None
+
+
+def _arrow_batches(path: str):
+    from .corpus import CorpusError
+
+    pa, _, _ = _pyarrow(path)
+    try:
+        reader = pa.ipc.open_stream(pa.memory_map(path))
+    except Exception as error:
+        raise CorpusError(f"{path}: not a readable Arrow stream file ({error})") from None
+    while True:
+        try:
+            batch = reader.read_next_batch()
+        except StopIteration:
+            return
+        except Exception as error:
+            raise CorpusError(f"{path}: unreadable record batch ({error})") from None
+        yield batch
+
+
+# ----------------------------------------------------------------------------- parsing
+def parse_table_chunk(chunk, input_format: str, keys: Sequence[str]):
+    """(ParsedChunk, text bytes) of one table chunk: per row, the text of each key's column; a
+    row with a null in one of them skipped and counted."""
+    from .corpus import CorpusError, ParsedChunk
+
+    pa, pc, _ = _pyarrow(chunk.path)
+    result = ParsedChunk(lines=chunk.end - chunk.start)
+    text_bytes, row = 0, 0
+    for batch in _chunk_batches(chunk, input_format, keys):
+        columns = []
+        for key in keys:
+            if key not in batch.schema.names:
+                raise CorpusError(f"{chunk.path}: no column {key!r} (it has {', '.join(batch.schema.names)}): "
+                                  "name the text column with --json-keys")
+            column = batch.column(key)
+            if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+                raise CorpusError(f"{chunk.path}: column {key!r} holds {column.type}, not text")
+            text_bytes += int(pc.sum(pc.binary_length(column)).as_py() or 0)
+            columns.append(column.to_pylist())
+        for values in zip(*columns):
+            row += 1
+            missing = [key for key, value in zip(keys, values) if value is None]
+            if missing:
+                result.add_problem(row, "non-string value", f"null in column {missing[0]!r}")
+                continue
+            result.documents.append(list(values))
+    result.problems = result.problems[:10]
+    return result, text_bytes
+
+
+def _chunk_batches(chunk, input_format: str, keys: Sequence[str]):
+    from .corpus import CorpusError
+
+    first, end = chunk.table
+    where = f"{chunk.path}: rows {chunk.start + 1}-{chunk.end}"
+    if input_format == "parquet":
+        source = _open_parquet(chunk.path)
+        names = source.schema_arrow.names
+        missing = [key for key in keys if key not in names]
+        if missing:
+            raise CorpusError(f"{chunk.path}: no column {missing[0]!r} (it has {', '.join(names)}): "
+                              "name the text column with --json-keys")
+        try:
+            yield from source.iter_batches(batch_size=BATCH_ROWS, row_groups=list(range(first, end)),
+                                           columns=list(keys))
+        except CorpusError:
+            raise
+        except Exception as error:
+            raise CorpusError(f"{where} (row group {first}) are unreadable ({error})") from None
+        return
+    for index, batch in enumerate(_arrow_batches(chunk.path)):
+        if index >= end:
+            return
+        if index >= first:
+            yield batch
