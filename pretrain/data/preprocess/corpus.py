@@ -30,10 +30,9 @@ import json
 import lzma
 import os
 import re
-from dataclasses import dataclass, field
 from typing import BinaryIO, Iterator, Sequence
 
-from ...common.errors import UserError
+from .chunks import Chunk, CorpusError, ParsedChunk, Problem
 from .tables import TABLE_FORMATS, expand_table_input, parse_table_chunk, table_chunks
 
 __all__ = [
@@ -68,10 +67,6 @@ _MAX_PROBLEM_SAMPLES = 10  # per chunk; the report shows the first few overall a
 _SNIFF_BYTES = 64 << 10
 _SHORT_LINE = 80
 _SNIFF_MIN_LINES = 20
-
-
-class CorpusError(UserError, ValueError):
-    """A problem with the input files (missing file, bad record under --strict, ...)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,29 +169,6 @@ def layout_hint(path: str, input_format: str) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """A record-aligned piece of one input file.
-
-    ``data`` is None for an uncompressed file: the bytes are ``[start, end)`` of ``path``.
-    For a compressed file ``data`` holds the decompressed bytes and ``start``/``end`` are the
-    positions in the compressed file this chunk was cut between (for progress and partitioning).
-    """
-
-    file_index: int
-    path: str
-    index: int  # chunk number within its file
-    start: int  # a table's chunk: its first row (from 0) and one past its last
-    end: int
-    data: bytes | None = None
-    table: tuple[int, int] | None = None  # a table's chunk: its row groups or record batches [first, end)
-    disk: int | None = None  # a table's chunk: its bytes (for progress)
-
-    @property
-    def disk_bytes(self) -> int:
-        return self.disk if self.disk is not None else self.end - self.start
-
-
 def read_chunk(chunk: Chunk) -> bytes:
     """The chunk's bytes (read from disk for an uncompressed file)."""
     if chunk.data is not None:
@@ -288,27 +260,6 @@ def _last_boundary(buf: bytes, input_format: str) -> int:
 # --------------------------------------------------------------------------------------------
 # Parsing
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Problem:
-    line: int  # 1-based, relative to the chunk until made absolute by the consumer
-    kind: str  # one of PROBLEM_KINDS
-    message: str
-
-
-@dataclass
-class ParsedChunk:
-    """Documents of one chunk: ``documents[i][k]`` is the text of key ``keys[k]``."""
-
-    documents: list[list[str]] = field(default_factory=list)
-    lines: int = 0  # newline-terminated lines in the chunk (to number the next chunk's lines)
-    problem_counts: dict[str, int] = field(default_factory=dict)
-    problems: list[Problem] = field(default_factory=list)  # the first few, in line order
-
-    def add_problem(self, line: int, kind: str, message: str) -> None:
-        self.problem_counts[kind] = self.problem_counts.get(kind, 0) + 1
-        self.problems.append(Problem(line, kind, message))  # parse_chunk keeps the first few
 
 
 def parse_chunk(data: bytes, input_format: str, keys: Sequence[str], strip_bom: bool = False) -> ParsedChunk:

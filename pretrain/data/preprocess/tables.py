@@ -17,14 +17,14 @@ import json
 import os
 from typing import Iterator, Sequence
 
+from .chunks import Chunk, CorpusError, ParsedChunk
+
 TABLE_FORMATS = ("parquet", "arrow")
 BATCH_ROWS = 8192  # rows decoded at a time within a chunk
 PARQUET_EXTRA = "pip install 'bert-pretrain[parquet]'"
 
 
 def _pyarrow(path: str):
-    from .corpus import CorpusError
-
     try:
         import pyarrow as pa
         import pyarrow.compute as pc
@@ -39,8 +39,6 @@ def _pyarrow(path: str):
 def expand_table_input(path: str, input_format: str) -> list[str]:
     """The files of a folder input: a Parquet folder's *.parquet shards (sorted, recursively), a
     saved dataset's Arrow files (its state.json's order)."""
-    from .corpus import CorpusError
-
     if input_format == "parquet":
         shards = sorted(glob.glob(os.path.join(path, "**", "*.parquet"), recursive=True))
         if not shards:
@@ -65,8 +63,6 @@ def expand_table_input(path: str, input_format: str) -> list[str]:
 # ----------------------------------------------------------------------------- chunks
 def table_chunks(file_index: int, path: str, input_format: str, chunk_bytes: int) -> Iterator:
     """Chunks of one table file: Parquet row groups; runs of Arrow record batches of about chunk_bytes."""
-    from .corpus import Chunk
-
     if input_format == "parquet":
         source = _open_parquet(path)
         row = 0
@@ -88,8 +84,6 @@ def table_chunks(file_index: int, path: str, input_format: str, chunk_bytes: int
 
 
 def _open_parquet(path: str):
-    from .corpus import CorpusError
-
     _, _, pq = _pyarrow(path)
     try:
         return pq.ParquetFile(path)
@@ -98,8 +92,6 @@ def _open_parquet(path: str):
 
 
 def _arrow_batches(path: str):
-    from .corpus import CorpusError
-
     pa, _, _ = _pyarrow(path)
     try:
         reader = pa.ipc.open_stream(pa.memory_map(path))
@@ -119,8 +111,6 @@ def _arrow_batches(path: str):
 def parse_table_chunk(chunk, input_format: str, keys: Sequence[str]):
     """(ParsedChunk, text bytes) of one table chunk: per row, the text of each key's column; a
     row with a null in one of them skipped and counted."""
-    from .corpus import CorpusError, ParsedChunk
-
     pa, pc, _ = _pyarrow(chunk.path)
     result = ParsedChunk(lines=chunk.end - chunk.start)
     text_bytes, row = 0, 0
@@ -147,8 +137,6 @@ def parse_table_chunk(chunk, input_format: str, keys: Sequence[str]):
 
 
 def _chunk_batches(chunk, input_format: str, keys: Sequence[str]):
-    from .corpus import CorpusError
-
     first, end = chunk.table
     where = f"{chunk.path}: rows {chunk.start + 1}-{chunk.end}"
     if input_format == "parquet":
