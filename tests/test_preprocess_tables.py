@@ -73,6 +73,7 @@ def test_parquet_and_arrow_give_the_jsonl_bytes(tmp_path, vocab):
         write_parquet(shards / f"part-{i}.parquet", DOCS[i * 100:(i + 1) * 100], row_group_size=30)
     saved = save_to_disk(tmp_path / "saved", DOCS)
     runs = {"jsonl": ([jsonl], "jsonl", {}), "parquet": ([one], "parquet", {"workers": 2}),
+            "parquet-sliced": ([one], "parquet", {"workers": 2, "chunk_bytes": 1500}),
             "parquet-folder": ([str(tmp_path / "shards")], "parquet", {"workers": 2, "partitions": 2}),
             "arrow": ([saved], "arrow", {"workers": 2, "chunk_bytes": 2000})}
     outputs, reports = {}, {}
@@ -85,7 +86,10 @@ def test_parquet_and_arrow_give_the_jsonl_bytes(tmp_path, vocab):
         assert reports[name].records == len(DOCS), name
     assert reports["parquet-folder"].files == 3 and reports["arrow"].files == 2
     assert reports["parquet"].text_bytes == sum(len(d.encode()) for d in DOCS)
-    # the Arrow files were read in several chunks each (runs of record batches)
+    # row groups read in slices of about chunk_bytes, Arrow files in runs of record batches
+    sliced = [c for c, _ in iter_documents([one], "parquet", ["text"], chunk_bytes=1500)]
+    assert len(sliced) > 2 * pq.ParquetFile(one).metadata.num_row_groups
+    assert [(c.start, c.end) for c in sliced] == list(zip([0] + [c.end for c in sliced[:-1]], [c.end for c in sliced]))
     chunks = [c for c, _ in iter_documents([os.path.join(saved, "data-00000-of-00002.arrow")], "arrow", ["text"],
                                            chunk_bytes=2000)]
     assert len(chunks) > 2 and [c.start for c in chunks] == sorted(c.start for c in chunks)

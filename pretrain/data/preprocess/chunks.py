@@ -26,7 +26,8 @@ class Chunk:
     start: int  # a table's chunk: its first row (from 0) and one past its last
     end: int
     data: bytes | None = None
-    table: tuple[int, int] | None = None  # a table's chunk: its row groups or record batches [first, end)
+    # a table's chunk: Parquet (row group, slice, rows per slice); Arrow its record batches (first, end)
+    table: tuple[int, ...] | None = None
     disk: int | None = None  # a table's chunk: its bytes (for progress)
 
     @property

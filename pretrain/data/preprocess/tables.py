@@ -1,8 +1,10 @@
 """Reading corpora stored as tables: Parquet files (or folders of shards) and Hugging Face datasets
 saved with `datasets.save_to_disk` (Arrow IPC stream files), the text in one or more string columns.
 
-A table is read in record batches through pyarrow, never whole: a Parquet file's chunks are its
-row groups, an Arrow file's chunks runs of its record batches of about chunk_bytes (the file is
+A table is read in record batches through pyarrow, never whole. A Parquet file's chunks are
+slices of its row groups of about chunk_bytes of text: the worker of slice k streams the row
+group's batches and keeps the k-th (decoding the ones before it costs little beside tokenizing).
+An Arrow file's chunks are runs of its record batches of about chunk_bytes (the file is
 memory-mapped, so a worker skips to its batches without reading the ones before). A chunk's rows
 are numbered from 1 within it, and the consumer makes them absolute, as corpus.py's lines.
 
@@ -65,11 +67,16 @@ def table_chunks(file_index: int, path: str, input_format: str, chunk_bytes: int
     """Chunks of one table file: Parquet row groups; runs of Arrow record batches of about chunk_bytes."""
     if input_format == "parquet":
         source = _open_parquet(path)
-        row = 0
+        row, index = 0, 0
         for group in range(source.metadata.num_row_groups):
             meta = source.metadata.row_group(group)
-            yield Chunk(file_index, path, group, row, row + meta.num_rows, table=(group, group + 1),
-                        disk=meta.total_byte_size)
+            slices = max(1, min(meta.num_rows, -(-meta.total_byte_size // chunk_bytes)))
+            per = -(-meta.num_rows // slices)
+            for k, first in enumerate(range(0, meta.num_rows, per)):
+                rows = min(per, meta.num_rows - first)
+                yield Chunk(file_index, path, index, row + first, row + first + rows, table=(group, k, per),
+                            disk=meta.total_byte_size * rows // max(meta.num_rows, 1))
+                index += 1
             row += meta.num_rows
         return
     row, first, rows, size, index = 0, 0, 0, 0, 0
@@ -137,9 +144,9 @@ def parse_table_chunk(chunk, input_format: str, keys: Sequence[str]):
 
 
 def _chunk_batches(chunk, input_format: str, keys: Sequence[str]):
-    first, end = chunk.table
     where = f"{chunk.path}: rows {chunk.start + 1}-{chunk.end}"
     if input_format == "parquet":
+        group, wanted, rows = chunk.table
         source = _open_parquet(chunk.path)
         names = source.schema_arrow.names
         missing = [key for key in keys if key not in names]
@@ -147,13 +154,15 @@ def _chunk_batches(chunk, input_format: str, keys: Sequence[str]):
             raise CorpusError(f"{chunk.path}: no column {missing[0]!r} (it has {', '.join(names)}): "
                               "name the text column with --json-keys")
         try:
-            yield from source.iter_batches(batch_size=BATCH_ROWS, row_groups=list(range(first, end)),
-                                           columns=list(keys))
-        except CorpusError:
-            raise
+            for k, batch in enumerate(source.iter_batches(batch_size=rows, row_groups=[group], columns=list(keys))):
+                if k == wanted:
+                    for start in range(0, batch.num_rows, BATCH_ROWS):
+                        yield batch.slice(start, BATCH_ROWS)
+                    return
         except Exception as error:
-            raise CorpusError(f"{where} (row group {first}) are unreadable ({error})") from None
+            raise CorpusError(f"{where} (row group {group}) are unreadable ({error})") from None
         return
+    first, end = chunk.table
     for index, batch in enumerate(_arrow_batches(chunk.path)):
         if index >= end:
             return
