@@ -37,7 +37,10 @@
 # watchdog, resilience.hang_timeout_minutes) restarts; bad input and non-finite training do not, and
 # neither does a stop on SIGTERM. On several nodes give every node's launcher the same N; restart k
 # rendezvous at --master-port + k, so keep those ports free too. --master-port defaults to
-# $MASTER_PORT, else 29500 (as torchrun).
+# $MASTER_PORT, else: on one node a free port below the kernel's ephemeral range, with the
+# restarts' ports after it free too (as torchrun --standalone takes one), so that two jobs can
+# share a node; on several nodes 29500 (as torchrun). On one node, a named port that is in use is
+# refused before anything starts.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -47,7 +50,7 @@ nnodes=""
 node_rank=""
 hostfile=""
 master_addr=""
-master_port="${MASTER_PORT:-29500}"  # torchrun's default, and its reading of MASTER_PORT
+master_port="${MASTER_PORT:-}"  # torchrun's reading of MASTER_PORT; unset: chosen below
 max_restarts=0
 dry_run=0
 # Variables every rank needs besides its launcher's own (exported explicitly where a launcher
@@ -141,6 +144,29 @@ fi
 # The repo's venv (tools/install.sh) when none is active: python, deepspeed and mpiexec come from it.
 if [[ -z "${VIRTUAL_ENV:-}" && -x "$here/.venv/bin/python" ]]; then
   export PATH="$here/.venv/bin:$PATH"
+fi
+
+# --- the rendezvous port -----------------------------------------------------------------------
+free_port() {  # $1: consecutive ports wanted (pretrain/distributed/ports.py)
+  python -c 'import sys; from pretrain.distributed.ports import free_port; print(free_port(int(sys.argv[1])))' "$1"
+}
+port_in_use() {  # as the rendezvous store binds it: a port only in TIME_WAIT is free
+  python -c 'import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind(("", int(sys.argv[1])))
+except OSError:
+    sys.exit(0)
+sys.exit(1)' "$1"
+}
+if [[ -z "$master_port" ]]; then
+  if (( nnodes == 1 )); then
+    master_port="$(PYTHONPATH="$here" free_port $((max_restarts + 1)))"
+  else
+    master_port=29500
+  fi
+elif (( nnodes == 1 )) && port_in_use "$master_port"; then
+  fail "--master-port $master_port is in use on this node (another job's rendezvous?): name a free port, or leave --master-port (and MASTER_PORT) out to take a free one"
 fi
 
 # --- what every rank runs ----------------------------------------------------------------------

@@ -3,6 +3,7 @@ command it runs, and refuses an invalid config before starting anything."""
 import glob
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -16,8 +17,8 @@ COMMON = ["--config", "configs/bert-tiny.yaml", "model.vocab_size=1000", "train.
           "scheduler.warmup_steps=1", "logging.interval=1", "train.global_batch_size=8", "train.micro_batch_size=2"]
 
 
-def launch(*args, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+def launch(*args, timeout=300, **extra_env):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **extra_env)
     return subprocess.run(["bash", str(REPO / "launcher.sh"), *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -207,3 +208,39 @@ def test_environment_reaching_every_node(tmp_path):
     for name, value in passed.items():
         assert exported.get(name) == value, (name, sorted(exported))
     assert "UNRELATED_SETTING" not in exported
+
+
+def test_one_node_takes_a_free_rendezvous_port_and_refuses_a_named_one_in_use():
+    """Two single-node launches without --master-port both took torchrun's 29500 (the second died
+    in EADDRINUSE's traceback): on one node an unnamed port is a free one, taken anew per launch,
+    and a named port in use (flag or MASTER_PORT) is one line naming --master-port."""
+    held = socket.socket()
+    held.bind(("", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    default = socket.socket()
+    try:
+        default.bind(("", 29500))  # torchrun's default taken, as by a first job
+        default.listen()
+    except OSError:
+        pass  # taken already
+    try:
+        for result in (launch("--master-port", str(port), "--dry-run", "pretrain", *COMMON),
+                       launch("--dry-run", "pretrain", *COMMON, MASTER_PORT=str(port))):
+            assert result.returncode == 2, result.stdout
+            assert result.stderr.strip() == (f"launcher.sh: --master-port {port} is in use on this node (another "
+                                             "job's rendezvous?): name a free port, or leave --master-port (and "
+                                             "MASTER_PORT) out to take a free one")
+        chosen = []
+        for _ in range(2):
+            result = launch("--dry-run", "pretrain", *COMMON)
+            assert result.returncode == 0, result.stderr
+            chosen += [int(p) for p in re.findall(r"--master-port (\d+)", result.stdout)]
+        assert len(chosen) == 2 and chosen[0] != chosen[1] and not {port, 29500} & set(chosen), chosen
+        # a real launch beside the held ports: its rendezvous starts and the tool runs
+        result = launch("tool", "tools/inspect_dataset.py", "--help")
+        assert result.returncode == 0, result.stderr
+        assert "usage" in result.stdout and re.search(r"--master-port (\d+)", result.stdout)
+    finally:
+        held.close()
+        default.close()
