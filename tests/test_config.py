@@ -811,3 +811,13 @@ def test_ring_attention_is_modernberts_without_attention_dropout():
             load_config(str(CONFIGS / "bert-tiny.yaml"), ["parallel.context_attention=ring", *overrides]).validate()
     with pytest.raises(ConfigError, match=r"parallel.context_attention \('rings'\) must be one of allgather, ring"):
         load_config(str(CONFIGS / "modernbert-tiny.yaml"), ["parallel.context_attention=rings"]).validate()
+
+
+def test_the_multilingual_recipe_lowers_the_sampling_exponent_phase_by_phase():
+    """configs/recipes/multilingual-base-phase*.yaml: ModernBERT-base's phases with mmBERT's
+    sampling exponents 0.7, 0.5, 0.3 over the languages' sizes in tokens."""
+    for phase, alpha in ((1, 0.7), (2, 0.5), (3, 0.3)):
+        cfg = recipe(f"multilingual-base-phase{phase}.yaml", "data.paths=[en,fr,sw]")
+        base = recipe(f"modernbert-base-phase{phase}.yaml", "data.paths=[en,fr,sw]")
+        assert cfg.data.sampling_exponent() == alpha and base.data.sampling_exponent() is None
+        assert (cfg.data.seq_length, cfg.train.train_steps) == (base.data.seq_length, base.train.train_steps)

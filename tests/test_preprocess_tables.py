@@ -19,6 +19,7 @@ from pretrain.data.preprocess.corpus import CorpusError, iter_documents
 from pretrain.data.preprocess.pipeline import PreprocessError, PreprocessOptions, format_report, preprocess
 from pretrain.data.preprocess.vocab_builder import VocabOptions, build_vocab
 
+pytestmark = pytest.mark.slow  # worker processes
 DOCS = documents(300, seed=4, empty_every=23)
 
 

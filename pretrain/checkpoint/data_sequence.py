@@ -23,7 +23,7 @@ from .vocabulary import loaded_checkpoint
 # from (a corpus is named by its file name, so a moved data directory still resumes), the vocabulary
 # file (checked by content, vocabulary.py), loader workers and caches, packing (the same samples per
 # step, placed in fewer rows) and the validation / test corpora (evaluation only).
-SEQUENCE_KEYS = ("kind", "paths", "weights", "split", "seq_length", "max_predictions_per_seq", "masked_lm_prob",
+SEQUENCE_KEYS = ("kind", "paths", "weights", "weights_unit", "sampling_temperature", "sampling_alpha", "split", "seq_length", "max_predictions_per_seq", "masked_lm_prob",
                  "mask_token_share", "random_token_share",
                  "segment_pairs", "short_seq_prob", "whole_word_masking", "max_ngram", "masking", "seed")
 SYNTHETIC_KEYS = ("num_samples", "synthetic_min_fraction")  # the synthetic corpus's own shape

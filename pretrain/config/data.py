@@ -30,6 +30,12 @@ class DataConfig:
     # indexed data (kind: indexed)
     paths: list[str] = field(default_factory=list)  # dataset prefixes: <prefix>.bin/.idx from tools/preprocess_data.py
     weights: list[float] = field(default_factory=list)  # blending weights, one per path; empty = equal
+    weights_unit: str = "samples"  # what data.weights are shares of: "samples" (Megatron's) or "tokens"
+    # shares by the corpora's sizes in tokens instead of data.weights (pretrain/data/samples/mixture.py):
+    # proportional to tokens^(1/T), or tokens^alpha as XLM-R and mmBERT state it (alpha = 1/T); one of them
+    sampling_temperature: float | None = None
+    sampling_alpha: float | None = None
+    max_epochs: float | None = None  # refuse a blend that reads a corpus more often than this
     vocab_file: str | None = None  # vocab.txt or tokenizer.json the data was preprocessed with
     # train on datasets whose recorded vocabulary is not vocab_file's (a deliberate change; without
     # it such a dataset is refused before the run starts, naming both files)
@@ -118,6 +124,12 @@ class DataConfig:
             return self.max_predictions_per_seq
         return max(1, min(self.seq_length, math.ceil(self.highest_masking_rate() * self.seq_length - 1e-9)))
 
+    def sampling_exponent(self) -> float | None:
+        """alpha of the shares proportional to tokens^alpha; None: by data.weights."""
+        if self.sampling_alpha is not None:
+            return self.sampling_alpha
+        return None if self.sampling_temperature is None else 1.0 / self.sampling_temperature
+
     def _indexed_problems(self) -> list[str]:
         p: list[str] = []
         if not self.paths:
@@ -128,6 +140,17 @@ class DataConfig:
             p.append(f"data.weights has {len(self.weights)} entries for {len(self.paths)} data.paths")
         if any(not w > 0 for w in self.weights):
             p.append(f"data.weights ({self.weights}) must all be > 0")
+        if self.weights_unit not in ("samples", "tokens"):
+            p.append(f"data.weights_unit ({self.weights_unit!r}) must be samples or tokens")
+        sampling = [f"data.{k}" for k in ("sampling_temperature", "sampling_alpha") if getattr(self, k) is not None]
+        if len(sampling) == 2:
+            p.append("data.sampling_temperature and data.sampling_alpha say the same (alpha = 1 / temperature): set one")
+        if sampling and self.weights:
+            p.append(f"{sampling[0]} sets each corpus's share from its size: leave data.weights unset")
+        for key in ("sampling_temperature", "sampling_alpha", "max_epochs"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                p.append(f"data.{key} ({value}) must be > 0")
         try:
             shares = [float(x) for x in self.split.split(",")]
         except ValueError:

@@ -28,6 +28,8 @@ from .index_cache import cached_index, file_fingerprint, mapped_state, from_mapp
 from ..preprocess.indexed import DataError, open_indexed_dataset
 from .masking import MaskingConfig, mask_tokens
 from .batches import SAMPLE_FIELDS
+from .mixture import (MixtureSettings, describe, epochs_read, measured_token_shares, sample_tokens, sample_weights,
+                      token_shares)
 from .segments import SegmentSettings, build_segments
 from .shuffle import FeistelPermutation
 from .token_ids import Vocabulary
@@ -293,9 +295,12 @@ class CorpusSpec:
 def build_split_dataset(corpora: list[CorpusSpec], split_index: int, split: str, num_samples: int,
                         settings: SampleSettings, vocab: Vocabulary, cache_dir: str | None, is_builder: bool,
                         barrier: Callable[[], None] | None,
-                        stores: dict[str, TokenStore] | None = None) -> BertPretrainingDataset | None:
-    """The dataset of one split (0 train, 1 valid, 2 test) blending `corpora`; None when the split
-    holds no documents in any corpus."""
+                        stores: dict[str, TokenStore] | None = None,
+                        mixture: MixtureSettings = MixtureSettings(),
+                        report: Callable[[str], None] | None = None) -> BertPretrainingDataset | None:
+    """The dataset of one split (0 train, 1 valid, 2 test) blending `corpora` by `mixture`
+    (mixture.py); None when the split holds no documents in any corpus. `report`: where the
+    blend's shares asked and achieved are said (the training split's, on one rank)."""
     stores = {} if stores is None else stores
     segment_settings = SegmentSettings(settings.segment_pairs, settings.seq_length, settings.short_seq_prob,
                                        settings.seed)
@@ -333,11 +338,28 @@ def build_split_dataset(corpora: list[CorpusSpec], split_index: int, split: str,
         return None
     blend = None
     if len(splits) > 1:
-        description = {"kind": "blend", "weights": weights, "num_samples": num_samples,
+        max_tokens = SegmentSettings(settings.segment_pairs, settings.seq_length, 0.0, 0).max_num_tokens
+        tokens = [sample_tokens(s.table, s.store.lengths, max_tokens, settings.segment_pairs != "none")
+                  for s in splits]
+        drawn = sample_weights(weights, tokens, mixture)
+        description = {"kind": "blend", "weights": drawn, "num_samples": num_samples,
                        "corpora": [file_fingerprint(s.store.prefix + ".idx") for s in splits]}
         blend, _ = cached_index(cache_dir or _default_cache_dir(corpora[0].prefix), "blend", description,
-                                lambda: (_blending_indices(weights, num_samples), {"weights": weights}),
+                                lambda: (_blending_indices(drawn, num_samples), {"weights": drawn}),
                                 is_builder, barrier)
+        names = [Path(s.store.prefix).name for s in splits]
+        epochs = epochs_read(blend["corpus"], [len(s.table) for s in splits])
+        if mixture.max_epochs is not None:
+            over = [f"{name} ({read:.2f} epochs)" for name, read in zip(names, epochs) if read > mixture.max_epochs]
+            if over:
+                raise DataError(f"the {SPLIT_NAMES[split_index]} blend reads {', '.join(over)}, more than "
+                                f"data.max_epochs ({mixture.max_epochs:g}): lower its share, or raise data.max_epochs")
+        if report is not None:
+            got, measured = measured_token_shares(blend["corpus"], blend["k"], tokens,
+                                                  lambda c, k: splits[c].locate(k)[1])
+            how = (f"sampling alpha {mixture.alpha:g}" if mixture.alpha is not None else
+                   f"data.weights as {mixture.unit}")
+            report(describe(names, token_shares(weights, tokens, mixture), got, epochs, measured, how))
     return BertPretrainingDataset(splits, blend, num_samples, settings, vocab)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import os
 from typing import Callable
@@ -9,6 +10,8 @@ from typing import Callable
 from ...config import Config
 from ..preprocess.dataset_record import dataset_problems
 from .token_ids import VocabError, Vocabulary
+
+logger = logging.getLogger(__name__)
 
 
 def data_file_problems(cfg: Config) -> list[str]:
@@ -84,6 +87,7 @@ def pretraining_datasets(cfg: Config, is_builder: bool, barrier: Callable[[], No
     # torch's and megatron-core's imports
     from ..preprocess.indexed import DataError
     from .bert_dataset import CorpusSpec, SampleSettings, build_split_dataset
+    from .mixture import MixtureSettings
 
     try:
         vocab = Vocabulary.from_file(d.vocab_file)
@@ -101,7 +105,10 @@ def pretraining_datasets(cfg: Config, is_builder: bool, barrier: Callable[[], No
     corpora = [CorpusSpec(prefix, w) for prefix, w in zip(d.paths, weights)]
     stores: dict = {}
     common = dict(vocab=vocab, cache_dir=d.index_cache_dir, is_builder=is_builder, barrier=barrier, stores=stores)
-    train = build_split_dataset(corpora, 0, d.split, t.train_steps * t.global_batch_size, settings=settings, **common)
+    mixture = MixtureSettings(unit=d.weights_unit, alpha=d.sampling_exponent(), max_epochs=d.max_epochs)
+    common["mixture"] = mixture
+    train = build_split_dataset(corpora, 0, d.split, t.train_steps * t.global_batch_size, settings=settings,
+                                report=logger.info if is_builder else None, **common)
     if train is None:
         raise DataError(f"data.split {d.split!r} leaves no training documents in {', '.join(d.paths)}")
     eval_samples = max(1, cfg.eval.steps) * t.global_batch_size
