@@ -16,6 +16,7 @@ the lines the trainer logged.
 import json
 import os
 import sys
+import time
 
 # The heavy imports are inside the functions: a loader process started from the forkserver runs
 # the main script again (multiprocessing's preparation of __main__), which must stay cheap.
@@ -147,6 +148,7 @@ def main():
     launch.export_to(os.environ)  # DeepSpeed reads LOCAL_RANK and the master address there
     results, parallel, layout = {}, None, None
     for run in runs:
+        started = time.perf_counter()
         tp, pp, cp = run.get("tp", job_tp), run.get("pp", job_pp), run.get("cp", 1)
         if (tp, pp, cp) != layout:
             parallel, layout = init_parallel(launch, tp, pp, timeout_minutes=3, context_parallel=cp), (tp, pp, cp)
@@ -173,6 +175,7 @@ def main():
         if run.get("evaluate"):
             results[run["name"]]["evaluation"] = trainer.evaluate()
         trainer.close_loaders()  # the evaluation's loader processes (training closed its own)
+        results[run["name"]]["seconds"] = time.perf_counter() - started  # where a job's time goes
     finish(parallel, out_path, results)
 
 

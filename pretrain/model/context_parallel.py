@@ -79,21 +79,46 @@ def blocked_attention(query, key, value, sample_ids, keys: KeyLayout, split: Con
     ids = sample_ids.reshape(-1)
     starts, ends = document_bounds(sample_ids, cache)
     reach = half_window if half_window is not None else ids.numel()
-    outputs, offset = [], 0
+    pieces, offset = [], 0  # (first and one-past-last query of the share, first row position, key span)
     for a, b in split.mine:
         for q0 in range(a, b, block):
             q1 = min(q0 + block, b)
-            lo, hi = max(starts[q0], q0 - reach), min(ends[q1 - 1], q1 + reach)
-            at = keys.locate(lo, hi)
-            q = query[offset + q0 - a:offset + q1 - a]
-            k, v = key[at:at + hi - lo], value[at:at + hi - lo]
-            args = (q, k, v, ids[q0:q1], ids[lo:hi], q0 - lo, half_window, dropout_p, scale)
-            if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-                outputs.append(checkpoint(_attend_block, *args, use_reentrant=False))
-            else:
-                outputs.append(_attend_block(*args))
+            pieces.append((offset + q0 - a, offset + q1 - a, q0, max(starts[q0], q0 - reach),
+                           min(ends[q1 - 1], q1 + reach)))
         offset += b - a
+    share_ids = None
+    if half_window is None and len(pieces) > len(split.mine) // 2 + 1:
+        # global layers over many short runs (pieces of short documents): consecutive runs attend
+        # as one block while it stays within `block` queries and twice their own key spans
+        pieces, share_ids = _merged(pieces, block), split.local(ids)
+    outputs = []
+    for first, last, q0, lo, hi in pieces:
+        at = keys.locate(lo, hi)
+        q, k, v = query[first:last], key[at:at + hi - lo], value[at:at + hi - lo]
+        ids_q = ids[q0:q0 + last - first] if share_ids is None else share_ids[first:last]
+        args = (q, k, v, ids_q, ids[lo:hi], q0 - lo, half_window, dropout_p, scale)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            outputs.append(checkpoint(_attend_block, *args, use_reentrant=False))
+        else:
+            outputs.append(_attend_block(*args))
     return torch.cat(outputs) if outputs else query.new_zeros(query.shape)
+
+
+def _merged(pieces: list[tuple], block: int) -> list[tuple]:
+    """Consecutive query pieces of a global layer as fewer blocks: a piece joins the block before
+    it while the block holds at most `block` queries and its key span at most twice its pieces'
+    spans (the keys between two runs' documents are computed and masked)."""
+    out, own = [], 0
+    for first, last, q0, lo, hi in pieces:
+        if out:
+            f, l, s, blo, bhi = out[-1]
+            span = max(bhi, hi) - min(blo, lo)
+            if last - f <= block and span <= 2 * (own + hi - lo):
+                out[-1], own = (f, last, s, min(blo, lo), max(bhi, hi)), own + hi - lo
+                continue
+        out.append((first, last, q0, lo, hi))
+        own = hi - lo
+    return out
 
 
 def document_bounds(sample_ids: torch.Tensor, cache: MicroBatchCache | None = None) -> tuple[list[int], list[int]]:
@@ -105,7 +130,8 @@ def document_bounds(sample_ids: torch.Tensor, cache: MicroBatchCache | None = No
 
 
 def _attend_block(q, k, v, ids_q, ids_k, offset: int, half_window, dropout_p, scale):
-    """Token-major q [B, h, d] at row positions offset + 0..B-1 relative to k's first, k and v [S, h, d]."""
+    """Token-major q [B, h, d] at row positions offset + 0..B-1 relative to k's first (a local
+    layer's; a global layer's block may gather several runs), k and v [S, h, d]."""
     allowed = ids_q[:, None] == ids_k[None, :]
     if half_window is not None:
         distance = torch.arange(k.shape[0], device=q.device)[None, :] - offset - \
