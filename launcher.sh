@@ -55,7 +55,7 @@ max_restarts=0
 dry_run=0
 # Variables every rank needs besides its launcher's own (exported explicitly where a launcher
 # does not pass the whole environment: Open MPI, and DeepSpeed's ssh mode).
-passthrough_re='^(GLOO_|NCCL_|OMP_|TP_SOCKET_IFNAME|MASTER_PORT|PYTHON|PYTORCH_|TORCH_|CUDA_|FI_|UCX_|LD_LIBRARY_PATH=|HF_|BERT_)'
+passthrough_re='^(GLOO_|NCCL_|OMP_|TP_SOCKET_IFNAME|MASTER_PORT|PYTHON|PYTORCH_|TORCH_|CUDA_|FI_|UCX_|LD_LIBRARY_PATH=|HF_|BERT_|WANDB_|MLFLOW_)'
 
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit "${1:-2}"; }
 fail() { echo "launcher.sh: $*" >&2; exit 2; }

@@ -69,8 +69,9 @@ def start(args: argparse.Namespace) -> int:
         from .checkpoint.starting_point import starting_point_problems
         from .checkpoint.vocabulary import vocabulary_problems
         from .data.samples.provider import data_file_problems
+        from .observability.trackers import tracker_problems
 
-        problems += starting_point_problems(cfg) + save_dir_problems(cfg)
+        problems += starting_point_problems(cfg) + save_dir_problems(cfg) + tracker_problems(cfg)
         problems += data_file_problems(cfg) + vocabulary_problems(cfg) + data_sequence_problems(cfg)
         if args.restartable and not (cfg.checkpoint.save_dir and cfg.checkpoint.load_dir):
             problems.append("launcher.sh --max-restarts: a restart resumes from checkpoint.load_dir's latest checkpoint; "

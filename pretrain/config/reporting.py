@@ -31,6 +31,18 @@ class LoggingConfig:
 
     interval: int = 10  # steps between log lines
     tensorboard_dir: str | None = None
+    # Weights & Biases and MLflow beside TensorBoard (pretrain/observability/trackers.py; the extras
+    # of the same names): the same scalars by step, the config, the checkpoints saved. Set the
+    # project / experiment to turn one on. wandb_mode offline writes under wandb_dir (default: the
+    # save_dir, else the working directory) for a later `wandb sync`; the MLflow store is
+    # mlflow_tracking_uri (default: MLflow's own, MLFLOW_TRACKING_URI or ./mlruns)
+    wandb_project: str | None = None
+    wandb_run_name: str | None = None
+    wandb_mode: str = "online"
+    wandb_dir: str | None = None
+    mlflow_experiment: str | None = None
+    mlflow_run_name: str | None = None
+    mlflow_tracking_uri: str | None = None
     # time each phase of a step (data, forward, backward, gradient reduction, optimizer; ms per step
     # on the log line and time/* in TensorBoard); on a GPU it synchronises at every phase boundary
     timers: bool = False
@@ -51,6 +63,8 @@ class LoggingConfig:
     def problems(self) -> list[str]:
         p: list[str] = []
         positive(p, "logging.interval", self.interval)
+        if self.wandb_mode not in ("online", "offline"):
+            p.append(f"logging.wandb_mode ({self.wandb_mode!r}) must be online or offline")
         positive(p, "logging.straggler_windows", self.straggler_windows)
         non_negative(p, "logging.straggler_share", self.straggler_share)
         if self.profile_steps:

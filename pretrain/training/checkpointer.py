@@ -47,6 +47,7 @@ class Checkpointer:
         # checkpoint last loaded (a resume's, a rollback's) kept
         self.trainer_state: Callable[[], dict] = dict
         self.loaded_state: dict = {}
+        self.on_saved: Callable[[str, int], None] | None = None  # (path, step) of each complete save
         # tokens trained on in the phases before this run's (checkpoint.new_phase), kept in its checkpoints
         self.tokens_before_phase = 0
         # the longest sequence length the starting weights were trained at (a resumed or init_from
@@ -97,6 +98,8 @@ class Checkpointer:
                                                     self._trainer_state())
             self.watchdog.progress(f"the save of step {step}", step)
         logger.info(f"saved checkpoint {t.save_dir}/{tag}")
+        if self.on_saved is not None:
+            self.on_saved(f"{t.save_dir}/{tag}", step)
 
     def _trainer_state(self) -> dict:
         """meta.json's "trainer_state": the trainer's parts', and the longest length trained at."""
@@ -149,6 +152,8 @@ class Checkpointer:
             job.reported = True
             logger.info(f"saved checkpoint {self.cfg.checkpoint.save_dir}/{tag_for(job.step)} (written in the "
                         f"background in {job.seconds:.1f} s)")
+            if self.on_saved is not None:
+                self.on_saved(f"{self.cfg.checkpoint.save_dir}/{tag_for(job.step)}", job.step)
 
     def _store(self) -> SaveStore | None:
         """The job's store, through which the ranks agree on a background save (None: one rank)."""

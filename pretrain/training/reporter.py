@@ -1,6 +1,7 @@
-"""What a pretraining run reports: the console line of each log window, TensorBoard scalars, the
-evaluation results file, and the first steps' memory beside the planner's prediction. It owns
-the run's history (every step's reduced metrics), which stays readable after a failure."""
+"""What a pretraining run reports: the console line of each log window, TensorBoard scalars (and
+the same to Weights & Biases and MLflow, observability/trackers.py), the evaluation results file,
+and the first steps' memory beside the planner's prediction. It owns the run's history (every
+step's reduced metrics), which stays readable after a failure."""
 from __future__ import annotations
 
 import logging
@@ -23,6 +24,7 @@ from ..observability.console import duration
 from ..observability.device_memory import MB
 from ..observability.stragglers import WindowFigures
 from ..observability.timers import PHASE_LABELS
+from ..observability.trackers import Trackers
 from ..plan import predict_rank_memory
 
 logger = logging.getLogger(__name__)
@@ -46,10 +48,19 @@ class Reporter:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(tensorboard_dir)
+        self.trackers = Trackers(cfg, cfg.to_dict()) if self.reports else None
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.flush()
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
+
+    def checkpoint_saved(self, path: str, step: int) -> None:
+        """A checkpoint is complete: the trackers record its path."""
+        if self.trackers is not None:
+            self.trackers.checkpoint(path, step)
 
     @property
     def nsp_keys(self) -> tuple[str, ...]:
@@ -57,6 +68,8 @@ class Reporter:
         return ("nsp_loss", "nsp_accuracy") if self.cfg.binary_head else ()
 
     def scalars(self, prefix: str, values: dict, step: int, consumed_samples: int) -> None:
+        if self.trackers is not None:  # by step (their own x-axis choices plot them against anything logged)
+            self.trackers.scalars({f"{prefix}/{name}": value for name, value in values.items()}, step)
         if self.writer is None:
             return
         for name, value in values.items():
@@ -84,6 +97,8 @@ class Reporter:
         if ranks is not None and self.writer is not None:  # by step only: one scalar per rank and figure
             for name, value in ranks.scalars().items():
                 self.writer.add_scalar(f"stragglers/{name}", value, step)
+        if ranks is not None and self.trackers is not None:
+            self.trackers.scalars({f"stragglers/{name}": value for name, value in ranks.scalars().items()}, step)
         phases = " ".join(f"{PHASE_LABELS[phase]} {ms:.0f}" for phase, ms in phase_ms.items())
         nsp = f"| nsp {metrics['nsp_loss']:.4f} " if self.cfg.binary_head else ""
         logger.info(

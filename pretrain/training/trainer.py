@@ -75,6 +75,7 @@ class Trainer:
         r = cfg.resilience
         self.stops = StopRequests(r.stop_check_interval, r.exit_duration_minutes, parallel, started)
         self.checkpointer = Checkpointer(cfg, parallel, self.engine, self.model, self.tracker, self.watchdog)
+        self.checkpointer.on_saved = self.reporter.checkpoint_saved
         self.spikes = SpikePolicy(cfg, parallel, built.guard, self.loss_fn)
         self.checkpointer.trainer_state = lambda: dict(self.spikes.state(), **self._token_state())
 
