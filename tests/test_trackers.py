@@ -81,3 +81,17 @@ def test_trackers_get_tensorboards_series_and_continue_after_a_resume(tmp_path, 
     assert run.data.tags["last_checkpoint"] == f"{save}/iter_0000006"
     assert {m.step for m in client.get_metric_history(run_id, "checkpoint/step")} == {3, 6}
     assert sorted(wandb["checkpoint/step"]) == [3, 6]
+
+
+def test_a_tracker_that_cannot_start_is_one_line_naming_its_key(tmp_path, monkeypatch):
+    """MLflow 3 refusing a local file store without its opt-in: one line naming the key and the URI
+    (W&B's online start needs the network, which the tests have not)."""
+    from pretrain.common.errors import UserError
+    from pretrain.observability.trackers import Trackers
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "false")
+    cfg = load_config("configs/bert-tiny.yaml", ["logging.mlflow_experiment=e",
+                                                 f"logging.mlflow_tracking_uri=file://{tmp_path / 'mlruns'}"])
+    with pytest.raises(UserError, match=r"^logging.mlflow_experiment: the tracker could not start its run "
+                                        r"\(MlflowException: .*\); check logging.mlflow_tracking_uri \(file://"):
+        Trackers(cfg, cfg.to_dict())

@@ -20,6 +20,7 @@ import os
 import time
 
 from ..common.atomic import atomic_outputs
+from ..common.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +56,13 @@ class Trackers:
         ids = self._read_ids()
         self.backends = []
         if lg.wandb_project:
-            self.backends.append(WandbTracker(lg, ids.get("wandb"), stored_config, self.save_dir))
+            self.backends.append(_started("logging.wandb_project", "log in (wandb login, or WANDB_API_KEY), or set "
+                                          "logging.wandb_mode=offline",
+                                          lambda: WandbTracker(lg, ids.get("wandb"), stored_config, self.save_dir)))
         if lg.mlflow_experiment:
-            self.backends.append(MlflowTracker(lg, ids.get("mlflow"), stored_config))
+            self.backends.append(_started("logging.mlflow_experiment", "check logging.mlflow_tracking_uri "
+                                          f"({lg.mlflow_tracking_uri or 'MLflow default'})",
+                                          lambda: MlflowTracker(lg, ids.get("mlflow"), stored_config)))
         if self.backends and self.save_dir:
             self._write_ids({backend.name: backend.run_id for backend in self.backends})
 
@@ -89,6 +94,16 @@ class Trackers:
     def close(self) -> None:
         for backend in self.backends:
             backend.close()
+
+
+def _started(key: str, advice: str, start):
+    """The tracker `start()` makes; its failure to start (no login, no server) one line naming the key."""
+    try:
+        return start()
+    except Exception as error:  # noqa: BLE001 (any of the tracker's own errors: not ours to list)
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"{key}: the tracker could not start its run ({type(error).__name__}: {first}); "
+                        f"{advice}") from None
 
 
 class WandbTracker:
