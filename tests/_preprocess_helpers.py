@@ -82,3 +82,13 @@ class DyingAtStartEncoder(ChunkEncoder):
 
     def __init__(self, options):
         os._exit(3)
+
+
+def small_vocab(directory) -> str:
+    """A 200-entry WordPiece vocab.txt (and tokenizer.json) learnt from documents(400) in `directory`."""
+    from pretrain.data.preprocess.vocab_builder import VocabOptions, build_vocab
+
+    corpus = write_jsonl(os.path.join(directory, "c.jsonl"), documents(400, seed=1))
+    build_vocab([corpus], "jsonl", ["text"], VocabOptions(vocab_size=200), os.path.join(directory, "vocab.txt"),
+                os.path.join(directory, "tokenizer.json"))
+    return os.path.join(directory, "vocab.txt")

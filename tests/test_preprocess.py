@@ -20,7 +20,8 @@ import zstandard
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 from tokenizers.implementations import BertWordPieceTokenizer
 
-from _preprocess_helpers import DyingAtStartEncoder, DyingEncoder, RaisingEncoder, documents, hard_wrap, write_jsonl
+from _preprocess_helpers import (DyingAtStartEncoder, DyingEncoder, RaisingEncoder, documents, hard_wrap, small_vocab,
+                                 write_jsonl)
 from pretrain.data.preprocess.corpus import CorpusError
 from pretrain.data.preprocess.encode import SentenceSplitter
 from pretrain.data.preprocess.indexed import (
@@ -32,7 +33,6 @@ from pretrain.data.preprocess.indexed import (
 from pretrain.data.preprocess.merge import merge_datasets
 from pretrain.data.preprocess.pipeline import PreprocessError, PreprocessOptions, format_report, preprocess
 from pretrain.data.preprocess.tokenizer import SPECIAL_TOKENS, TokenizerError
-from pretrain.data.preprocess.vocab_builder import VocabOptions, build_vocab
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = dict(progress=False)
@@ -40,11 +40,7 @@ QUIET = dict(progress=False)
 
 @pytest.fixture(scope="module")
 def vocab(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("vocab")
-    corpus = write_jsonl(str(out / "c.jsonl"), documents(400, seed=1))
-    build_vocab([corpus], "jsonl", ["text"], VocabOptions(vocab_size=200), str(out / "vocab.txt"),
-                str(out / "tokenizer.json"))
-    return str(out / "vocab.txt")
+    return small_vocab(str(tmp_path_factory.mktemp("vocab")))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from _preprocess_helpers import documents, write_jsonl
+from _preprocess_helpers import documents, small_vocab, write_jsonl
 from pretrain.data.preprocess.corpus import CorpusError, iter_documents
 from pretrain.data.preprocess.pipeline import PreprocessError, PreprocessOptions, format_report, preprocess
 from pretrain.data.preprocess.vocab_builder import VocabOptions, build_vocab
@@ -25,11 +25,7 @@ DOCS = documents(300, seed=4, empty_every=23)
 
 @pytest.fixture(scope="module")
 def vocab(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("vocab")
-    corpus = write_jsonl(str(out / "c.jsonl"), documents(400, seed=1))
-    build_vocab([corpus], "jsonl", ["text"], VocabOptions(vocab_size=200), str(out / "vocab.txt"),
-                str(out / "tokenizer.json"))
-    return str(out / "vocab.txt")
+    return small_vocab(str(tmp_path_factory.mktemp("vocab")))
 
 
 def write_parquet(path, docs, row_group_size=40, **columns):
