@@ -6,12 +6,24 @@ writes; the config and the checkpoints' paths reach both; a missing package is o
 the extra."""
 import glob
 import json
+import os
 
 import pytest
 
 import _wandb_log
-from distributed import run_ranks
+from distributed import REPO, ranks_pythonpath, run_ranks
 from pretrain.config import ConfigError, load_config
+
+# wandb and mlflow, installed by tools/install.sh beside the venv's packages (see there why)
+TRACKERS = REPO / ".venv" / "trackers"
+
+
+@pytest.fixture
+def trackers_on_path(monkeypatch):
+    assert (TRACKERS / "wandb").is_dir() and (TRACKERS / "mlflow").is_dir(), \
+        f"{TRACKERS} holds no wandb and mlflow: run tools/install.sh"
+    monkeypatch.syspath_prepend(str(TRACKERS))
+    return str(TRACKERS)
 
 SERIES = ("train/lm_loss", "train/learning_rate", "perf/real_tokens_per_second", "eval/lm_loss")
 
@@ -31,7 +43,7 @@ def test_a_missing_tracker_package_is_one_line_naming_the_extra(monkeypatch):
 
 
 @pytest.mark.slow
-def test_trackers_get_tensorboards_series_and_continue_after_a_resume(tmp_path, monkeypatch):
+def test_trackers_get_tensorboards_series_and_continue_after_a_resume(tmp_path, monkeypatch, trackers_on_path):
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -44,7 +56,8 @@ def test_trackers_get_tensorboards_series_and_continue_after_a_resume(tmp_path, 
             json.dumps({"name": "second", "overrides": base + [f"checkpoint.load_dir={save}"]})]
     out = tmp_path / "out.json"
     run_ranks(["tests/_train_worker.py", str(out), "1", "1", *runs], 2, timeout=600,
-              env={"WANDB_SILENT": "true", "MLFLOW_ALLOW_FILE_STORE": "true"})
+              env={"WANDB_SILENT": "true", "MLFLOW_ALLOW_FILE_STORE": "true",
+                   "PYTHONPATH": f"{ranks_pythonpath()}{os.pathsep}{trackers_on_path}"})
     results = json.loads(out.read_text())
     assert [len(results[n]["history"]) for n in ("first", "second")] == [3, 3]
 
@@ -83,7 +96,7 @@ def test_trackers_get_tensorboards_series_and_continue_after_a_resume(tmp_path, 
     assert sorted(wandb["checkpoint/step"]) == [3, 6]
 
 
-def test_a_tracker_that_cannot_start_is_one_line_naming_its_key(tmp_path, monkeypatch):
+def test_a_tracker_that_cannot_start_is_one_line_naming_its_key(tmp_path, monkeypatch, trackers_on_path):
     """MLflow 3 refusing a local file store without its opt-in: one line naming the key and the URI
     (W&B's online start needs the network, which the tests have not)."""
     from pretrain.common.errors import UserError

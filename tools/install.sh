@@ -23,6 +23,15 @@ quietly() {  # run a pip step into the log; on failure show the log and fail
 quietly python -m pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || quietly python -m pip install -q "torch==2.13.0"
 quietly python -m pip install -q -e ".[test]" -e tests/bert-fakegpu
+# The experiment trackers tests/test_trackers.py exercises (the wandb and mlflow extras) live beside
+# the venv's packages, not among them: DeepSpeed and megatron-core import wandb and mlflow whenever
+# they are installed, about 1.2 s more at every process start, which the suite's hundreds of ranks
+# would all pay. Their dependencies stay in the venv; the two packages move to .venv/trackers, which
+# only that test puts on its path.
+quietly python -m pip install -q "wandb>=0.17" "mlflow-skinny>=2.10"
+site=$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+rm -rf .venv/trackers && mkdir -p .venv/trackers
+mv "$site"/wandb "$site"/wandb-*.dist-info "$site"/mlflow "$site"/mlflow_skinny-*.dist-info .venv/trackers/
 # the project's bytecode, written once: nobody compiles an editable install, and where
 # PYTHONDONTWRITEBYTECODE is set (CI images often set it) every process would compile the ~300
 # modules it imports from source again (about 1 s of each rank's start)
