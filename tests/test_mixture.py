@@ -113,3 +113,18 @@ def test_mixture_settings_are_checked_and_define_the_sample_sequence(tmp_path):
     cfg = load_config("configs/bert-tiny.yaml", base + ["data.sampling_temperature=2"])
     assert cfg.data.sampling_exponent() == 0.5
     assert {"weights_unit", "sampling_temperature", "sampling_alpha"} <= set(SEQUENCE_KEYS)
+
+
+def test_the_epochs_counted_without_a_scan_are_the_blends_own(corpora):
+    """epochs_read from the weights equals the blend index's own counts (within one sample)."""
+    from pretrain.data.samples.mixture import epochs_read, sample_tokens, sample_weights
+    from pretrain.data.samples.segments import SegmentSettings
+
+    dataset = build(corpora, [0.2, 0.3, 0.5], MixtureSettings("tokens"))
+    max_tokens = SegmentSettings("none", 64, 0.0, 0).max_num_tokens
+    tokens = [sample_tokens(s.table, s.store.lengths, max_tokens, False) for s in dataset.splits]
+    sizes = [len(s.table) for s in dataset.splits]
+    counted = np.bincount(dataset.blend["corpus"].astype(np.int64), minlength=3)
+    for read, count, size in zip(epochs_read(sample_weights([0.2, 0.3, 0.5], tokens, MixtureSettings("tokens")),
+                                             SAMPLES, sizes), counted, sizes):
+        assert abs(read * size - count) <= 1, (read * size, count)

@@ -29,6 +29,7 @@ RUN_IDS = "trackers.json"
 PACKAGES = (("wandb_project", "wandb", "wandb"), ("mlflow_experiment", "mlflow", "mlflow"))
 MLFLOW_PARAM_CHARS = 500  # MLflow's limit on a parameter's value
 MLFLOW_BATCH = 100  # params per log_batch call (MLflow's limit)
+MLFLOW_METRICS = 1000  # metrics per log_batch call (MLflow's limit; a large job's stragglers/* exceed it)
 
 
 def tracker_problems(cfg) -> list[str]:
@@ -158,8 +159,9 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(key, float(value), now, step)
-                                                    for key, value in values.items()])
+        metrics = [Metric(key, float(value), now, step) for key, value in values.items()]
+        for first in range(0, len(metrics), MLFLOW_METRICS):
+            self.client.log_batch(self.run_id, metrics=metrics[first:first + MLFLOW_METRICS])
 
     def checkpoint(self, path: str, step: int) -> None:
         self.scalars({"checkpoint/step": step}, step)

@@ -348,7 +348,7 @@ def build_split_dataset(corpora: list[CorpusSpec], split_index: int, split: str,
                                 lambda: (_blending_indices(drawn, num_samples), {"weights": drawn}),
                                 is_builder, barrier)
         names = [Path(s.store.prefix).name for s in splits]
-        epochs = epochs_read(blend["corpus"], [len(s.table) for s in splits])
+        epochs = epochs_read(drawn, num_samples, [len(s.table) for s in splits])
         if mixture.max_epochs is not None:
             over = [f"{name} ({read:.2f} epochs)" for name, read in zip(names, epochs) if read > mixture.max_epochs]
             if over:

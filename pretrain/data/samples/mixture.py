@@ -57,10 +57,12 @@ def token_shares(weights: list[float], tokens: list[np.ndarray], mixture: Mixtur
 MEASURED_SAMPLES = 50_000  # the start-up report measures token shares on the blend's first samples
 
 
-def epochs_read(blend_corpus: np.ndarray, table_sizes: list[int]) -> list[float]:
-    """How many times the run reads each corpus's samples (its draws over its table's size)."""
-    counts = np.bincount(blend_corpus.astype(np.int64), minlength=len(table_sizes))
-    return [int(n) / max(size, 1) for n, size in zip(counts, table_sizes)]
+def epochs_read(weights: list[float], num_samples: int, table_sizes: list[int]) -> list[float]:
+    """How many times the run reads each corpus's samples: its draws over its table's size. The
+    blend (megatron-core's build_blending_indices) keeps every corpus's draws within one sample of
+    its share of num_samples, so the count needs no scan of an index that may hold billions."""
+    total = sum(weights)
+    return [w / total * num_samples / max(size, 1) for w, size in zip(weights, table_sizes)]
 
 
 def measured_token_shares(blend_corpus: np.ndarray, blend_k: np.ndarray, tokens: list[np.ndarray],
