@@ -4,13 +4,14 @@ usage: python tools/preprocess_data.py --input FILE|GLOB [...] --output-prefix P
            (--vocab-file vocab.txt | --tokenizer-json tokenizer.json) [--tokenizer-type T]
            [--input-format jsonl|text-lines|text-blank-lines|parquet|arrow] [--json-keys text ...]
            [--split-sentences [--keep-newlines]] [--append-eod] [--workers N] [--partitions N]
-           [--dtype auto|uint16|int32|int64] [--strict] [--log-interval DOCS]
+           [--dtype auto|uint16|int32|int64] [--strict] [--log-interval DOCS] [--group-by KEY]
 
 Writes <PREFIX>_<key>_sentence.{bin,idx} (with --split-sentences: one item per sentence) or
 <PREFIX>_<key>_document.{bin,idx} (one item per document), readable by megatron-core's
 IndexedDataset, and <PREFIX>_<key>_*.fingerprint.json beside them (sizes and checksums, the
-vocabulary and the token counts: docs/data.md). An output of mostly padding or special tokens
-is refused. Flags follow Megatron-LM's tools/preprocess_data.py where the concept is the same.
+vocabulary and the token counts: docs/data.md). With --group-by, one dataset per value of that key
+or column, <PREFIX>_<value>_<key>_*, and their manifest <PREFIX>_<key>_*.groups.json. An output of
+mostly padding or special tokens is refused. Flags follow Megatron-LM's tools/preprocess_data.py where the concept is the same.
 Exit status: 0 done, 1 error (nothing written), 2 bad usage, 130 interrupted.
 """
 from __future__ import annotations
@@ -47,6 +48,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument("--keep-newlines", action="store_true",
                        help="with --split-sentences: a line break inside a document always ends a sentence "
                             "(by default line breaks are spaces, right for hard-wrapped text)")
+    group.add_argument("--group-by", metavar="KEY",
+                       help="jsonl, parquet, arrow: a JSON key or column (a language, a source) whose every value "
+                            "gets its own dataset, <PREFIX>_<value>_<key>_<level>, listed with its tokens in "
+                            "<PREFIX>_<key>_<level>.groups.json; name that manifest in data.paths to train on all of "
+                            "them (data.sampling_alpha weighs them by size)")
+    group.add_argument("--max-groups", type=positive_int, default=4096,
+                       help="with --group-by: the most distinct values allowed (default 4096)")
     group.add_argument("--strict", action="store_true",
                        help="a malformed line (bad JSON, missing key, non-string value, invalid UTF-8) is an "
                             "error instead of a counted skip")
@@ -100,7 +108,7 @@ def run(args: argparse.Namespace) -> int | None:
         input_format=args.input_format, split_sentences=args.split_sentences, keep_newlines=args.keep_newlines,
         append_eod=args.append_eod, workers=args.workers, partitions=args.partitions,
         log_interval=args.log_interval, dtype=args.dtype, strict=args.strict, chunk_bytes=args.chunk_bytes,
-        progress=not args.quiet,
+        progress=not args.quiet, group_by=args.group_by, max_groups=args.max_groups,
     )
     try:
         report = preprocess(options)  # its notes are warnings: on stderr (pretrain/observability/console.py)

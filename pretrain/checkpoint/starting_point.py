@@ -19,6 +19,7 @@ import os
 from typing import Sequence
 
 from ..config import Config, ConfigError, load_config
+from ..data.preprocess.groups import expand_group_manifests
 from ..data.samples.provider import vocab_size_from_tokenizer
 from .errors import CheckpointError
 from .filenames import CONFIG_JSON, LATEST, META
@@ -111,8 +112,10 @@ def inherit_model_keys(tree: dict) -> dict:
 def load_run_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
     """A run's config: the YAML and the overrides (pretrain.config.load_config), with every model.*
     key they leave unset taken from checkpoint.init_from (inherit_model_keys), and model.vocab_size
-    null from data.vocab_file's tokenizer (vocab_size_from_tokenizer)."""
-    return load_config(path, overrides, inherit=lambda tree: vocab_size_from_tokenizer(inherit_model_keys(tree)))
+    null from data.vocab_file's tokenizer (vocab_size_from_tokenizer), and a corpus-group manifest in
+    data.paths replaced by its datasets (expand_group_manifests)."""
+    return load_config(path, overrides, inherit=lambda tree: expand_group_manifests(
+        vocab_size_from_tokenizer(inherit_model_keys(tree))))
 
 
 def starting_point_problems(cfg: Config) -> list[str]:

@@ -1,5 +1,6 @@
 """Writing outputs so that an interrupted run never leaves one that looks complete: the project's
-one atomic writer (atomic_outputs for files written by a program, directory_output for a directory
+one atomic writer (atomic_outputs for files written by a program, atomic_output_set for files
+whose names are learnt while writing, directory_output for a directory
 written whole, such as an exported model, replace_durably for a small text file that must be
 replaced in one step, such as a checkpoint's `latest`).
 
@@ -25,8 +26,8 @@ from typing import Iterator, Sequence
 
 from .diskspace import disk_full_named
 
-__all__ = ["temp_path", "atomic_outputs", "directory_output", "replace_durably", "remove_quietly", "umask",
-           "honour_umask"]
+__all__ = ["temp_path", "atomic_outputs", "atomic_output_set", "AtomicOutputSet", "directory_output",
+           "replace_durably", "remove_quietly", "umask", "honour_umask"]
 
 
 def _proc_umask() -> int | None:
@@ -86,26 +87,52 @@ def remove_quietly(paths: Sequence[str]) -> None:
             os.remove(path)
 
 
+class AtomicOutputSet:
+    """atomic_outputs for outputs learnt while writing (one dataset per value of a column, say):
+    ``temp(final)`` names the temporary file of each final path as it comes; the renames happen in
+    that order, after the block (atomic_output_set)."""
+
+    def __init__(self, tag: str | None = None):
+        self.tag = tag
+        self.temps: dict[str, str] = {}
+
+    def temp(self, final: str) -> str:
+        if final not in self.temps:
+            self.temps[final] = temp_path(final, self.tag)
+        return self.temps[final]
+
+
+@contextlib.contextmanager
+def atomic_output_set(directory: str, what: str, tag: str | None = None) -> Iterator[AtomicOutputSet]:
+    """Yield an AtomicOutputSet; on success rename each temporary file over its final name (in the
+    order they were named), on any exception (KeyboardInterrupt included) delete the temporary
+    files. A full disk becomes one DiskFullError naming `directory`, `what` and the space left."""
+    outputs = AtomicOutputSet(tag)
+    try:
+        with disk_full_named(directory, what):
+            yield outputs
+        missing = [t for t in outputs.temps.values() if not os.path.exists(t)]
+        if missing:
+            raise FileNotFoundError(f"expected output {missing[0]!r} was not written")
+        for temp in outputs.temps.values():
+            honour_umask(temp)
+    except BaseException:
+        remove_quietly(list(outputs.temps.values()))
+        raise
+    finals = list(outputs.temps)
+    remove_quietly(list(reversed(finals)))
+    for final in finals:
+        os.replace(outputs.temps[final], final)
+
+
 @contextlib.contextmanager
 def atomic_outputs(finals: Sequence[str], tag: str | None = None) -> Iterator[dict[str, str]]:
     """Yield {final: temporary path}; on success rename each temporary file over its final name
     (in order), on any exception (KeyboardInterrupt included) delete the temporary files. A full
     disk becomes one DiskFullError naming the directory, the files and the space left."""
-    temps = {final: temp_path(final, tag) for final in finals}
-    try:
-        with disk_full_named(os.path.dirname(finals[0]) or ".", ", ".join(os.path.basename(f) for f in finals)):
-            yield temps
-        missing = [t for t in temps.values() if not os.path.exists(t)]
-        if missing:
-            raise FileNotFoundError(f"expected output {missing[0]!r} was not written")
-        for temp in temps.values():
-            honour_umask(temp)
-    except BaseException:
-        remove_quietly(list(temps.values()))
-        raise
-    remove_quietly(list(reversed(finals)))
-    for final in finals:
-        os.replace(temps[final], final)
+    what = ", ".join(os.path.basename(f) for f in finals)
+    with atomic_output_set(os.path.dirname(finals[0]) or ".", what, tag) as outputs:
+        yield {final: outputs.temp(final) for final in finals}
 
 
 @contextlib.contextmanager

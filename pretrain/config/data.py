@@ -136,7 +136,12 @@ class DataConfig:
             p.append("data.paths must list at least one dataset prefix when data.kind is indexed")
         if not self.vocab_file:
             p.append("data.vocab_file is required when data.kind is indexed")
-        if self.weights and len(self.weights) != len(self.paths):
+        # a corpus-group manifest (tools/preprocess_data.py --group-by) stands for its datasets
+        manifests = [path for path in self.paths if path.endswith(".groups.json")]
+        if self.weights and manifests:
+            p.append(f"data.paths: {manifests[0]} stands for one corpus per group: leave data.weights unset (shares "
+                     "by size: data.sampling_alpha or data.sampling_temperature; unset: equal shares of samples)")
+        elif self.weights and len(self.weights) != len(self.paths):
             p.append(f"data.weights has {len(self.weights)} entries for {len(self.paths)} data.paths")
         if any(not w > 0 for w in self.weights):
             p.append(f"data.weights ({self.weights}) must all be > 0")

@@ -366,12 +366,15 @@ def locate(chunk: Chunk, number: int, message: str) -> str:
     return f"{chunk.path}:{number}: {message}"
 
 
-def chunk_documents(chunk: Chunk, input_format: str, keys: Sequence[str]) -> tuple[ParsedChunk, int]:
-    """(the chunk's documents, its bytes of text), whatever its format."""
+def chunk_documents(chunk: Chunk, input_format: str, keys: Sequence[str],
+                    group_by: str | None = None) -> tuple[ParsedChunk, int]:
+    """(the chunk's documents, its bytes of text), whatever its format; with group_by (a JSON key
+    or a column, jsonl and tables only), each document's value of it last."""
     if input_format in TABLE_FORMATS:
-        return parse_table_chunk(chunk, input_format, keys)
+        return parse_table_chunk(chunk, input_format, keys, group_by)
     data = read_chunk(chunk)
-    return parse_chunk(data, input_format, keys, strip_bom=chunk.index == 0), len(data)
+    names = [*keys, group_by] if group_by else keys
+    return parse_chunk(data, input_format, names, strip_bom=chunk.index == 0), len(data)
 
 
 def iter_documents(paths: Sequence[str], input_format: str, keys: Sequence[str],

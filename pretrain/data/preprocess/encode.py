@@ -35,6 +35,7 @@ class EncodeOptions:
     eod_id: int | None = None  # appended to each document's last sentence with append_eod
     special_ids: tuple[int, ...] = ()  # counted (dataset_record.TokenCounts)
     pad_id: int = 0
+    group_by: str | None = None  # a JSON key or column: one output per value (pipeline.py)
 
 
 @dataclass
@@ -51,7 +52,9 @@ class EncodedField:
 @dataclass
 class EncodedChunk:
     chunk: Chunk  # without its data (not sent back)
-    fields: dict[str, EncodedField]
+    # (key, group value) -> the output's part of the chunk; the value is None without group_by, and a
+    # group's documents keep their input order
+    fields: dict[tuple[str, str | None], EncodedField]
     records: int  # documents read (before dropping empty ones)
     lines: int
     text_bytes: int  # decompressed input bytes
@@ -116,9 +119,12 @@ class ChunkEncoder:
 
     def __call__(self, chunk: Chunk) -> EncodedChunk:
         options = self.options
-        parsed, text_bytes = chunk_documents(chunk, options.input_format, options.keys)
-        fields = {key: self.encode_documents([doc[k] for doc in parsed.documents])
-                  for k, key in enumerate(options.keys)}
+        parsed, text_bytes = chunk_documents(chunk, options.input_format, options.keys, options.group_by)
+        groups: dict[str | None, list[list[str]]] = {}
+        for doc in parsed.documents:
+            groups.setdefault(doc[-1] if options.group_by else None, []).append(doc)
+        fields = {(key, group): self.encode_documents([doc[k] for doc in docs])
+                  for group, docs in groups.items() for k, key in enumerate(options.keys)}
         meta = dataclasses.replace(chunk, data=None)
         return EncodedChunk(meta, fields, records=len(parsed.documents), lines=parsed.lines, text_bytes=text_bytes,
                             problem_counts=parsed.problem_counts, problems=parsed.problems)

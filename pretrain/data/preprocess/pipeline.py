@@ -36,9 +36,10 @@ import numpy as np
 
 from ...observability.console import progress
 from ...common.errors import UserError
-from ...common.atomic import atomic_outputs, remove_quietly, temp_path
+from ...common.atomic import AtomicOutputSet, atomic_output_set, remove_quietly, temp_path
 from .corpus import (
     DEFAULT_CHUNK_BYTES,
+    TABLE_FORMATS,
     INPUT_FORMATS,
     PROBLEM_KINDS,
     Chunk,
@@ -49,8 +50,9 @@ from .corpus import (
     locate,
 )
 from .dataset_record import TokenCounts, VocabularyRecord, record_members
-from .encode import ChunkEncoder, EncodedChunk, EncodeOptions, encode_in_worker, init_worker
+from .encode import ChunkEncoder, EncodedChunk, EncodedField, EncodeOptions, encode_in_worker, init_worker
 from .fingerprint import fingerprint_path, write_fingerprint
+from .groups import GroupEntry, group_name, manifest_path, write_manifest
 from .tokenizer import load_tokenizer, tokenizer_vocab, tokens_by_id
 
 logger = logging.getLogger(__name__)
@@ -104,6 +106,8 @@ class PreprocessOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     progress: bool = True
     max_reported: int = 5  # malformed lines quoted in the report
+    group_by: str | None = None  # a JSON key or column: one dataset per value, and a manifest (groups.py)
+    max_groups: int = 4096  # distinct values of group_by allowed (each holds 3 open files while writing)
 
     def problems(self) -> list[str]:
         out = []
@@ -126,6 +130,15 @@ class PreprocessOptions:
             out.append(f"--log-interval must be >= 1, got {self.log_interval}")
         if self.chunk_bytes < 1:
             out.append(f"--chunk-bytes must be >= 1, got {self.chunk_bytes}")
+        if self.group_by is not None:
+            if self.input_format not in ("jsonl", *TABLE_FORMATS):
+                out.append(f"--group-by reads a JSON key or a column: --input-format {self.input_format} has none")
+            if self.group_by in self.json_keys:
+                out.append(f"--group-by {self.group_by} is also a text key (--json-keys)")
+            if self.partitions > 1:
+                out.append("--group-by writes each group's dataset in input order already: leave --partitions at 1")
+            if self.max_groups < 1:
+                out.append(f"--max-groups must be >= 1, got {self.max_groups}")
         return out
 
 
@@ -144,7 +157,10 @@ class PreprocessReport:
     files: int
     tokenizer: str
     dtype: str
-    keys: dict[str, KeyReport]
+    keys: dict[str, KeyReport]  # with group_by: each key's totals, output_prefix its manifest
+    # with group_by: key -> group value -> its dataset (groups whose documents were all empty included)
+    groups: dict[str, dict[str, KeyReport]] = field(default_factory=dict)
+    group_by: str | None = None
     records: int = 0  # documents read
     lines: int = 0
     text_bytes: int = 0  # decompressed input
@@ -194,18 +210,17 @@ def preprocess(options: PreprocessOptions, encoder_factory: type[ChunkEncoder] =
             logger.warning(hint)
     tokens = tokens_by_id(tokenizer_vocab(info.tokenizer))
     vocabulary = VocabularyRecord.of(tokens, info.lowercase, info.source)
-    from .indexed import dtype_for_vocab, get_bin_path, get_idx_path
+    from .indexed import dtype_for_vocab
 
     dtype = dtype_for_vocab(info.vocab_size, options.dtype)
     prefixes = output_prefixes(options.output_prefix, options.json_keys, options.split_sentences)
     out_dir = os.path.dirname(os.path.abspath(options.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
     report = PreprocessReport(files=len(paths), tokenizer=info.source, dtype=np.dtype(dtype).name,
-                              keys={key: KeyReport(prefix) for key, prefix in prefixes.items()},
-                              disk_bytes=sum(os.path.getsize(p) for p in paths), notes=list(info.warnings))
-    # the .idx last: renamed last, a crash between renames leaves no .idx (visibly incomplete)
-    finals = [path for prefix in prefixes.values()
-              for path in (get_bin_path(prefix), fingerprint_path(prefix), get_idx_path(prefix))]
+                              keys={key: KeyReport(prefix if options.group_by is None else manifest_path(prefix))
+                                    for key, prefix in prefixes.items()},
+                              disk_bytes=sum(os.path.getsize(p) for p in paths), notes=list(info.warnings),
+                              group_by=options.group_by)
     # The tokenizer reaches the workers as a file, not as an argument: a worker's start-up data
     # goes through a pipe the parent fills before going on, and beyond the pipe's 64 KiB a worker
     # dying during start-up would block the parent forever (CPython holds the pipe's read end
@@ -226,23 +241,172 @@ def preprocess(options: PreprocessOptions, encoder_factory: type[ChunkEncoder] =
             eod_id=info.specials.sep_id,
             special_ids=info.specials.control_ids,
             pad_id=info.specials.pad_id,
+            group_by=options.group_by,
         )
-        with _Interrupts().installed() as interrupts, atomic_outputs(finals) as temps:
-            _run(options, paths, encode_options, encoder_factory, dtype, prefixes, temps, report, started, interrupts)
-            for key, prefix in prefixes.items():
-                write_fingerprint(temps[get_bin_path(prefix)], temps[get_idx_path(prefix)],
-                                  temps[fingerprint_path(prefix)], record_members(vocabulary, report.keys[key].counts))
+        what = ", ".join(f"{os.path.basename(report.keys[key].output_prefix)}{'' if options.group_by else '.*'}"
+                         for key in prefixes)
+        with _Interrupts().installed() as interrupts, atomic_output_set(out_dir, what) as files:
+            outputs = _Outputs(options, prefixes, dtype, files, report)
+            _run(options, paths, encode_options, encoder_factory, outputs, report, started, interrupts)
+            outputs.write_records(vocabulary)
     finally:
         remove_quietly([tokenizer_path])
     report.elapsed = time.perf_counter() - started
     return report
 
 
-def _run(options: PreprocessOptions, paths: list[str], encode_options: EncodeOptions,
-         encoder_factory: type[ChunkEncoder], dtype: type, prefixes: dict[str, str], temps: dict[str, str],
-         report: PreprocessReport, started: float, interrupts: _Interrupts) -> None:
-    from .indexed import StreamingIndexedDatasetBuilder, get_bin_path, get_idx_path
+class _Outputs:
+    """The datasets being written, one per key, or with group_by one per key and value of the
+    column (opened when the value's first document with tokens comes), all under temporary names
+    in one AtomicOutputSet: a dataset's .bin, fingerprint and .idx are renamed in that order (the
+    .idx last: a crash between renames leaves no .idx, visibly incomplete), a manifest after them.
 
+    With --partitions N each part of the input is written to its own files, merged at the end."""
+
+    def __init__(self, options: PreprocessOptions, prefixes: dict[str, str], dtype: type,
+                 files: AtomicOutputSet, report: PreprocessReport):
+        self.options, self.prefixes, self.dtype, self.files, self.report = options, prefixes, dtype, files, report
+        self.finals: dict[tuple[str, str | None], str] = {}  # (key, group value) -> the dataset's prefix
+        self.values_by_name: dict[str, str] = {}  # a group's name in file names -> its value
+        self.builders: dict[tuple[str, str | None], StreamingIndexedDatasetBuilder] = {}
+        self.part = 0
+        self.part_files: list[str] = []
+
+    # -- names
+    def final(self, key: str, group: str | None) -> str:
+        """The dataset's final prefix; its files are named in the set the first time."""
+        output = (key, group)
+        if output not in self.finals:
+            from .indexed import get_bin_path, get_idx_path
+
+            prefix = self.prefixes[key]
+            if group is not None:
+                name, column = group_name(group), self.options.group_by
+                if self.values_by_name.setdefault(name, group) != group:
+                    raise PreprocessError(f"--group-by {column}: the values {self.values_by_name[name]!r} and "
+                                          f"{group!r} would both be written as {name!r}")
+                if len(self.values_by_name) > self.options.max_groups:
+                    raise PreprocessError(f"--group-by {column} has more than {self.options.max_groups:,} distinct "
+                                          "values (is it the right column?); raise --max-groups to allow more")
+                head, tail = os.path.split(self.options.output_prefix)
+                prefix = os.path.join(head, f"{tail}_{name}{prefix[len(self.options.output_prefix):]}")
+            self.finals[output] = prefix
+            for path in (get_bin_path(prefix), fingerprint_path(prefix), get_idx_path(prefix)):
+                self.files.temp(path)
+        return self.finals[output]
+
+    def _part_prefix(self, key: str, group: str | None, part: int) -> str:
+        from .indexed import get_bin_path
+
+        final = self.final(key, group)
+        if self.options.partitions == 1:  # straight into the final temporary names
+            return self.files.temp(get_bin_path(final))[: -len(".bin")]
+        return temp_path(final, f"tmp-{os.getpid()}-part{part}")
+
+    # -- writing
+    def open_part(self) -> None:
+        if self.options.group_by is None:  # every key's dataset has every part, empty or not
+            for key in self.prefixes:
+                self.builder(key, None)
+
+    def builder(self, key: str, group: str | None) -> StreamingIndexedDatasetBuilder:
+        output = (key, group)
+        if output not in self.builders:
+            from .indexed import StreamingIndexedDatasetBuilder, get_bin_path, get_idx_path
+
+            prefix = self._part_prefix(key, group, self.part)
+            _allow_open_files(3 * (len(self.builders) + 1), self.options.group_by)
+            if self.options.partitions > 1:
+                self.part_files.extend([get_bin_path(prefix), get_idx_path(prefix)])
+            self.builders[output] = StreamingIndexedDatasetBuilder(get_bin_path(prefix), dtype=self.dtype)
+        return self.builders[output]
+
+    def add(self, key: str, group: str | None, encoded: EncodedField) -> None:
+        stats = [self.report.keys[key]]
+        if group is not None:
+            stats.append(self.report.groups.setdefault(key, {}).setdefault(group, KeyReport("")))
+        for s in stats:
+            s.empty_documents += encoded.empty_documents
+        if not len(encoded.document_sizes) and group is not None:
+            return  # a group with no document with tokens yet: no dataset opened for it
+        self.builder(key, group).add_sequences(encoded.ids, encoded.lengths, encoded.document_sizes)
+        if group is not None:
+            stats[1].output_prefix = self.final(key, group)
+        for s in stats:
+            s.documents += len(encoded.document_sizes)
+            s.sentences += len(encoded.lengths)
+            s.tokens += encoded.ids.size
+            s.counts += encoded.counts
+
+    def close_part(self) -> None:
+        from .indexed import get_idx_path
+
+        for (key, group), builder in self.builders.items():
+            builder.finalize(get_idx_path(self._part_prefix(key, group, self.part)))
+        self.builders.clear()
+
+    def next_part(self) -> None:
+        self.close_part()
+        self.part += 1
+        self.open_part()
+
+    def merge_parts(self) -> None:
+        from .indexed import StreamingIndexedDatasetBuilder, get_bin_path, get_idx_path
+
+        if self.options.partitions == 1:
+            return
+        for (key, group), final in self.finals.items():
+            merged = StreamingIndexedDatasetBuilder(self.files.temp(get_bin_path(final)), dtype=self.dtype)
+            try:
+                for p in range(self.options.partitions):
+                    merged.add_index(self._part_prefix(key, group, p))
+                merged.finalize(self.files.temp(get_idx_path(final)))
+            finally:
+                merged.close()
+
+    def write_records(self, vocabulary: VocabularyRecord) -> None:
+        """Each dataset's fingerprint (and with group_by, each key's manifest), into the set."""
+        from .indexed import get_bin_path, get_idx_path
+
+        for (key, group), final in self.finals.items():
+            stats = self.report.keys[key] if group is None else self.report.groups[key][group]
+            write_fingerprint(self.files.temp(get_bin_path(final)), self.files.temp(get_idx_path(final)),
+                              self.files.temp(fingerprint_path(final)), record_members(vocabulary, stats.counts))
+        if self.options.group_by is None:
+            return
+        for key, prefix in self.prefixes.items():
+            folder = os.path.dirname(os.path.abspath(prefix))
+            entries = [GroupEntry(value, os.path.relpath(os.path.abspath(stats.output_prefix), folder),
+                                  stats.documents, stats.tokens)
+                       for value, stats in self.report.groups[key].items() if stats.documents]
+            write_manifest(self.files.temp(manifest_path(prefix)), self.options.group_by, key, entries)
+
+    def close(self) -> None:
+        for builder in self.builders.values():
+            builder.close()
+        remove_quietly(self.part_files)
+
+
+def _allow_open_files(needed: int, group_by: str | None, reserve: int = 64) -> None:
+    """Raise this process's soft limit of open files to what `needed` more need, within the hard
+    limit; beyond it, one line naming --group-by and `ulimit -n`."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if needed + reserve <= soft or soft == resource.RLIM_INFINITY:
+        return
+    wanted = 2 * (needed + reserve)
+    if hard != resource.RLIM_INFINITY:
+        wanted = min(wanted, hard)
+    if wanted < needed + reserve:
+        raise PreprocessError(f"--group-by {group_by}: writing this many groups at once needs {needed + reserve:,} "
+                              f"open files, over this shell's hard limit of {hard:,} (ulimit -Hn): raise it")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+def _run(options: PreprocessOptions, paths: list[str], encode_options: EncodeOptions,
+         encoder_factory: type[ChunkEncoder], outputs: _Outputs, report: PreprocessReport, started: float,
+         interrupts: _Interrupts) -> None:
     sizes = [os.path.getsize(p) for p in paths]
     file_offsets = np.concatenate(([0], np.cumsum(sizes)))[:-1].tolist()
     total = max(1, sum(sizes))
@@ -250,70 +414,32 @@ def _run(options: PreprocessOptions, paths: list[str], encode_options: EncodeOpt
     def partition_of(chunk: Chunk) -> int:
         return min(options.partitions - 1, (file_offsets[chunk.file_index] + chunk.start) * options.partitions // total)
 
-    def part_prefix(key: str, part: int) -> str:
-        if options.partitions == 1:  # write straight to the final temporary names
-            return temps[get_bin_path(prefixes[key])][: -len(".bin")]
-        return temp_path(prefixes[key], f"tmp-{os.getpid()}-part{part}")
-
-    part_files: list[str] = []
-    builders: dict[str, StreamingIndexedDatasetBuilder] = {}
     progress = _Progress(report, options, started)
     line_base: dict[int, int] = {}
     try:
-        def open_part(part: int) -> None:
-            for key in prefixes:
-                prefix = part_prefix(key, part)
-                part_files.extend([get_bin_path(prefix), get_idx_path(prefix)])
-                builders[key] = StreamingIndexedDatasetBuilder(get_bin_path(prefix), dtype=dtype)
-
-        def close_part(part: int) -> None:
-            for key, builder in builders.items():
-                builder.finalize(get_idx_path(part_prefix(key, part)))
-            builders.clear()
-
-        part = 0
-        open_part(part)
+        outputs.open_part()
         chunks = iter_chunks(paths, options.input_format, options.chunk_bytes)
         results = _encode_ordered(chunks, encode_options, encoder_factory, options.workers, interrupts)
         with contextlib.closing(results):  # stops the workers at once if we fail here
             for result in results:
-                while partition_of(result.chunk) > part:
-                    close_part(part)
-                    part += 1
-                    open_part(part)
+                while partition_of(result.chunk) > outputs.part:
+                    outputs.next_part()
                 _account(result, report, options, line_base)
-                for key, encoded in result.fields.items():
-                    builders[key].add_sequences(encoded.ids, encoded.lengths, encoded.document_sizes)
-                    stats = report.keys[key]
-                    stats.documents += len(encoded.document_sizes)
-                    stats.sentences += len(encoded.lengths)
-                    stats.tokens += encoded.ids.size
-                    stats.empty_documents += encoded.empty_documents
-                    stats.counts += encoded.counts
+                for (key, group), encoded in result.fields.items():
+                    outputs.add(key, group, encoded)
                 progress.update(result)
-        close_part(part)
-        while part < options.partitions - 1:  # parts the input did not reach are empty
-            part += 1
-            open_part(part)
-            close_part(part)
+        outputs.close_part()
+        while outputs.part < options.partitions - 1:  # parts the input did not reach are empty
+            outputs.part += 1
+            outputs.open_part()
+            outputs.close_part()
         progress.close()
         _check_not_empty(report)
         _check_mostly_text(report)
-        if options.partitions > 1:
-            for key, prefix in prefixes.items():
-                merged = StreamingIndexedDatasetBuilder(temps[get_bin_path(prefix)], dtype=dtype)
-                try:
-                    for p in range(options.partitions):
-                        merged.add_index(part_prefix(key, p))
-                    merged.finalize(temps[get_idx_path(prefix)])
-                finally:
-                    merged.close()
+        outputs.merge_parts()
     finally:
         progress.close()
-        for builder in builders.values():
-            builder.close()
-        if options.partitions > 1:
-            remove_quietly(part_files)
+        outputs.close()
 
 
 def _encode_ordered(chunks: Iterable[Chunk], options: EncodeOptions, encoder_factory: type[ChunkEncoder],
@@ -401,7 +527,9 @@ def _check_not_empty(report: PreprocessReport) -> None:
 
 def _check_mostly_text(report: PreprocessReport) -> None:
     """Refuse an output of mostly special tokens, before anything is renamed into place."""
-    for key, stats in report.keys.items():
+    outputs = [(key, stats) for key, stats in report.keys.items() if key not in report.groups]
+    outputs += [(key, stats) for key, groups in report.groups.items() for stats in groups.values() if stats.documents]
+    for key, stats in outputs:
         refusal = stats.counts.refusal(f"{stats.output_prefix}.bin (key {key!r}, tokenized with {report.tokenizer})")
         if refusal:
             raise PreprocessError(f"{refusal}; check that the vocabulary covers this text's script and case (a "
@@ -485,6 +613,21 @@ class _Interrupts:
 # --------------------------------------------------------------------------------------------
 
 
+SHOWN_GROUPS = 12  # the largest groups named in the report (the manifest lists them all)
+
+
+def _group_lines(groups: dict[str, KeyReport], total_tokens: int) -> list[str]:
+    largest = sorted(groups.items(), key=lambda item: -item[1].tokens)
+    lines = [f"  {value or repr(value)}: {stats.documents:,} documents, {stats.tokens:,} tokens "
+             f"({stats.tokens / max(total_tokens, 1):.1%})"
+             + ("" if stats.documents else f": no dataset, its {stats.empty_documents:,} documents have no token")
+             for value, stats in largest[:SHOWN_GROUPS]]
+    if len(largest) > SHOWN_GROUPS:
+        rest = largest[SHOWN_GROUPS:]
+        lines.append(f"  ... and {len(rest):,} more groups, {sum(s.tokens for _, s in rest):,} tokens")
+    return lines
+
+
 def format_report(report: PreprocessReport) -> str:
     mb = report.text_bytes / 1e6
     rate = mb / report.elapsed if report.elapsed else 0.0
@@ -492,9 +635,15 @@ def format_report(report: PreprocessReport) -> str:
              f"{report.lines:,} lines, {mb:,.1f} MB of text"
              + (f" ({report.disk_bytes / 1e6:,.1f} MB on disk)" if report.disk_bytes != report.text_bytes else "")]
     for key, stats in report.keys.items():
+        groups = report.groups.get(key)
+        written = (f"{stats.output_prefix}.{{bin,idx}}" if groups is None else
+                   f"{sum(1 for g in groups.values() if g.documents):,} datasets, one per {report.group_by}, "
+                   f"listed in {stats.output_prefix}")
         lines.append(f"key {key!r}: {stats.documents:,} documents, {stats.sentences:,} sentences, "
-                     f"{stats.tokens:,} tokens ({report.dtype}) -> {stats.output_prefix}.{{bin,idx}}")
+                     f"{stats.tokens:,} tokens ({report.dtype}) -> {written}")
         lines.append(f"  skipped empty documents: {stats.empty_documents:,}")
+        if groups:
+            lines.extend(_group_lines(groups, stats.tokens))
     kinds = ", ".join(f"{kind} {report.problem_counts.get(kind, 0):,}" for kind in PROBLEM_KINDS)
     lines.append(f"malformed lines skipped: {report.malformed:,} ({kinds})")
     for problem in report.problems:

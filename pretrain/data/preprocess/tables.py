@@ -1,5 +1,6 @@
 """Reading corpora stored as tables: Parquet files (or folders of shards) and Hugging Face datasets
-saved with `datasets.save_to_disk` (Arrow IPC stream files), the text in one or more string columns.
+saved with `datasets.save_to_disk` (Arrow IPC stream files), the text in one or more string columns,
+and optionally a column whose values (a language, a source) each get their own dataset.
 
 A table is read in record batches through pyarrow, never whole. A Parquet file's chunks are
 slices of its row groups of about chunk_bytes of text: the worker of slice k streams the row
@@ -115,26 +116,31 @@ def _arrow_batches(path: str):
 
 
 # ----------------------------------------------------------------------------- parsing
-def parse_table_chunk(chunk, input_format: str, keys: Sequence[str]):
-    """(ParsedChunk, text bytes) of one table chunk: per row, the text of each key's column; a
-    row with a null in one of them skipped and counted."""
+def parse_table_chunk(chunk, input_format: str, keys: Sequence[str], group_by: str | None = None):
+    """(ParsedChunk, text bytes) of one table chunk: per row, the text of each key's column (and
+    last, with group_by, the value of that column); a row with a null in one of them skipped and
+    counted. A group column may be dictionary-encoded, as Parquet writers often store a language."""
     pa, pc, _ = _pyarrow(chunk.path)
     result = ParsedChunk(lines=chunk.end - chunk.start)
+    names = [*keys, group_by] if group_by else list(keys)
     text_bytes, row = 0, 0
-    for batch in _chunk_batches(chunk, input_format, keys):
+    for batch in _chunk_batches(chunk, input_format, names):
         columns = []
-        for key in keys:
-            if key not in batch.schema.names:
-                raise CorpusError(f"{chunk.path}: no column {key!r} (it has {', '.join(batch.schema.names)}): "
-                                  "name the text column with --json-keys")
-            column = batch.column(key)
-            if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-                raise CorpusError(f"{chunk.path}: column {key!r} holds {column.type}, not text")
-            text_bytes += int(pc.sum(pc.binary_length(column)).as_py() or 0)
+        for name in names:
+            if name not in batch.schema.names:
+                raise CorpusError(f"{chunk.path}: no column {name!r} (it has {', '.join(batch.schema.names)}): "
+                                  + ("name the group column with --group-by" if name == group_by else
+                                     "name the text column with --json-keys"))
+            column = batch.column(name)
+            kind = column.type.value_type if pa.types.is_dictionary(column.type) and name == group_by else column.type
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+                raise CorpusError(f"{chunk.path}: column {name!r} holds {column.type}, not text")
+            if name != group_by:
+                text_bytes += int(pc.sum(pc.binary_length(column)).as_py() or 0)
             columns.append(column.to_pylist())
         for values in zip(*columns):
             row += 1
-            missing = [key for key, value in zip(keys, values) if value is None]
+            missing = [name for name, value in zip(names, values) if value is None]
             if missing:
                 result.add_problem(row, "non-string value", f"null in column {missing[0]!r}")
                 continue
@@ -152,7 +158,7 @@ def _chunk_batches(chunk, input_format: str, keys: Sequence[str]):
         missing = [key for key in keys if key not in names]
         if missing:
             raise CorpusError(f"{chunk.path}: no column {missing[0]!r} (it has {', '.join(names)}): "
-                              "name the text column with --json-keys")
+                              "name the text column with --json-keys (and a group column with --group-by)")
         try:
             for k, batch in enumerate(source.iter_batches(batch_size=rows, row_groups=[group], columns=list(keys))):
                 if k == wanted:

@@ -9,6 +9,7 @@ from typing import Callable
 
 from ...config import Config
 from ..preprocess.dataset_record import dataset_problems
+from ..preprocess.groups import MANIFEST_SUFFIX, manifest_problems
 from .token_ids import VocabError, Vocabulary
 
 logger = logging.getLogger(__name__)
@@ -29,8 +30,11 @@ def data_file_problems(cfg: Config) -> list[str]:
             problems.append(f"data.vocab_file: {err}")
     if vocab is not None and cfg.model.vocab_size is not None and vocab.size > cfg.model.vocab_size:
         problems.append(_vocab_size_problem(d.vocab_file, vocab.size, cfg.model.vocab_size))
+    problems += manifest_problems(d)
     for key in ("paths", "valid_paths", "test_paths"):
         for prefix in getattr(d, key):
+            if prefix.endswith(MANIFEST_SUFFIX):
+                continue  # not expanded: manifest_problems said why
             missing = [prefix + suffix for suffix in (".bin", ".idx") if not os.path.isfile(prefix + suffix)]
             problems += [f"data.{key}: {path} does not exist (give prefixes without .bin/.idx, as "
                          "tools/preprocess_data.py prints them)" for path in missing]
