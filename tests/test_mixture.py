@@ -128,3 +128,19 @@ def test_the_epochs_counted_without_a_scan_are_the_blends_own(corpora):
     for read, count, size in zip(epochs_read(sample_weights([0.2, 0.3, 0.5], tokens, MixtureSettings("tokens")),
                                              SAMPLES, sizes), counted, sizes):
         assert abs(read * size - count) <= 1, (read * size, count)
+
+
+def test_a_report_of_many_corpora_names_the_largest_and_the_most_repeated():
+    from pretrain.data.samples.mixture import SHOWN_CORPORA, describe
+
+    n = SHOWN_CORPORA + 10
+    names = [f"lang{i}" for i in range(n)]
+    asked = [(i + 1) / sum(range(1, n + 1)) for i in range(n)]  # lang{n-1} largest
+    epochs = [1.0] * n
+    epochs[3] = 7.5  # a small corpus read most often
+    lines = describe(names, asked, asked, epochs, 1000, "alpha 0.3").splitlines()
+    assert len(lines) == 1 + SHOWN_CORPORA + 2
+    assert lines[1].startswith(f"  lang{n - 1}: ") and lines[SHOWN_CORPORA].startswith("  lang10: ")
+    assert lines[-2] == f"  ... 10 smaller corpora, {sum(asked[:10]):.1%} of the tokens asked; the one of them read " \
+                        "most often:"
+    assert lines[-1].startswith("  lang3: ") and "7.50 epochs" in lines[-1]

@@ -54,6 +54,7 @@ def token_shares(weights: list[float], tokens: list[np.ndarray], mixture: Mixtur
     return [r / sum(raw) for r in raw]
 
 
+SHOWN_CORPORA = 30  # the start-up report's corpora, by share asked, beyond which it summarises
 MEASURED_SAMPLES = 50_000  # the start-up report measures token shares on the blend's first samples
 
 
@@ -80,6 +81,14 @@ def describe(names: list[str], asked: list[float], got: list[float], epochs: lis
              how: str) -> str:
     """One line per corpus: its token share asked and achieved, and the epochs the run reads of it."""
     lines = [f"data mixture ({how}): token shares asked and achieved on the first {measured:,} samples"]
-    for name, want, share, read in zip(names, asked, got, epochs):
+    rows = list(zip(names, asked, got, epochs))
+    if len(rows) > SHOWN_CORPORA:  # hundreds of languages: the largest, and the most repeated
+        by_share = sorted(rows, key=lambda row: -row[1])
+        rows = by_share[:SHOWN_CORPORA] + [max(by_share[SHOWN_CORPORA:], key=lambda row: row[3])]
+    for name, want, share, read in rows:
         lines.append(f"  {name}: {share:.1%} of tokens (asked {want:.1%}), {read:.2f} epochs in the run")
+    if len(rows) < len(names):
+        rest = len(names) - SHOWN_CORPORA
+        lines.insert(-1, f"  ... {rest:,} smaller corpora, {sum(asked) - sum(r[1] for r in rows[:-1]):.1%} of the "
+                         "tokens asked; the one of them read most often:")
     return "\n".join(lines)
