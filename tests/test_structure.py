@@ -109,6 +109,21 @@ def test_every_import_points_down():
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
 
 
+def test_megatron_core_is_imported_through_one_module():
+    """pretrain/distributed/megatron_core.py imports megatron-core with its fused kernels' torch.compile
+    wrappings made at their first call (2 s of every rank's start-up); a module importing megatron
+    itself could be the first to, and every rank would pay for Inductor again."""
+    direct = []
+    for name, path in sorted(module_names().items()):
+        if name == "pretrain.distributed.megatron_core":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            direct += [f"{name}: line {node.lineno} imports {n}" for n in names if n.split(".")[0] == "megatron"]
+    assert not direct, "import megatron-core through pretrain.distributed.megatron_core:\n" + "\n".join(direct)
+
+
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
     index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], 0

@@ -211,7 +211,7 @@ def init_parallel(launch: LaunchEnv, tensor_parallel: int, pipeline_parallel: in
     """
     import deepspeed
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-    from megatron.core import parallel_state
+    from .megatron_core import parallel_state
 
     from .rendezvous import join
 
@@ -295,7 +295,7 @@ def init_parallel(launch: LaunchEnv, tensor_parallel: int, pipeline_parallel: in
 
 
 def shutdown_parallel() -> None:
-    from megatron.core import parallel_state
+    from .megatron_core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

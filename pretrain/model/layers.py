@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megatron.core import ModelParallelConfig, tensor_parallel
 from torch import nn
 
 from ..distributed.device import all_reduce_with_grad
+from ..distributed.megatron_core import ModelParallelConfig, tensor_parallel
 from ..distributed.internals import CpuGemmOverride
 from .context_split import ContextGroup, ContextSplit, gather_row
 from .cpu_bf16 import upcast_bf16

@@ -42,7 +42,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
-from megatron.core import ModelParallelConfig
+from ..distributed.megatron_core import ModelParallelConfig
 from torch import nn
 
 from .layers import (

@@ -20,25 +20,18 @@ import os
 import shutil
 import struct
 import tempfile
-import warnings
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
 import numpy as np
 
 from ...common.errors import UserError
+from ...distributed.megatron_core import indexed_dataset
 from .fingerprint import fingerprint_problem
 
-with warnings.catch_warnings():
-    # megatron-core warns on import that optional GPU kernels are missing
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-    from megatron.core.datasets.indexed_dataset import (
-        DType,
-        IndexedDataset,
-        IndexedDatasetBuilder,
-        get_bin_path,
-        get_idx_path,
-    )
+DType, IndexedDataset, IndexedDatasetBuilder = (indexed_dataset.DType, indexed_dataset.IndexedDataset,
+                                                indexed_dataset.IndexedDatasetBuilder)
+get_bin_path, get_idx_path = indexed_dataset.get_bin_path, indexed_dataset.get_idx_path
 
 __all__ = [
     "DataError",

@@ -22,10 +22,8 @@ from typing import Callable
 
 import numpy as np
 
-from megatron.core.datasets.indexed_dataset import IndexedDataset
-
 from .index_cache import cached_index, file_fingerprint, mapped_state, from_mapped_state
-from ..preprocess.indexed import DataError, open_indexed_dataset
+from ..preprocess.indexed import DataError, IndexedDataset, open_indexed_dataset
 from .masking import MaskingConfig, mask_tokens
 from .batches import SAMPLE_FIELDS
 from .mixture import (MixtureSettings, describe, epochs_read, measured_token_shares, sample_tokens, sample_weights,
@@ -364,8 +362,9 @@ def build_split_dataset(corpora: list[CorpusSpec], split_index: int, split: str,
 
 
 def _blending_indices(weights: list[float], size: int) -> np.ndarray:
-    from megatron.core.datasets import helpers_cpp
+    from ...distributed.megatron_core import dataset_helpers
 
+    helpers_cpp = dataset_helpers()
     normalized = np.asarray(weights, dtype=np.float64) / sum(weights)
     corpus = np.zeros(size, dtype=np.int16)
     k = np.zeros(size, dtype=np.int64)
