@@ -1,8 +1,8 @@
 """What users run: fp32 and bf16 (and fp16 where DeepSpeed has it: the CPU test mode's device and
-GPUs) x ZeRO 0-3 x {TP1 (DP2), TP2, PP2}, wherever DeepSpeed allows the combination, on the CPU, on
-the CPU test mode's device (fakegpu: the CPU's kernels behind the GPU code path, DeepSpeed's
-CUDA-like accelerator and a collective backend that refuses tensors off the device), and on two
-GPUs in the GPU tier (marker gpu).
+GPUs) x ZeRO 0-3 x {TP1 (DP2), TP2, PP2}, wherever DeepSpeed allows the combination, on the CPU test
+mode's device (fakegpu: the CPU's kernels behind the GPU code path, DeepSpeed's CUDA-like accelerator
+and a collective backend that refuses tensors off the device) and on two GPUs in the GPU tier
+(marker gpu); on the CPU, the fp32 references and bf16 ZeRO-1 at every layout (CPU_CONFIGS).
 
 Each device is one 2-rank job (tests/_matrix_worker.py) running every layout and every precision x
 ZeRO stage in turn (the TP/PP groups rebuilt for each layout), each through the run controls and
@@ -92,7 +92,20 @@ def configs(world: str, device: str) -> dict[str, list[str]]:
             found[f"{precision}-zero{zero}"] = overrides
     for precision in ("fp32", "bf16"):
         found[f"{MODERN_PREFIX}{precision}-zero1"] = MODERN + found[f"{precision}-zero1"]
+    if device == "cpu":
+        return {name: overrides for name, overrides in found.items() if name in CPU_CONFIGS[world]}
     return found
+
+
+# The CPU runs the references and a cluster user's first configuration (bf16 ZeRO-1) at every layout:
+# the whole matrix runs on fakegpu, the GPU code path (DeepSpeed's CUDA-like accelerator, a backend that
+# refuses tensors off the device) on the CPU's kernels, and on GPUs in the GPU tier.
+CPU_CONFIGS = {"dp2": {REFERENCE[2], MODERN_REFERENCE[2], "bf16-zero1", "modernbert-bf16-zero1"},
+               "tp2": {"bf16-zero1"}, "pp2": {"bf16-zero1"}}
+
+
+# the worlds each of a device's 2-rank jobs runs (one job for all of them where not listed)
+JOB_WORLDS = {"fakegpu": (("dp2",), ("tp2", "pp2"))}
 
 
 def expected_wrapper(precision: str, zero: int, pipelined: bool) -> str:
@@ -124,13 +137,15 @@ ACCUMULATION = {**{f"bf16-zero{zero}-{dtype}": [f"parallel.zero_stage={zero}", "
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     """device -> {world: {config: {run: result}}}, each device's processes started once. The CPU's
-    and fakegpu's jobs run side by side: a 2-rank job keeps 2 cores only about half busy (start-up,
-    rendezvous, checkpoint I/O), so the two together take little more than the longer one."""
+    and fakegpu's jobs run side by side, fakegpu's (the whole matrix) as two jobs: a 2-rank job keeps
+    2 cores only about half busy (start-up, rendezvous, checkpoint I/O), so they together take little
+    more than the longest one."""
     cache = {}
 
-    def start(device: str) -> dict:
+    def start(part: tuple[str, tuple[str, ...]]) -> dict:
+        device, worlds = part
         jobs = [job(name, overrides, RUNS + (["overflow"] if name.startswith("fp16") else []), world)
-                for world in WORLDS for name, overrides in configs(world, device).items()]
+                for world in worlds for name, overrides in configs(world, device).items()]
         if device == "cpu":
             jobs += [job(f"accumulation-{name}", overrides, ["accumulation"]) for name, overrides in ACCUMULATION.items()]
         out = tmp_path_factory.mktemp(device) / "matrix.json"
@@ -140,8 +155,10 @@ def matrix(tmp_path_factory):
     def get(device: str) -> dict:
         if device not in cache:
             together = ("cpu", "fakegpu") if device in ("cpu", "fakegpu") else (device,)
-            with ThreadPoolExecutor(len(together)) as pool:
-                cache.update(zip(together, pool.map(start, together)))
+            parts = [(d, worlds) for d in together for worlds in JOB_WORLDS.get(d, (tuple(WORLDS),))]
+            with ThreadPoolExecutor(len(parts)) as pool:
+                for (d, _), found in zip(parts, pool.map(start, parts)):
+                    cache.setdefault(d, {}).update(found)
         return cache[device]
 
     return get
