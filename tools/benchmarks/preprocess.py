@@ -2,7 +2,7 @@
 
 usage: python tools/benchmarks/preprocess.py [--corpus-dir DIR] [--target-mb 50] [--scale 10]
                                         [--vocab-file vocab.txt] [--workdir DIR] [--json out.json]
-                                        [--formats-only]
+                                        [--formats-only] [--groups N]
 
 Method
 ------
@@ -16,8 +16,10 @@ Method
    - ours: ``tools/preprocess_data.py --split-sentences`` with 1 and 2 workers, and with 2
      workers on the --scale x corpus; the same documents from Parquet files (rows of "text", row
      groups of 10,000; the parquet extra) with 2 workers, at 1x and --scale x. Parquet's MB/s
-     counts the JSONL's bytes of the same text, so the two rates compare per MB of text.
-     --formats-only runs these four only. MB/s is input bytes over the run's own processing time
+     counts the JSONL's bytes of the same text, so the two rates compare per MB of text. And the
+     1x Parquet with a "source" column of --groups values drawn at random per row, preprocessed
+     with --group-by source (one dataset per source: many groups in every chunk, the least
+     favourable order). --formats-only runs these five only. MB/s is input bytes over the run's own processing time
      (its report's "elapsed": start-up, mostly importing torch for megatron-core, is reported
      apart). Peak RSS is the largest sum of the resident sets of the whole process tree, sampled
      from /proc every 0.1 s.
@@ -143,34 +145,46 @@ def run_measured(cmd: list[str], env: dict | None = None) -> dict:
     return dict(wall=wall, peak_rss=peak[0], stdout=stdout, other_load=max(0.0, (_busy_seconds() - busy - own) / wall))
 
 
-def ours(corpus: Path, vocab: str, workers: int, workdir: Path, input_format: str = "jsonl") -> dict:
-    prefix = workdir / f"out_w{workers}_{corpus.stem}_{input_format}"
+def ours(corpus: Path, vocab: str, workers: int, workdir: Path, input_format: str = "jsonl",
+         group_by: str | None = None) -> dict:
+    prefix = workdir / f"out_w{workers}_{corpus.stem}_{input_format}{'_grouped' if group_by else ''}"
     result = run_measured([sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(corpus),
                            "--output-prefix", str(prefix), "--vocab-file", vocab, "--split-sentences",
-                           "--workers", str(workers), "--input-format", input_format, "--quiet"])
+                           "--workers", str(workers), "--input-format", input_format, "--quiet",
+                           *(["--group-by", group_by] if group_by else [])])
     match = re.search(r"elapsed ([\d,.]+) s", result["stdout"])
     result["time"] = float(match.group(1).replace(",", ""))
-    for ext in ("bin", "idx"):
-        os.remove(f"{prefix}_text_sentence.{ext}")
+    for path in prefix.parent.glob(f"{prefix.name}_*"):
+        path.unlink()
     return result
 
 
-def as_parquet(jsonl: Path) -> Path:
-    """The JSONL's documents as a Parquet file of "text" rows, written 10,000 rows (one row group) at a time."""
+def as_parquet(jsonl: Path, groups: int = 0) -> Path:
+    """The JSONL's documents as a Parquet file of "text" rows, written 10,000 rows (one row group) at a
+    time; with groups, a "source" column of that many values, each row's drawn at random (seeded):
+    every chunk holds many groups, the least favourable order for --group-by."""
+    import random
+
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    out = jsonl.with_suffix(".parquet")
-    schema = pa.schema([("text", pa.string())])
+    out = jsonl.with_name(f"{jsonl.stem}{f'_groups{groups}' if groups else ''}.parquet")
+    fields = [("text", pa.string())] + ([("source", pa.string())] if groups else [])
+    schema, draw = pa.schema(fields), random.Random(0)
     with open(jsonl, encoding="utf-8") as f, pq.ParquetWriter(str(out), schema) as writer:
         rows = []
+
+        def flush():
+            columns = {"text": rows} | ({"source": [f"s{draw.randrange(groups)}" for _ in rows]} if groups else {})
+            writer.write_table(pa.table(columns, schema=schema))
+
         for line in f:
             rows.append(json.loads(line)["text"])
             if len(rows) == 10_000:
-                writer.write_table(pa.table({"text": rows}, schema=schema))
+                flush()
                 rows = []
         if rows:
-            writer.write_table(pa.table({"text": rows}, schema=schema))
+            flush()
     return out
 
 
@@ -231,7 +245,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, help="where corpora and outputs go (default: a temporary directory)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--formats-only", action="store_true",
-                        help="only the JSONL and Parquet runs of ours (2 workers, 1x and --scale x)")
+                        help="only the JSONL and Parquet runs of ours (2 workers, 1x and --scale x, and grouped)")
+    parser.add_argument("--groups", type=int, default=100,
+                        help="the grouped run: Parquet rows of this many sources, --group-by source (default 100)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--corpus", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -276,6 +292,8 @@ def parent_main(args) -> None:
                    big_mb, docs * args.scale)
         big_parquet = add(f"ours from Parquet, 2 workers, {args.scale}x input",
                           ours(as_parquet(big), vocab, 2, workdir, "parquet"), big_mb, docs * args.scale)
+        grouped = add(f"ours from Parquet, --group-by over {args.groups} sources, 2 workers",
+                      ours(as_parquet(base, args.groups), vocab, 2, workdir, "parquet", "source"), base_mb, docs)
         tok2 = None
         if not args.formats_only:
             add("ours, --split-sentences, 1 worker", ours(base, vocab, 1, workdir), base_mb, docs)
@@ -300,6 +318,9 @@ def parent_main(args) -> None:
               f"{big_parquet['peak_rss_mb'] / parquet2['peak_rss_mb']:.2f} (Parquet)")
         print(f"Parquet / JSONL per MB of text (2 workers): {parquet2['mbps'] / ours2['mbps']:.2f} at 1x, "
               f"{big_parquet['mbps'] / big2['mbps']:.2f} at {args.scale}x")
+        print(f"--group-by over {args.groups} sources / ungrouped, Parquet (2 workers): "
+              f"{grouped['mbps'] / parquet2['mbps']:.2f} per MB, peak RSS {grouped['peak_rss_mb']:,.0f} MB "
+              f"against {parquet2['peak_rss_mb']:,.0f}")
         print(f"start-up outside the measured time (2 workers, mostly importing torch for megatron-core): {startup:.1f} s; "
               f"including it: {base_mb / ours2['wall']:.2f} MB/s")
         if any(row["other_load"] > 0.2 for row in rows):
