@@ -4,9 +4,9 @@ mode's device (fakegpu: the CPU's kernels behind the GPU code path, DeepSpeed's 
 and a collective backend that refuses tensors off the device) and on two GPUs in the GPU tier
 (marker gpu); on the CPU, the fp32 references and bf16 ZeRO-1 at every layout (CPU_CONFIGS).
 
-Each device is one 2-rank job (tests/_matrix_worker.py) running every layout and every precision x
-ZeRO stage in turn (the TP/PP groups rebuilt for each layout), each through the run controls and
-numerics a cluster job depends on:
+Each device is one 2-rank job (fakegpu two, JOB_WORLDS; tests/_matrix_worker.py) running its layouts and
+their precision x ZeRO stages in turn (the TP/PP groups rebuilt for each layout), each through the run
+controls and numerics a cluster job depends on:
 - a NaN loss at step 3 skips the step on every rank (weights and learning rate held, the skip
   named "gradients and loss") and training goes on;
 - the gradient norm (logged, and the one clipping divides by; max norm 1.0, exceeded at steps 1-2)
