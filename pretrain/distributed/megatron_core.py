@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["megatron", "ModelParallelConfig", "parallel_state", "tensor_parallel", "indexed_dataset",
+__all__ = ["ModelParallelConfig", "parallel_state", "tensor_parallel", "indexed_dataset",
            "dataset_helpers"]
 
 
@@ -50,11 +50,9 @@ def _torch_compile_at_first_call() -> Iterator[None]:
 with _torch_compile_at_first_call(), warnings.catch_warnings():
     # megatron-core warns on import that optional GPU kernels are missing
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-    import megatron.core  # noqa: E402  (megatron.core.jit binds torch.compile here, once)
-
-import megatron  # noqa: E402
-from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel  # noqa: E402
-from megatron.core.datasets import indexed_dataset  # noqa: E402
+    # megatron.core's first import: megatron.core.jit binds torch.compile here, once
+    from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel  # noqa: E402
+    from megatron.core.datasets import indexed_dataset  # noqa: E402
 
 
 def dataset_helpers():

@@ -288,8 +288,8 @@ class _Outputs:
                 if len(self.values_by_name) > self.options.max_groups:
                     raise PreprocessError(f"--group-by {column} has more than {self.options.max_groups:,} distinct "
                                           "values (is it the right column?); raise --max-groups to allow more")
-                head, tail = os.path.split(self.options.output_prefix)
-                prefix = os.path.join(head, f"{tail}_{name}{prefix[len(self.options.output_prefix):]}")
+                grouped = f"{self.options.output_prefix}_{name}"
+                prefix = output_prefixes(grouped, [key], self.options.split_sentences)[key]
             self.finals[output] = prefix
             for path in (get_bin_path(prefix), fingerprint_path(prefix), get_idx_path(prefix)):
                 self.files.temp(path)
