@@ -16,6 +16,7 @@ Scenarios:
   zero{1,2,3} a small model under deepspeed.initialize with ZeRO-S, DP=2, Lamb as client
               optimizer with layout_for_deepspeed (fp32: DeepSpeedZeroOptimizer, Stage3).
   bf16_zero{0,1}  the same in bf16 (FP16_UnfusedOptimizer, BF16_Optimizer wrappers).
+Each LAMB scenario also runs with optimizer.fused ("fused_" + name, its Adam direction compiled).
 Each has a "<name>_naive" twin that skips the layout/groups: it must NOT match the reference.
 The same scenarios with StableAdamW ("saw_" + name; bf16 at ZeRO-1 only), their gradients scaled
 up step by step (SAW_SCALES) so that its update clipping engages, run in the same process pair.
@@ -167,17 +168,22 @@ def assert_rel(actual, expected, tol, what=""):
 
 # --- scenarios --------------------------------------------------------------------------
 
-def _optimizer(stable):
-    """(class, lr, gradient scales per step) of the scenario's optimizer."""
+def _optimizer(stable, fused=False):
+    """(class, lr, gradient scales per step) of the scenario's optimizer (fused: LAMB with
+    optimizer.fused's compiled direction)."""
+    import functools
+
     from pretrain.optim import Lamb, StableAdamW
+    if fused:
+        return functools.partial(Lamb, fused=True), LR, None
     return (StableAdamW, SAW_LR, SAW_SCALES) if stable else (Lamb, LR, None)
 
 
-def run_flat_dp(rank, world, use_layout, stable=False):
+def run_flat_dp(rank, world, use_layout, stable=False, fused=False):
     import torch.distributed as dist
     from pretrain.optim import NormLayout, Segment
 
-    Opt, lr, scales = _optimizer(stable)
+    Opt, lr, scales = _optimizer(stable, fused)
 
     offsets, part = flat_offsets(), FLAT_TOTAL // world
     lo, hi = rank * part, (rank + 1) * part
@@ -206,11 +212,11 @@ def run_flat_dp(rank, world, use_layout, stable=False):
     return {"flat": torch.cat(gathered)}
 
 
-def run_tp(rank, world, use_layout, stable=False):
+def run_tp(rank, world, use_layout, stable=False, fused=False):
     import torch.distributed as dist
     from pretrain.optim import layout_for_params
 
-    Opt, lr, scales = _optimizer(stable)
+    Opt, lr, scales = _optimizer(stable, fused)
 
     def shard(name, t):
         return t.chunk(world, dim=0)[rank].clone() if name != "R" else t.clone()
@@ -239,12 +245,12 @@ def run_tp(rank, world, use_layout, stable=False):
     return out
 
 
-def run_deepspeed(rank, world, stage, use_layout, bf16=False, stable=False):
+def run_deepspeed(rank, world, stage, use_layout, bf16=False, stable=False, fused=False):
     import deepspeed
     import torch.distributed as dist
     from pretrain.optim import layout_for_deepspeed
 
-    Opt, lr, scales = _optimizer(stable)
+    Opt, lr, scales = _optimizer(stable, fused)
     net = make_net()
     opt = Opt(net_param_groups(net), lr=lr)
     config = {
@@ -323,6 +329,15 @@ def main(out_dir):
         for stage in (1, 2, 3):
             results[f"saw_zero{stage}{suffix}"] = run_deepspeed(rank, world, stage, use_layout, stable=True)
         results["saw_bf16_zero1" + suffix] = run_deepspeed(rank, world, 1, use_layout, bf16=True, stable=True)
+    # LAMB with optimizer.fused (its Adam direction compiled): the same scenarios, layouts on
+    results["fused_flat_dp"] = run_flat_dp(rank, world, True, fused=True)
+    results["fused_tp"] = run_tp(rank, world, True, fused=True)
+    for stage in (1, 2, 3):
+        results[f"fused_zero{stage}"] = run_deepspeed(rank, world, stage, True, fused=True)
+    for stage in (0, 1):
+        results[f"fused_bf16_zero{stage}"] = run_deepspeed(rank, world, stage, True, bf16=True, fused=True)
+    from pretrain.model.fused import compile_counters
+    results["fused_compiles"] = compile_counters()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     import torch.distributed as dist
     dist.barrier()

@@ -34,6 +34,7 @@ hide_library_warnings()
 from _guard_worker import build  # noqa: E402
 from _train_worker import TINY, finish, where_it_ran  # noqa: E402
 from pretrain.distributed import device, internals  # noqa: E402
+from pretrain.model.fused import compile_counters  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
 from pretrain.distributed.parallel import discover_launch_env, init_parallel  # noqa: E402
 from pretrain.training.trainer import Trainer  # noqa: E402
@@ -59,7 +60,9 @@ def what_took_effect(trainer, parallel) -> dict:
             "parameter_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
             "grad_accumulation": str(accumulation), "grad_communication": str(communication),
             "tp": ps.get_tensor_model_parallel_world_size(), "dp": engine.dp_world_size,
-            "pp": engine.num_stages if trainer.pipelined else 1, **where_it_ran(trainer, parallel)}
+            "pp": engine.num_stages if trainer.pipelined else 1, **where_it_ran(trainer, parallel),
+            # optimizer.fused: our LAMB's compiled direction
+            "optimizer_fused": bool(getattr(internals.client_optimizer(engine), "fused", False))}
 
 
 def train(cfg, parallel, poisons=(), rank=0) -> dict:
@@ -82,6 +85,7 @@ def train(cfg, parallel, poisons=(), rank=0) -> dict:
     result["memory"] = trainer.first_step_memory  # every rank's measured and planned bytes (step 1)
     result["evaluation"] = trainer.evaluate()  # the weights the run ended with
     result["skipped_steps"] = trainer.steps_skipped
+    result["compiled_graphs"] = compile_counters()["unique_graphs"]  # torch.compile's graphs so far
     return result
 
 

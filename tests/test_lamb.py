@@ -17,6 +17,7 @@ import torch
 import _lamb_worker as W
 from _lamb_worker import assert_rel, new_state
 from distributed import free_port, start_python, wait_or_kill
+from pretrain.model.fused import compile_counters
 from pretrain.optim import Lamb, NormLayout, Segment, build_optimizer, layout_for_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,7 +52,9 @@ def assert_differs(actual, expected, what=""):
 
 # --- single process -------------------------------------------------------------------------
 
-def test_single_process_matches_reference():
+# fused compiles (about 4 s on 2 cores): the slow tier
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "fused"])
+def test_single_process_matches_reference(fused):
     g = torch.Generator().manual_seed(0)
     specs = {  # name: (initial weight, group settings)
         "W": (torch.randn(4, 3, generator=g), dict(weight_decay=0.01)),
@@ -64,8 +67,9 @@ def test_single_process_matches_reference():
     }
     lr = 0.05
     params = {n: torch.nn.Parameter(w.clone()) for n, (w, _) in specs.items()}
-    opt = Lamb([dict(params=[params[n]], **cfg) for n, (_, cfg) in specs.items()], lr=lr)
+    opt = Lamb([dict(params=[params[n]], **cfg) for n, (_, cfg) in specs.items()], lr=lr, fused=fused)
     ref = {n: w.clone() for n, (w, _) in specs.items()}
+    graphs = []
     states = {n: new_state(w) for n, w in ref.items()}
     for _ in range(4):
         for n, p in params.items():
@@ -77,9 +81,12 @@ def test_single_process_matches_reference():
                                    betas=cfg.get("betas", (0.9, 0.999)),
                                    bias_correction=cfg.get("bias_correction", True))
         opt.step()
+        graphs.append(compile_counters()["unique_graphs"])
         for n, p in params.items():
             assert torch.isfinite(p).all()
             assert_rel(p.detach(), ref[n], 1e-6, n)
+    if fused:  # the compiled direction ran, and no later step (new bias corrections) compiled again
+        assert graphs[0] >= 1 and graphs[-1] == graphs[0], graphs
     assert torch.equal(params["Q"].detach(), specs["Q"][0])
     assert set(opt.state[params["W"]]) == {"step", "exp_avg", "exp_avg_sq"}
     assert opt.state[params["W"]]["step"] == 4
@@ -168,7 +175,8 @@ def ranks(tmp_path_factory):
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
-                   OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+                   OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1",  # fused_: no compile workers
+                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
         log = open(out / f"log{rank}.txt", "w")
         logs.append(log)
         procs.append(start_python([str(REPO / "tests" / "_lamb_worker.py"), str(out)], env, output=log))
@@ -194,15 +202,20 @@ def lamb_update():
     return update
 
 
+# every LAMB scenario of the worker runs eager and with optimizer.fused (its direction compiled)
+FUSED = pytest.mark.parametrize("lamb", ["", "fused_"], ids=["eager", "fused"])
+
+
 @pytest.mark.slow
-def test_flat_dp_partition_matches_reference(ranks):
+@FUSED
+def test_flat_dp_partition_matches_reference(ranks, lamb):
     offsets = W.flat_offsets()
     ref = W.reference_flat(lamb_update())
     # The split really cuts: "A" straddles the boundary at 20, "a0" lies entirely on rank 0.
     half = W.FLAT_TOTAL // 2
     assert offsets["A"] < half < offsets["A"] + ref["A"].numel() and ref["a0"].numel() <= half
     for r in range(2):
-        flat, naive = ranks[r]["flat_dp"]["flat"], ranks[r]["flat_dp_naive"]["flat"]
+        flat, naive = ranks[r][lamb + "flat_dp"]["flat"], ranks[r]["flat_dp_naive"]["flat"]
         covered = torch.zeros(W.FLAT_TOTAL, dtype=torch.bool)
         for n, w in ref.items():
             piece = slice(offsets[n], offsets[n] + w.numel())
@@ -213,27 +226,29 @@ def test_flat_dp_partition_matches_reference(ranks):
 
 
 @pytest.mark.slow
-def test_tp_sharding_matches_reference(ranks):
+@FUSED
+def test_tp_sharding_matches_reference(ranks, lamb):
     ref = W.reference_tp(lamb_update())
     for r in range(2):
         for n in ref:
-            assert_rel(ranks[r]["tp"][n], ref[n], 1e-6, f"rank {r} {n}")
+            assert_rel(ranks[r][lamb + "tp"][n], ref[n], 1e-6, f"rank {r} {n}")
     for n in ("P", "S"):
         assert_differs(ranks[0]["tp_naive"][n], ref[n], f"tp {n}")
 
 
 @pytest.mark.slow
+@FUSED
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_deepspeed_zero_matches_reference(ranks, stage):
+def test_deepspeed_zero_matches_reference(ranks, stage, lamb):
     ref, net = W.reference_net(lamb_update())
     numels = torch.tensor([p.numel() for g in W.net_param_groups(net) for p in g["params"]])
-    held = [ranks[r][f"zero{stage}"]["__held__"] for r in range(2)]
+    held = [ranks[r][f"{lamb}zero{stage}"]["__held__"] for r in range(2)]
     # Every element held by exactly one rank, and ZeRO really cut at least one parameter.
     assert torch.equal(held[0] + held[1], numels)
     assert ((held[0] > 0) & (held[1] > 0)).any()
     for r in range(2):
         for n, w in ref.items():
-            assert_rel(ranks[r][f"zero{stage}"][n], w, 1e-5, f"ZeRO-{stage} rank {r} {n}")
+            assert_rel(ranks[r][f"{lamb}zero{stage}"][n], w, 1e-5, f"ZeRO-{stage} rank {r} {n}")
     assert_differs(ranks[0][f"zero{stage}_naive"]["fc1.weight"], ref["fc1.weight"], f"ZeRO-{stage} naive")
 
 
@@ -250,14 +265,15 @@ BF16_TOLERANCE = 0.02
 
 
 @pytest.mark.slow
-def test_deepspeed_bf16_layouts(ranks):
+@FUSED
+def test_deepspeed_bf16_layouts(ranks, lamb):
     """bf16 runs cannot match the fp32 reference exactly (bf16 forward, gradients and model
     weights), so check the wrappers' layouts: exact coverage of every element, and for the
     partitioned BF16_Optimizer a result much closer to the reference than the naive one."""
     ref, net = W.reference_net(lamb_update())
     numels = torch.tensor([p.numel() for g in W.net_param_groups(net) for p in g["params"]])
 
-    zero1 = [ranks[r]["bf16_zero1"] for r in range(2)]
+    zero1 = [ranks[r][lamb + "bf16_zero1"] for r in range(2)]
     assert zero1[0]["__optimizer__"] == "BF16_Optimizer"
     assert torch.equal(zero1[0]["__held__"] + zero1[1]["__held__"], numels)
     assert ((zero1[0]["__held__"] > 0) & (zero1[1]["__held__"] > 0)).any()
@@ -266,13 +282,22 @@ def test_deepspeed_bf16_layouts(ranks):
         naive = _max_rel_err(ranks[r]["bf16_zero1_naive"]["fc1.weight"], ref["fc1.weight"])
         assert err < 0.01 and err < naive / 3, f"BF16_Optimizer rank {r}: error {err:.4f}, naive {naive:.4f}"
 
-    zero0 = [ranks[r]["bf16_zero0"] for r in range(2)]
+    zero0 = [ranks[r][lamb + "bf16_zero0"] for r in range(2)]
     assert zero0[0]["__optimizer__"] == "FP16_UnfusedOptimizer"
     for r in range(2):  # ZeRO-0: every rank holds whole parameters
         assert torch.equal(zero0[r]["__held__"], numels)
         for n, w in ref.items():
             assert _max_rel_err(zero0[r][n], w) < BF16_TOLERANCE, n
             assert _max_rel_err(zero1[r][n], w) < BF16_TOLERANCE, n
+
+
+@pytest.mark.slow
+def test_fused_scenarios_ran_compiled(ranks):
+    """The fused_ scenarios really took the compiled path, with no compilation per step or size:
+    every tensor of the seven scenarios (whole parameters, views into ZeRO's flat partitions, fp32
+    copies of bf16 ones) and every step share one graph."""
+    for r in range(2):
+        assert ranks[r]["fused_compiles"] == {"unique_graphs": 1, "frames": 1}, ranks[r]["fused_compiles"]
 
 
 # --- StableAdamW in the same process pair (its single-process tests: test_stable_adamw.py) ----------

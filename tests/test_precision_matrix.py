@@ -2,7 +2,8 @@
 GPUs) x ZeRO 0-3 x {TP1 (DP2), TP2, PP2}, wherever DeepSpeed allows the combination, on the CPU test
 mode's device (fakegpu: the CPU's kernels behind the GPU code path, DeepSpeed's CUDA-like accelerator
 and a collective backend that refuses tensors off the device) and on two GPUs in the GPU tier
-(marker gpu); on the CPU, the fp32 references and bf16 ZeRO-1 at every layout (CPU_CONFIGS).
+(marker gpu); on the CPU, the fp32 references and bf16 ZeRO-1 at every layout (CPU_CONFIGS), the
+latter with LAMB's compiled direction (optimizer.fused=true; CUDA's default, eager everywhere else).
 
 Each device is one 2-rank job (fakegpu two, JOB_WORLDS; tests/_matrix_worker.py) running its layouts and
 their precision x ZeRO stages in turn (the TP/PP groups rebuilt for each layout), each through the run
@@ -93,9 +94,13 @@ def configs(world: str, device: str) -> dict[str, list[str]]:
     for precision in ("fp32", "bf16"):
         found[f"{MODERN_PREFIX}{precision}-zero1"] = MODERN + found[f"{precision}-zero1"]
     if device == "cpu":
+        # LAMB with optimizer.fused (its Adam direction compiled; on CUDA "auto" turns it on) at every layout
+        found["bf16-zero1"] = found["bf16-zero1"] + FUSED
         return {name: overrides for name, overrides in found.items() if name in CPU_CONFIGS[world]}
     return found
 
+
+FUSED = ["optimizer.fused=true"]
 
 # The CPU runs the references and a cluster user's first configuration (bf16 ZeRO-1) at every layout:
 # the whole matrix runs on fakegpu, the GPU code path (DeepSpeed's CUDA-like accelerator, a backend that
@@ -201,6 +206,10 @@ def test_run_controls_and_numerics(matrix, device, world, name):
         assert (rank["grad_accumulation"], rank["grad_communication"]) == (gradients, gradients), rank
         assert rank["device"].startswith(device_type) and rank["backend"] == backend, rank
         assert rank["parameters"] == rank["optimizer_tensors"] == [rank["device"]], rank
+        fused = FUSED[0] in configs(world, device)[name] or device == "cuda"  # auto: on for CUDA
+        assert rank["optimizer_fused"] == fused, rank
+    if fused:  # the compiled direction ran (the process's graphs: this rank's, after its run)
+        assert straight["compiled_graphs"] >= 1 and resumed["compiled_graphs"] >= 1
 
     # the planner's prediction of every rank's memory (pretrain/plan, logged after step 1): model
     # states to the byte; the activation peak (exact on the CPU, tests/test_memory_plan.py) and, on

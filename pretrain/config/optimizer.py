@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .checks import non_negative, one_of, positive
-from .choices import OPTIMIZERS, PARAMETER_KINDS
+from .choices import COMPILE_CHOICES, OPTIMIZERS, PARAMETER_KINDS
 
 
 @dataclass
@@ -30,6 +30,9 @@ class OptimizerConfig:
     decouple_lr: bool = False
     max_lr: float | None = None
     kahan_sum: bool = False
+    # lamb only: its Adam direction as one compiled kernel per tensor (torch.compile) instead of
+    # nine multi-tensor sweeps over memory: "auto" on CUDA, "true" anywhere torch compiles, "false"
+    fused: str = "auto"
 
     STABLE_ADAMW_ONLY = {"decouple_lr": False, "max_lr": None, "kahan_sum": False}
 
@@ -63,6 +66,10 @@ class OptimizerConfig:
                 if getattr(self, key) != default:
                     p.append(f"optimizer.{key} applies to optimizer.name=stable_adamw only, not {self.name}; "
                              "remove it")
+        one_of(p, "optimizer.fused", self.fused, COMPILE_CHOICES)
+        if self.fused == "true" and self.name != "lamb":
+            p.append(f"optimizer.fused=true applies to optimizer.name=lamb only, not {self.name} (adamw always runs "
+                     "torch's fused kernel; stable_adamw has no compiled form): remove it or set it to auto")
         if self.max_lr is not None:
             positive(p, "optimizer.max_lr", self.max_lr)
         if self.max_trust_ratio is not None:

@@ -18,16 +18,19 @@ import math
 
 import torch
 
+from .fused import compiled_lamb_direction
 from .whole_parameter import WholeParameterOptimizer, flat_target, write_back
 
 
 class Lamb(WholeParameterOptimizer):
     """Param-group keys: lr, betas, eps, weight_decay, layer_adaptation (False fixes the trust
     ratio to 1, for biases and LayerNorm), max_trust_ratio (None = no clamp), bias_correction.
-    State per tensor: step, exp_avg, exp_avg_sq (the names DeepSpeed checkpoints know from Adam)."""
+    State per tensor: step, exp_avg, exp_avg_sq (the names DeepSpeed checkpoints know from Adam).
+    fused: the Adam direction as one compiled kernel per tensor (fused.py) instead of nine
+    multi-tensor sweeps; the caller checks that torch can compile for the device."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
-                 max_trust_ratio=None, bias_correction=True):
+                 max_trust_ratio=None, bias_correction=True, fused=False):
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"Lamb: lr, eps and weight_decay must be >= 0 (got {lr}, {eps}, {weight_decay})")
         if not all(0.0 <= b < 1.0 for b in betas):
@@ -38,6 +41,7 @@ class Lamb(WholeParameterOptimizer):
                         layer_adaptation=True, max_trust_ratio=max_trust_ratio,
                         bias_correction=bias_correction)
         super().__init__(params, defaults)
+        self.fused = bool(fused)
 
     @torch.no_grad()
     def _adam_directions(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
@@ -48,6 +52,8 @@ class Lamb(WholeParameterOptimizer):
         m = [self.state[p]["exp_avg"] for p in params]
         v = [self.state[p]["exp_avg_sq"] for p in params]
         beta1, beta2 = group["betas"]
+        if self.fused:
+            return self._fused_directions(params, grads, m, v, group)
         # Each foreach call below is one sweep over every stepped element, and an optimizer's cost
         # is its memory traffic: the formula is arranged for 9 sweeps with weight decay (11 written
         # term by term) and one full-size temporary, u itself:
@@ -71,6 +77,24 @@ class Lamb(WholeParameterOptimizer):
         if group["weight_decay"] != 0:
             torch._foreach_add_(updates, params, alpha=group["weight_decay"])
         return [u.reshape(-1) for u in updates]
+
+    def _fused_directions(self, params, grads, m, v, group) -> list[torch.Tensor]:
+        """The same directions, one compiled kernel per tensor (fused.py)."""
+        beta1, beta2 = group["betas"]
+        direction = compiled_lamb_direction()
+        out, coefficients = [], {}
+        for p, g, m_p, v_p in zip(params, grads, m, v):
+            step = self.state[p]["step"]
+            c1, c2 = (1 - beta1 ** step, 1 - beta2 ** step) if group["bias_correction"] else (1.0, 1.0)
+            key = (p.device, c1, c2)
+            if key not in coefficients:  # one small copy per distinct step count, not per tensor
+                coefficients[key] = torch.tensor([1 - beta1, beta2, 1 - beta2, c1 / math.sqrt(c2), group["eps"] * c1,
+                                                  group["weight_decay"]], dtype=torch.float32).to(p.device)
+            # flat, and detached from any base they are views of (ZeRO's partitions of flat buffers):
+            # torch guards a view on its base's sizes, which would compile a graph per tensor kind
+            w, g, m_p, v_p = (t.view(-1).detach() if t.is_contiguous() else t for t in (p, g, m_p, v_p))
+            out.append(direction(w, g, m_p, v_p, coefficients[key]).reshape(-1))
+        return out
 
     def _update(self) -> None:
         # 1. Elementwise update direction for every tensor with a gradient (one multi-tensor

@@ -24,6 +24,7 @@ from ..distributed import device, internals
 from ..distributed.parallel import Parallel
 from ..model.bert import PretrainingLoss, build_model, init_weights
 from ..model.context_split import ContextGroup
+from ..model.fused import check_can_compile
 from ..model.names import logical_parameters
 from ..model.rng import RngTracker
 from ..optim import Lamb, StableAdamW, build_optimizer, layout_for_deepspeed, make_lr_scheduler
@@ -106,6 +107,9 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
     hyper = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
     if o.name == "lamb":
         hyper["max_trust_ratio"] = o.max_trust_ratio
+        hyper["fused"] = compile_enabled(o.fused, par.device.type)
+        if hyper["fused"]:
+            check_can_compile(par.device.type)
     if o.name == "stable_adamw":
         hyper.update(decouple_lr=o.decouple_lr, max_lr=o.max_lr, kahan_sum=o.kahan_sum)
     optimizer = build_optimizer(o.name, optimizer_param_groups(model, o), **hyper)
@@ -133,6 +137,9 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
     logger.info(f"optimizer {o.name} under DeepSpeed's {type(engine.optimizer).__name__}; "
                 f"gradients accumulated in {_dtype_name(accumulation)}, reduced in {_dtype_name(reduction)}, "
                 + o.clipping_words() + ((" exactly by the trainer" if exact else " by DeepSpeed") if o.clip() > 0 else ""))
+    if o.name == "lamb" and optimizer.fused:
+        logger.info(f"optimizer.fused {o.fused}: LAMB's Adam direction runs as one compiled kernel per tensor; "
+                    "the first step compiles it")
     if compile_enabled(cfg.model.compile, par.device.type):
         logger.info(f"model.compile {cfg.model.compile}: the first step compiles the fused kernels (torch.compile), "
                     "which takes a minute or more before its line; the steps after reuse them")

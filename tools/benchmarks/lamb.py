@@ -1,7 +1,8 @@
 """Optimizer step benchmark: our LAMB against torch's fused AdamW, and our StableAdamW against
 torch-optimi's (the reference, a test-only dependency: skipped when absent), on BERT-base's parameters.
 
-usage: python tools/benchmarks/lamb.py [--config base] [--steps 5] [--warmup 2] [--threads 2] [--json out.json]
+usage: python tools/benchmarks/lamb.py [--config base] [--steps 5] [--warmup 2] [--threads 2] [--keep-freed]
+                                      [--json out.json]
 
 Each optimizer runs in a fresh child process (this script with ``--child``), one after the other:
 the model's whole parameter list (configs/bert-<config>.yaml, Hugging Face shapes, fp32, as one
@@ -11,8 +12,11 @@ moments are allocated there), then times --steps steps, and reports the median s
 transient memory of a step: the peak resident memory over the timed steps minus the resident memory
 before them, when the parameters, gradients and moments already exist (what the temporaries of a
 step add). The child's malloc returns every block above 64 KiB to the system when it is freed
-(MALLOC_MMAP_THRESHOLD_), so that resident memory follows the live tensors.
-torch's AdamW (fused, one kernel over all tensors) is the peer: the ratio says what LAMB's
+(MALLOC_MMAP_THRESHOLD_), so that resident memory follows the live tensors; each step's fresh
+temporaries then cost page faults. --keep-freed times the steps as a GPU's caching allocator runs
+them instead: freed blocks stay with the process (no transient memory is measured then).
+lamb-fused is LAMB with optimizer.fused (its Adam direction one compiled kernel per tensor; the
+warmup steps compile it). torch's AdamW (fused, one kernel over all tensors) is the peer: the ratio says what LAMB's
 whole-parameter norms and trust ratios cost on top of the same Adam moments. optimi's StableAdamW
 (foreach, its fastest path without Triton) is ours' peer: the same update, with per-tensor RMS
 terms read on the host (.item()) where ours keeps them on the device for its layout reductions.
@@ -32,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from tools.benchmarks.train import peak_rss_mb, set_threads, time_steps  # noqa: E402
 
-OPTIMIZERS = ("lamb", "adamw", "stable_adamw", "optimi")
+OPTIMIZERS = ("lamb", "lamb-fused", "adamw", "stable_adamw", "optimi")
 CONFIGS = {"base": REPO / "configs" / "bert-base.yaml", "large": REPO / "configs" / "bert-large.yaml",
            "mini": REPO / "configs" / "bert-mini.yaml"}
 
@@ -54,8 +58,10 @@ def child(args) -> dict:
         groups[info.kind not in ("bias", "layernorm")].append(param)
     params = groups[True] + groups[False]
     hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
-    if args.child == "lamb":
+    if args.child.startswith("lamb"):
         hyper["max_trust_ratio"] = None
+    if args.child == "lamb-fused":  # optimizer.fused: the Adam direction compiled (the warmup compiles)
+        hyper["fused"] = True
     param_groups = [{"params": groups[True], "weight_decay": 0.01, "layer_adaptation": True},
                     {"params": groups[False], "weight_decay": 0.0, "layer_adaptation": False}]
     if args.child in ("stable_adamw", "optimi"):  # ModernBERT's settings
@@ -67,7 +73,7 @@ def child(args) -> dict:
         optimizer = StableAdamW([{k: v for k, v in g.items() if k != "layer_adaptation"} for g in param_groups],
                                 foreach=True, triton=False, **hyper)
     else:
-        optimizer = build_optimizer(args.child, param_groups, **hyper)
+        optimizer = build_optimizer(args.child.removesuffix("-fused"), param_groups, **hyper)
     for _ in range(args.warmup):
         optimizer.step()
     before = current_rss_mb()
@@ -85,6 +91,8 @@ def run_child(args, optimizer: str) -> dict:
     cmd = [sys.executable, __file__, "--child", optimizer, "--config", args.config, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--threads", str(args.threads)]
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # freed tensors leave the resident set
+    if args.keep_freed:  # freed tensors stay with the process, as in a caching allocator
+        env.update(MALLOC_MMAP_THRESHOLD_=str(2**32), MALLOC_TRIM_THRESHOLD_=str(2**32))
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{optimizer} child failed:\n{done.stderr[-3000:]}")
@@ -97,6 +105,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--keep-freed", action="store_true",
+                        help="keep freed memory in the process (a caching allocator's timing; no transient memory)")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--child", choices=OPTIMIZERS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -110,7 +120,7 @@ def main(argv=None) -> int:
         names = OPTIMIZERS
     except ImportError:
         print("torch-optimi is not installed (pip install torch-optimi): StableAdamW's peer left out")
-        names = OPTIMIZERS[:3]
+        names = OPTIMIZERS[:4]
     results = {name: run_child(args, name) for name in names}
     lamb, adamw = results["lamb"], results["adamw"]
     print(f"BERT-{args.config} parameters: {lamb['elements'] / 1e6:.1f} M ({lamb['parameters_mb']:,.0f} MB fp32), "
@@ -122,6 +132,9 @@ def main(argv=None) -> int:
               f"({r['transient_mb'] / r['parameters_mb']:.2f} x parameters) |")
     ratio = statistics.median(lamb["times"]) / statistics.median(adamw["times"])
     print(f"LAMB / fused AdamW step time: {ratio:.2f}")
+    ratio = statistics.median(results["lamb-fused"]["times"]) / statistics.median(adamw["times"])
+    extra = 1e3 * (statistics.median(results["lamb-fused"]["times"]) - statistics.median(adamw["times"]))
+    print(f"LAMB with optimizer.fused / fused AdamW step time: {ratio:.2f} ({extra:+,.0f} ms)")
     if "optimi" in results:
         ratio = statistics.median(results["stable_adamw"]["times"]) / statistics.median(results["optimi"]["times"])
         print(f"our StableAdamW / torch-optimi's StableAdamW step time: {ratio:.2f}")
