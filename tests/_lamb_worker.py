@@ -16,6 +16,7 @@ Scenarios:
   zero{1,2,3} a small model under deepspeed.initialize with ZeRO-S, DP=2, Lamb as client
               optimizer with layout_for_deepspeed (fp32: DeepSpeedZeroOptimizer, Stage3).
   bf16_zero{0,1}  the same in bf16 (FP16_UnfusedOptimizer, BF16_Optimizer wrappers).
+  bf16_zero0_multi_tensor  bf16_zero0 with the trainer's multi-tensor step of FP16_UnfusedOptimizer.
 Each LAMB scenario also runs with optimizer.fused ("fused_" + name, its Adam direction compiled).
 Each has a "<name>_naive" twin that skips the layout/groups: it must NOT match the reference.
 The same scenarios with StableAdamW ("saw_" + name; bf16 at ZeRO-1 only), their gradients scaled
@@ -245,7 +246,7 @@ def run_tp(rank, world, use_layout, stable=False, fused=False):
     return out
 
 
-def run_deepspeed(rank, world, stage, use_layout, bf16=False, stable=False, fused=False):
+def run_deepspeed(rank, world, stage, use_layout, bf16=False, stable=False, fused=False, multi_tensor=False):
     import deepspeed
     import torch.distributed as dist
     from pretrain.optim import layout_for_deepspeed
@@ -274,6 +275,10 @@ def run_deepspeed(rank, world, stage, use_layout, bf16=False, stable=False, fuse
 
     with no_optimizer_steps(opt):  # FP16_UnfusedOptimizer (bf16 ZeRO-0) would step once, as the trainer guards
         engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config)
+    if multi_tensor:  # bf16 ZeRO-0: the trainer's multi-tensor replacement of the wrapper's step
+        from pretrain.distributed import internals
+        internals.disable_wrapper_clipping(engine)
+        assert internals.multi_tensor_bf16_step(engine)
     if use_layout:
         layout = layout_for_deepspeed(engine, tp_group=None, dp_group=dist.group.WORLD)
         assert (layout.dp_group is not None) == (stage > 0), \
@@ -293,7 +298,15 @@ def run_deepspeed(rank, world, stage, use_layout, bf16=False, stable=False, fuse
         if scales is not None:
             loss = scales[step] * loss
         engine.backward(loss)
-        engine.step()
+        if step == STEPS - 1:  # the last step's host syncs (.item()) and dispatched operations
+            from torch.profiler import profile
+            with profile() as prof:
+                engine.step()
+            names = [event.name for event in prof.events()]
+            ops = {"syncs": names.count("aten::_local_scalar_dense"),
+                   "operations": sum(name.startswith("aten::") for name in names)}
+        else:
+            engine.step()
     params = list(engine.module.named_parameters())
     if stage == 3:
         with deepspeed.zero.GatheredParameters([p for _, p in params]):
@@ -303,6 +316,7 @@ def run_deepspeed(rank, world, stage, use_layout, bf16=False, stable=False, fuse
     if use_layout:
         out["__held__"] = held
         out["__optimizer__"] = type(engine.optimizer).__name__
+    out["__step_ops__"] = ops
     engine.destroy()
     return out
 
@@ -329,6 +343,7 @@ def main(out_dir):
         for stage in (1, 2, 3):
             results[f"saw_zero{stage}{suffix}"] = run_deepspeed(rank, world, stage, use_layout, stable=True)
         results["saw_bf16_zero1" + suffix] = run_deepspeed(rank, world, 1, use_layout, bf16=True, stable=True)
+    results["bf16_zero0_multi_tensor"] = run_deepspeed(rank, world, 0, True, bf16=True, multi_tensor=True)
     # LAMB with optimizer.fused (its Adam direction compiled): the same scenarios, layouts on
     results["fused_flat_dp"] = run_flat_dp(rank, world, True, fused=True)
     results["fused_tp"] = run_tp(rank, world, True, fused=True)

@@ -62,7 +62,9 @@ def what_took_effect(trainer, parallel) -> dict:
             "tp": ps.get_tensor_model_parallel_world_size(), "dp": engine.dp_world_size,
             "pp": engine.num_stages if trainer.pipelined else 1, **where_it_ran(trainer, parallel),
             # optimizer.fused: our LAMB's compiled direction
-            "optimizer_fused": bool(getattr(internals.client_optimizer(engine), "fused", False))}
+            "optimizer_fused": bool(getattr(internals.client_optimizer(engine), "fused", False)),
+            # bf16 ZeRO-0: the wrapper's step replaced by internals.multi_tensor_bf16_step
+            "multi_tensor_step": getattr(vars(engine.optimizer).get("step"), "__name__", "") == "multi_tensor_step"}
 
 
 def train(cfg, parallel, poisons=(), rank=0) -> dict:

@@ -300,6 +300,22 @@ def test_fused_scenarios_ran_compiled(ranks):
         assert ranks[r]["fused_compiles"] == {"unique_graphs": 1, "frames": 1}, ranks[r]["fused_compiles"]
 
 
+@pytest.mark.slow
+def test_bf16_zero0_multi_tensor_step_is_deepspeeds(ranks):
+    """bf16 at ZeRO-0: the trainer's replacement of FP16_UnfusedOptimizer's per-tensor step
+    (internals.multi_tensor_bf16_step) gives DeepSpeed's weights bit for bit, with one host sync
+    per step where DeepSpeed's takes one per gradient (and its norm's)."""
+    for r in range(2):
+        ours, theirs = ranks[r]["bf16_zero0_multi_tensor"], ranks[r]["bf16_zero0"]
+        assert ours["__optimizer__"] == theirs["__optimizer__"] == "FP16_UnfusedOptimizer"
+        for name, value in theirs.items():
+            if not name.startswith("__"):
+                assert torch.equal(ours[name], value), name
+        assert ours["__step_ops__"]["syncs"] == 1, ours["__step_ops__"]
+        assert theirs["__step_ops__"]["syncs"] >= len(W.net_param_groups(W.make_net())[0]["params"]), theirs
+        assert ours["__step_ops__"]["operations"] < theirs["__step_ops__"]["operations"]
+
+
 # --- StableAdamW in the same process pair (its single-process tests: test_stable_adamw.py) ----------
 # Its RMS clipping term must be that of the whole logical parameter, as LAMB's trust ratio: the
 # "saw_" scenarios of the worker, against the plain whole-tensor reference of test_stable_adamw.py.

@@ -208,6 +208,7 @@ def test_run_controls_and_numerics(matrix, device, world, name):
         assert rank["parameters"] == rank["optimizer_tensors"] == [rank["device"]], rank
         fused = FUSED[0] in configs(world, device)[name] or device == "cuda"  # auto: on for CUDA
         assert rank["optimizer_fused"] == fused, rank
+        assert rank["multi_tensor_step"] == (precision == "bf16" and zero == 0), rank
     if fused:  # the compiled direction ran (the process's graphs: this rank's, after its run)
         assert straight["compiled_graphs"] >= 1 and resumed["compiled_graphs"] >= 1
 

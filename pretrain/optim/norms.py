@@ -55,10 +55,9 @@ class ExactClipping:
 
     def norm(self) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=self.parallel.device)
-        for tensor in self.counted:
-            if tensor.grad is not None:
-                flat = tensor.grad.detach().reshape(-1)
-                total += torch.dot(flat, flat).double()  # fp32 BLAS per tensor, float64 across tensors
+        grads = [tensor.grad.detach() for tensor in self.counted if tensor.grad is not None]
+        if grads:  # one multi-tensor kernel, not a dot product per tensor; fp32 per tensor, float64 across
+            total += torch.stack(torch._foreach_norm(grads)).double().square().sum()
         device.all_reduce(total)  # over the world: every (context x) data-parallel replica holds the same gradients
         return (total / self.parallel.dp_cp_size).sqrt()
 

@@ -65,6 +65,8 @@ def initialize_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                                config=ds_config, mpu=mpu)
     clipping = exact_clipping_for(engine, counted, parallel, grad_clip)
+    if clipping is not None:  # bf16 ZeRO-0: DeepSpeed's per-tensor wrapper step in multi-tensor kernels
+        internals.multi_tensor_bf16_step(engine)
     return engine, clipping is not None
 
 
