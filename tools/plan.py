@@ -2,9 +2,9 @@
 rank and its step time predicted, ranked.
 
 usage: python tools/plan.py --config FILE --gpus N [--gpus-per-node 8] --device-memory 80GB
-         [--reserve 2GB] [--peak-tflops 312] [--fp32-tflops T] [--efficiency 0.7]
+         [--reserve 2GB] [--peak-tflops 312] [--fp32-tflops T] [--efficiency E] [--elementwise-efficiency E]
          [--intra-node-bandwidth 150GB/s] [--inter-node-bandwidth 25GB/s] [--memory-bandwidth 1500GB/s]
-         [--latency-us 20] [--layer-overhead-ms 0.1]
+         [--latency-us 20] [--layer-overhead-ms 0]
          [--precision bf16,fp16,fp32] [--recompute none,selective,full] [--zero 0,1,2,3]
          [--micro-batch 4,8,16] [--device cuda|cpu] [--top 15] [--all] [--json] [section.key=value ...]
 
@@ -13,8 +13,10 @@ stage, micro-batch, recomputation, precision) the trainer accepts is predicted p
 most loaded pipeline stage): parameters, gradients, optimizer state (masters included),
 activations (1F1B's in-flight micro-batches, the MLM head at masked positions), DeepSpeed's
 communication buffers, the framework's workspace; and its step time from the FLOPs each rank
-computes at the device's achievable rate (peak x efficiency) and the TP, PP and DP traffic over
-the given bandwidths. The table lists the fastest layouts that fit, then the fastest that do
+computes at the device's achievable rate (peak x efficiency), its element-wise work and optimizer
+step at the achievable share of the memory bandwidth, and the TP, PP and DP traffic over the given
+bandwidths. The shares default to those measured for the model's family on an H100
+(pretrain/plan/calibration.py: BERT's steps within 8%). The table lists the fastest layouts that fit, then the fastest that do
 not and why; the last line is the pick, as overrides for `python -m pretrain` (with
 checkpoint.async_save, then the host memory a save's snapshot takes on the pick's fullest rank).
 Layouts the trainer would refuse are counted by its reason, and what the plan does not model is
@@ -129,9 +131,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="dense bf16/fp16 matrix-product peak of one device (default 312: A100)")
     parser.add_argument("--fp32-tflops", type=float, default=None,
                         help="fp32 peak (default: half the 16-bit peak, TF32, with train.tf32; 1/16 without)")
-    parser.add_argument("--efficiency", type=float, default=0.7,
-                        help="share of the peak the model's matrix products reach (default 0.7; element-wise "
-                             "work is counted apart, at --memory-bandwidth)")
+    parser.add_argument("--efficiency", type=float, default=None,
+                        help="share of --peak-tflops the model's matrix products reach (default: the family's "
+                             "measured share, 0.68 for BERT)")
+    parser.add_argument("--elementwise-efficiency", type=float, default=None,
+                        help="share of --memory-bandwidth the element-wise work reaches (default: the family's "
+                             "measured share, 0.46 for BERT; the optimizer step runs at 0.89)")
     parser.add_argument("--intra-node-bandwidth", type=bandwidth, default=bandwidth("150GB/s"),
                         help="collective bandwidth of one device inside a node (default 150GB/s: NVLink)")
     parser.add_argument("--inter-node-bandwidth", type=bandwidth, default=bandwidth("25GB/s"),
@@ -139,9 +144,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--memory-bandwidth", type=bandwidth, default=bandwidth("1500GB/s"),
                         help="device memory bandwidth: element-wise work, the optimizer step (default 1500GB/s: A100 40GB)")
     parser.add_argument("--latency-us", type=float, default=20.0, help="per collective or message (default 20)")
-    parser.add_argument("--layer-overhead-ms", type=float, default=0.1,
-                        help="time a layer's forward + backward takes beyond its FLOPs, per micro-batch: kernel "
-                             "launches, element-wise ops (default 0.1)")
+    parser.add_argument("--layer-overhead-ms", type=float, default=0.0,
+                        help="time a layer's forward + backward takes beyond its FLOPs and bytes, per micro-batch "
+                             "(default 0: the measured shares include it)")
     parser.add_argument("--precision", type=choices(str, PRECISIONS), default=list(PRECISIONS))
     parser.add_argument("--recompute", type=choices(str, RECOMPUTE), default=list(RECOMPUTE))
     parser.add_argument("--zero", type=choices(int, (0, 1, 2, 3)), default=[0, 1, 2, 3])
@@ -153,8 +158,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--all", action="store_true", help="list every layout")
     parser.add_argument("--json", action="store_true", help="one JSON object per layout instead of the table")
     args = parser.parse_args(argv)
-    if not 0 < args.efficiency <= 1:
-        parser.error(f"--efficiency must be in (0, 1], got {args.efficiency}")
+    for name in ("efficiency", "elementwise_efficiency"):
+        value = getattr(args, name)
+        if value is not None and not 0 < value <= 1:
+            parser.error(f"--{name.replace('_', '-')} must be in (0, 1], got {value}")
     if args.gpus % min(args.gpus, args.gpus_per_node):
         parser.error(f"--gpus {args.gpus} must be a multiple of --gpus-per-node {args.gpus_per_node} "
                      "(or fewer than one node)")
@@ -164,16 +171,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def hardware(args, cfg):
+    from pretrain.plan.calibration import calibration_for, datasheet_shares
     from pretrain.plan.step_time import Hardware
 
+    shares = datasheet_shares(calibration_for(cfg.model.architecture))
+    efficiency = args.efficiency if args.efficiency is not None else shares["matrix_products"]
+    elementwise = args.elementwise_efficiency if args.elementwise_efficiency is not None else shares["elementwise"]
     peak = args.peak_tflops * 1e12
     fp32 = args.fp32_tflops * 1e12 if args.fp32_tflops else peak / (2 if cfg.train.tf32 else 16)
     rate = {"bf16": peak, "fp16": peak, "fp32": fp32}
     return Hardware(gpus_per_node=min(args.gpus, args.gpus_per_node),
-                    flops={k: v * args.efficiency for k, v in rate.items()},
+                    flops={k: v * efficiency for k, v in rate.items()},
                     intra_node_bandwidth=args.intra_node_bandwidth, inter_node_bandwidth=args.inter_node_bandwidth,
-                    memory_bandwidth=args.memory_bandwidth, latency=args.latency_us * 1e-6,
-                    layer_overhead=args.layer_overhead_ms * 1e-3)
+                    memory_bandwidth=args.memory_bandwidth * elementwise,
+                    optimizer_bandwidth=args.memory_bandwidth * shares["optimizer"], latency=args.latency_us * 1e-6,
+                    layer_overhead=args.layer_overhead_ms * 1e-3, device_type=args.device)
 
 
 def row_json(row) -> dict:

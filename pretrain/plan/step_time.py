@@ -14,9 +14,9 @@ The model (each term named in `StepTime`):
   backward, 2 more with full recomputation, and the vocabulary-parallel embedding's 1;
 - pp: one activation forward and one gradient backward per micro-batch per stage boundary;
   with 1F1B the step is (micro-batches + stages - 1) times the slowest stage's micro-batch;
-- optimizer: the step's reads and writes of weights, gradients and moments (36 bytes per element
-  this rank steps: all of its stage's with ZeRO-0, 1/DP of them with ZeRO 1-3) over the
-  device's memory bandwidth;
+- optimizer: the step's reads and writes of weights, gradients and moments (OPTIMIZER_BYTES per
+  element this rank steps, by optimizer: all of its stage's with ZeRO-0, 1/DP of them with ZeRO
+  1-3) over the device's memory bandwidth;
 - dp: DeepSpeed's gradient traffic, none of it assumed hidden behind backward: ZeRO-0 and
   ZeRO-1 reduce once per step (ZeRO-1 then all-gathers the updated parameters), ZeRO-2
   reduce-scatters every micro-batch's gradients, ZeRO-3 also gathers the parameters in every
@@ -50,12 +50,24 @@ class Hardware:
     optimizer_bandwidth: float | None = None  # bytes/s of the optimizer step (None: memory_bandwidth)
     latency: float = 20e-6  # seconds per collective or message
     layer_overhead: float = 0.0  # seconds per layer and micro-batch beyond its FLOPs (fwd + bwd)
+    device_type: str = "cuda"  # what optimizer.fused "auto" resolves for
 
 
-# bytes the optimizer step reads and writes per element it steps: LAMB/AdamW read the weight,
-# gradient and both moments and write weight and moments (7 x 4), LAMB's norms read weight and
-# update once more (2 x 4)
-OPTIMIZER_BYTES_PER_ELEMENT = 36
+# bytes the optimizer step reads and writes per fp32 element it steps. Fused AdamW reads the weight,
+# gradient and both moments and writes weight and moments (7 x 4); LAMB eager runs nine sweeps for
+# its Adam direction (88) and three for the norms, the trust ratio and the update (28); compiled
+# (optimizer.fused) the direction is one pass (28 + 28). StableAdamW's eager sweeps are counted as
+# LAMB's. On an H100 the LAMB - AdamW step difference matched these bytes (calibration.py).
+OPTIMIZER_BYTES = {"adamw": 28, "lamb": 116, "lamb_fused": 56, "stable_adamw": 116}
+
+
+def optimizer_bytes_per_element(optimizer_cfg, device_type: str) -> int:
+    """OPTIMIZER_BYTES of the config's optimizer on `device_type` (optimizer.fused resolved there)."""
+    from ..config.choices import compile_enabled
+
+    if optimizer_cfg.name == "lamb" and compile_enabled(optimizer_cfg.fused, device_type):
+        return OPTIMIZER_BYTES["lamb_fused"]
+    return OPTIMIZER_BYTES[optimizer_cfg.name]
 
 
 @dataclass(frozen=True)
@@ -169,5 +181,6 @@ def predict_step_time(cfg, layout: Layout, hw: Hardware, stage_numels: list[int]
     else:
         dp_time = micro_batches * (2 * _one_way(params, dp, dp_bw, hw.latency) + _one_way(grads, dp, dp_bw, hw.latency))
     stepped = numel / dp if layout.zero > 0 else numel
-    optimizer = OPTIMIZER_BYTES_PER_ELEMENT * stepped / (hw.optimizer_bandwidth or hw.memory_bandwidth)
+    optimizer = (optimizer_bytes_per_element(cfg.optimizer, hw.device_type) * stepped
+                 / (hw.optimizer_bandwidth or hw.memory_bandwidth))
     return StepTime(compute, bubble, tp, pp_time, dp_time, optimizer)

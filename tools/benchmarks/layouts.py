@@ -83,7 +83,7 @@ def child_rate(args) -> dict:
     from pretrain.model.flops import encoder_flops_per_row, head_flops_per_sample
     from pretrain.distributed.parallel import shutdown_parallel
     from pretrain.plan.shapes import stage_parameters
-    from pretrain.plan.step_time import OPTIMIZER_BYTES_PER_ELEMENT, layer_elementwise_bytes
+    from pretrain.plan.step_time import layer_elementwise_bytes, optimizer_bytes_per_element
     from pretrain.training.trainer import Trainer
 
     cfg = bench_config(args, 1, 1)
@@ -115,7 +115,7 @@ def child_rate(args) -> dict:
     matmul = args.micro_batch * (encoder_flops_per_row(cfg) + head_flops_per_sample(cfg)) / flops_per_second
     elementwise = args.micro_batch * cfg.model.num_layers * layer_elementwise_bytes(
         cfg.model, args.seq, 1, "fp32", "none")
-    stepped = OPTIMIZER_BYTES_PER_ELEMENT * stage_parameters(cfg, 1, 1)[0].numel
+    stepped = optimizer_bytes_per_element(cfg.optimizer, "cpu") * stage_parameters(cfg, 1, 1)[0].numel
     return {"threads": args.threads, "flops_per_second": flops_per_second,
             "memory_bandwidth": elementwise / (statistics.median(compute) - matmul),
             "optimizer_bandwidth": stepped / statistics.median(optimizer)}
@@ -168,7 +168,7 @@ def predictions(args, rates: dict[int, dict], link: dict) -> dict[str, float]:
         hw = Hardware(gpus_per_node=ranks, flops={"fp32": rate["flops_per_second"]},
                       intra_node_bandwidth=link["bandwidth"], inter_node_bandwidth=link["bandwidth"],
                       memory_bandwidth=rate["memory_bandwidth"], optimizer_bandwidth=rate["optimizer_bandwidth"],
-                      latency=link["latency"])
+                      latency=link["latency"], device_type="cpu")
         stages = [s.numel for s in stage_parameters(cfg, tp, pp)]
         predicted[name] = predict_step_time(cfg, layout, hw, stages, 4).total
     return predicted

@@ -41,8 +41,8 @@ model FLOP/s as MFU against the bf16 GEMM peak measured on this device up front 
 n^3 torch.mm) and against the card's datasheet (dense bf16), peak device memory (torch's allocator),
 each the median of --steps timed steps after --warmup. Model FLOPs are the real work
 (pretrain/model/flops.py document_training_flops: each sample's tokens, attention within the sample,
-the heads at the masked positions), the same count for every side whatever it computes. The planner's prediction (pretrain/plan: step time from the measured GEMM peak x
-its default efficiency and the measured copy bandwidth; memory of the rank) stands beside each
+the heads at the masked positions), the same count for every side whatever it computes. The planner's prediction (pretrain/plan: step time from the measured GEMM peak and
+copy bandwidth at the shares calibrated for the family, pretrain/plan/calibration.py; memory of the rank) stands beside each
 padded run (the planner models padded rows, not packing).
 
 How it runs: one child process measures the runs in priority order (the largest model first, the
@@ -87,7 +87,6 @@ NVIDIA_DLE_A100_BERT_LARGE = {"128": 574, "512": 207}
 NVIDIA_DLE_BATCH = {"128": 256, "512": 32}
 MLPERF_V3_H100_PACKED = 970
 ADAMW_LR = 1e-4  # BERT's AdamW learning rate (Devlin et al.)
-PLAN_EFFICIENCY = 0.7  # tools/plan.py's default share of the GEMM peak
 SCHEMA = "bert-pretrain/gpu-bench/2"
 GiB = 2**30
 
@@ -372,9 +371,18 @@ def profile_step(step, device) -> dict:
             "groups_ms": groups, "top": [{"ms": ms, "group": g, "name": n} for ms, g, n in kernels[:15]]}
 
 
+def plan_shares() -> dict:
+    """The planner's shares of the measured ceilings, per model family (pretrain/plan/calibration.py)."""
+    from pretrain.plan.calibration import CALIBRATIONS
+
+    return {family: {"matrix_products": c.matrix_products, "elementwise": c.elementwise}
+            for family, c in CALIBRATIONS.items()}
+
+
 def planned(cfg, device_type: str, calibration: dict | None) -> dict:
     """The planner's step time and memory for this run on one device of the measured ceilings."""
     from pretrain.plan import predict_rank_memory
+    from pretrain.plan.calibration import calibration_for
     from pretrain.plan.layouts import layout_of
     from pretrain.plan.shapes import stage_parameters
     from pretrain.plan.step_time import Hardware, predict_step_time
@@ -382,10 +390,12 @@ def planned(cfg, device_type: str, calibration: dict | None) -> dict:
     memory = predict_rank_memory(cfg, 1, 0, device_type)
     out = {"memory_gib": memory.total / GiB, "memory_breakdown_gib": {k: v / GiB for k, v in memory.breakdown().items()}}
     if calibration:
-        peak = calibration["gemm_tflops"] * 1e12 * PLAN_EFFICIENCY
+        shares = calibration_for(cfg.model.architecture)  # of the measured ceilings
+        peak = calibration["gemm_tflops"] * 1e12 * shares.matrix_products
         bandwidth = calibration["copy_gb_per_s"] * 1e9
         hw = Hardware(gpus_per_node=1, flops={cfg.train.precision: peak}, intra_node_bandwidth=bandwidth,
-                      inter_node_bandwidth=bandwidth, memory_bandwidth=bandwidth)
+                      inter_node_bandwidth=bandwidth, memory_bandwidth=bandwidth * shares.elementwise,
+                      optimizer_bandwidth=bandwidth, device_type=device_type)
         grad_bytes = 2 if cfg.train.precision != "fp32" and cfg.train.grad_accum_dtype != "fp32" else 4
         stages = [s.numel for s in stage_parameters(cfg, 1, 1)]
         step = predict_step_time(cfg, layout_of(cfg, 1), hw, stages, grad_bytes)
@@ -721,7 +731,7 @@ def parent_main(args, parser) -> int:
     if args.json:
         report = {"schema": SCHEMA, "device": {**facts, "datasheet_bf16_tflops": spec}, "calibration": calibration,
                   "settings": {
-                      **settings, "batch": args.batch, "budget_s": args.budget_s, "plan_efficiency": PLAN_EFFICIENCY},
+                      **settings, "batch": args.batch, "budget_s": args.budget_s, "plan_shares": plan_shares()},
                   "anchors": {"nvidia_dle_a100_80gb_bert_large_sequences_per_s": NVIDIA_DLE_A100_BERT_LARGE,
                               "nvidia_dle_batch": NVIDIA_DLE_BATCH,
                               "mlperf_v3_h100_packed_sequences_per_s": MLPERF_V3_H100_PACKED},
