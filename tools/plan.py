@@ -4,7 +4,7 @@ rank and its step time predicted, ranked.
 usage: python tools/plan.py --config FILE --gpus N [--gpus-per-node 8] --device-memory 80GB
          [--reserve 2GB] [--peak-tflops 312] [--fp32-tflops T] [--efficiency E] [--elementwise-efficiency E]
          [--intra-node-bandwidth 150GB/s] [--inter-node-bandwidth 25GB/s] [--memory-bandwidth 1500GB/s]
-         [--latency-us 20] [--layer-overhead-ms 0]
+         [--latency-us 20] [--layer-overhead-ms 0.1]
          [--precision bf16,fp16,fp32] [--recompute none,selective,full] [--zero 0,1,2,3]
          [--micro-batch 4,8,16] [--device cuda|cpu] [--top 15] [--all] [--json] [section.key=value ...]
 
@@ -133,10 +133,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="fp32 peak (default: half the 16-bit peak, TF32, with train.tf32; 1/16 without)")
     parser.add_argument("--efficiency", type=float, default=None,
                         help="share of --peak-tflops the model's matrix products reach (default: the family's "
-                             "measured share, 0.68 for BERT)")
+                             "measured share, 0.67 for BERT)")
     parser.add_argument("--elementwise-efficiency", type=float, default=None,
                         help="share of --memory-bandwidth the element-wise work reaches (default: the family's "
-                             "measured share, 0.46 for BERT; the optimizer step runs at 0.89)")
+                             "measured share, 0.47 for BERT; the optimizer step runs at 0.89)")
     parser.add_argument("--intra-node-bandwidth", type=bandwidth, default=bandwidth("150GB/s"),
                         help="collective bandwidth of one device inside a node (default 150GB/s: NVLink)")
     parser.add_argument("--inter-node-bandwidth", type=bandwidth, default=bandwidth("25GB/s"),
@@ -144,9 +144,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--memory-bandwidth", type=bandwidth, default=bandwidth("1500GB/s"),
                         help="device memory bandwidth: element-wise work, the optimizer step (default 1500GB/s: A100 40GB)")
     parser.add_argument("--latency-us", type=float, default=20.0, help="per collective or message (default 20)")
-    parser.add_argument("--layer-overhead-ms", type=float, default=0.0,
-                        help="time a layer's forward + backward takes beyond its FLOPs and bytes, per micro-batch "
-                             "(default 0: the measured shares include it)")
+    parser.add_argument("--layer-overhead-ms", type=float, default=None,
+                        help="time a layer's forward + backward takes beyond its FLOPs and bytes, per micro-batch: "
+                             "kernel launches (default 0.1, the calibration's)")
     parser.add_argument("--precision", type=choices(str, PRECISIONS), default=list(PRECISIONS))
     parser.add_argument("--recompute", type=choices(str, RECOMPUTE), default=list(RECOMPUTE))
     parser.add_argument("--zero", type=choices(int, (0, 1, 2, 3)), default=[0, 1, 2, 3])
@@ -177,6 +177,8 @@ def hardware(args, cfg):
     shares = datasheet_shares(calibration_for(cfg.model.architecture))
     efficiency = args.efficiency if args.efficiency is not None else shares["matrix_products"]
     elementwise = args.elementwise_efficiency if args.elementwise_efficiency is not None else shares["elementwise"]
+    calibration = calibration_for(cfg.model.architecture)
+    overhead = calibration.layer_overhead if args.layer_overhead_ms is None else args.layer_overhead_ms * 1e-3
     peak = args.peak_tflops * 1e12
     fp32 = args.fp32_tflops * 1e12 if args.fp32_tflops else peak / (2 if cfg.train.tf32 else 16)
     rate = {"bf16": peak, "fp16": peak, "fp32": fp32}
@@ -185,7 +187,7 @@ def hardware(args, cfg):
                     intra_node_bandwidth=args.intra_node_bandwidth, inter_node_bandwidth=args.inter_node_bandwidth,
                     memory_bandwidth=args.memory_bandwidth * elementwise,
                     optimizer_bandwidth=args.memory_bandwidth * shares["optimizer"], latency=args.latency_us * 1e-6,
-                    layer_overhead=args.layer_overhead_ms * 1e-3, device_type=args.device)
+                    layer_overhead=overhead, device_type=args.device)
 
 
 def row_json(row) -> dict:
