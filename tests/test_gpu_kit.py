@@ -93,6 +93,33 @@ def test_modernbert_comparisons_are_per_real_token():
     assert "nvidia_dle_a100_sequences_per_s" not in row
 
 
+def test_issue_50_targets_are_judged_from_the_runs():
+    """The summary's verdict per target: met, not met, or not run (no made-up figure)."""
+    def ok(**measured):
+        return {"status": "ok", "measured": measured}
+
+    results = {"modernbert-base-s1024-ours-packed": ok(real_tokens_per_s=410e3),
+               "modernbert-base-s1024-ours-zero1": ok(real_tokens_per_s=350e3),
+               "modernbert-base-s1024-hf": ok(real_tokens_per_s=100e3),
+               "large-s128-ours-zero1": ok(sequences_per_s=1500.0, step_s=0.2000),
+               "large-s128-ours-adamw": ok(step_s=0.1985), "large-s128-ours-zero0": ok(step_s=0.2100),
+               "modernbert-base-s8192-ours-packed": ok(real_tokens_per_s=260e3, first_timed_step_after_s=50.0,
+                                                       recompiled_after_step_3=1, max_step_s=0.32, min_step_s=0.30)}
+    verdicts = {v["target"].rsplit(" ", 2)[0]: v for v in bench.target_verdicts(results)}
+    assert len(verdicts) == len(bench.TARGETS)
+    met = {name: v["met"] for name, v in verdicts.items()}
+    assert met["ModernBERT-base seq 1024 packed, real tok/s"] is True
+    assert met["ModernBERT-base seq 1024 padded / packed, real tok/s"] is False  # 0.85
+    hf = verdicts["ModernBERT-base seq 1024 transformers (sdpa) / ours packed"]
+    assert hf["measured"] == pytest.approx(100 / 410) and hf["met"] is True
+    assert met["ModernBERT-base seq 8192 packed, graphs compiled after step 3"] is False
+    assert met["ModernBERT-base seq 8192 packed, slowest / fastest step"] is True  # 1.07
+    assert met["BERT-large 128 x 256, LAMB ZeRO-1, seq/s"] is False
+    assert verdicts["BERT-large 128 x 256, LAMB step - AdamW step (ms)"]["measured"] == pytest.approx(1.5)
+    assert met["BERT-large 128 x 256, bf16 ZeRO-0 / ZeRO-1 step time"] is False
+    assert met["BERT-large 512 x 32, LAMB ZeRO-1, seq/s"] is None and met["BERT-large 512 packed, real tok/s"] is None
+
+
 def test_useful_flops_count_attention_per_document():
     """MFU's numerator: a packed row of two 512-token documents is less work than one of 1,024 tokens
     (its global attention is two 512^2 blocks, not 1024^2), and a padded row counts its real tokens."""

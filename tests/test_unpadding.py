@@ -191,4 +191,6 @@ def test_compile_where_torch_cannot_is_one_line(monkeypatch):
         fused.check_can_compile("cpu")
     with pytest.raises(fused.CompileUnavailable, match="not for fakegpu; set model.compile=false"):
         fused.check_can_compile("fakegpu")
+    with pytest.raises(fused.CompileUnavailable, match="^optimizer.fused=true: .* set optimizer.fused=false"):
+        fused.check_can_compile("fakegpu", "optimizer.fused")  # LAMB's compiled direction names its own key
     fused.check_can_compile.cache_clear()

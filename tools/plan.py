@@ -16,8 +16,8 @@ communication buffers, the framework's workspace; and its step time from the FLO
 computes at the device's achievable rate (peak x efficiency), its element-wise work and optimizer
 step at the achievable share of the memory bandwidth, and the TP, PP and DP traffic over the given
 bandwidths. The shares default to those measured for the model's family on an H100
-(pretrain/plan/calibration.py: BERT's steps within 8%). The table lists the fastest layouts that fit, then the fastest that do
-not and why; the last line is the pick, as overrides for `python -m pretrain` (with
+(pretrain/plan/calibration.py: BERT's steps within 8%). The table lists the fastest layouts that
+fit, then the fastest that do not and why; the last line is the pick, as overrides for `python -m pretrain` (with
 checkpoint.async_save, then the host memory a save's snapshot takes on the pick's fullest rank).
 Layouts the trainer would refuse are counted by its reason, and what the plan does not model is
 said (data.packing, CPU offload, ...).

@@ -354,7 +354,8 @@ def multi_tensor_bf16_step(engine) -> bool:
     if wrapper.clip_grad != 0:
         raise RuntimeError("multi_tensor_bf16_step: the wrapper still clips by its own norm; switch its clipping "
                            "off first (disable_wrapper_clipping)")
-    pairs = [(low, high) for lows, highs in zip(wrapper.fp16_groups, wrapper.fp32_groups) for low, high in zip(lows, highs)]
+    pairs = [(low, high) for lows, highs in zip(wrapper.fp16_groups, wrapper.fp32_groups)
+             for low, high in zip(lows, highs)]
     flag_device = pairs[0][0].device if pairs else torch.device("cpu")
 
     def multi_tensor_step(closure=None):

@@ -75,17 +75,18 @@ class CompileUnavailable(UserError, RuntimeError):
 
 
 @functools.cache
-def check_can_compile(device_type: str) -> None:
-    """Refuse, in one line, a compilation that would fail deep inside torch: inductor builds CPU
-    kernels with a C++ compiler, and compiles for CUDA and the CPU only."""
+def check_can_compile(device_type: str, key: str = "model.compile") -> None:
+    """Refuse, in one line naming the config key that asked (`key`), a compilation that would fail
+    deep inside torch: inductor builds CPU kernels with a C++ compiler, and compiles for CUDA and the
+    CPU only."""
     if device_type == "cpu":
         compiler = os.environ.get("CXX", "g++")
         if shutil.which(compiler) is None:
-            raise CompileUnavailable(f"model.compile=true on the CPU needs a C++ compiler ({compiler}, or $CXX) for "
-                                     "torch's inductor, and none is on PATH: install one or set model.compile=false")
+            raise CompileUnavailable(f"{key}=true on the CPU needs a C++ compiler ({compiler}, or $CXX) for "
+                                     f"torch's inductor, and none is on PATH: install one or set {key}=false")
     elif device_type != "cuda":
-        raise CompileUnavailable(f"model.compile=true: torch compiles for CUDA and the CPU, not for {device_type}; "
-                                 "set model.compile=false (or auto)")
+        raise CompileUnavailable(f"{key}=true: torch compiles for CUDA and the CPU, not for {device_type}; "
+                                 f"set {key}=false (or auto)")
 
 
 @functools.cache

@@ -7,9 +7,10 @@ m, v and the direction u (28 bytes), so LAMB's extra cost over AdamW is only wha
 per-parameter norms of w and u and the scaled update (lamb.py, steps 2-4).
 
 torch.compile with dynamic shapes: one compilation serves every tensor size (ZeRO-0's parameters
-one by one, ZeRO's flat partitions), and the step-dependent coefficients (bias corrections) come in as a
-small tensor, never as Python numbers a graph would be specialised on, so no step recompiles. The eager formula stays the
-reference: tests/test_fused_optimizer.py compares the two.
+one by one, ZeRO's flat partitions), and the step-dependent coefficients (bias corrections) come
+in as a small tensor, never as Python numbers a graph would be specialised on, so no step
+recompiles. The eager formula stays the reference: tests/test_lamb.py runs both against a plain
+whole-tensor LAMB, in one process and at every layout and ZeRO stage.
 """
 from __future__ import annotations
 

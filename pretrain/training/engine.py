@@ -111,7 +111,7 @@ def build_pretraining_engine(cfg: Config, parallel: Parallel, tracker: RngTracke
         hyper["max_trust_ratio"] = o.max_trust_ratio
         hyper["fused"] = compile_enabled(o.fused, par.device.type)
         if hyper["fused"]:
-            check_can_compile(par.device.type)
+            check_can_compile(par.device.type, "optimizer.fused")
     if o.name == "stable_adamw":
         hyper.update(decouple_lr=o.decouple_lr, max_lr=o.max_lr, kahan_sum=o.kahan_sum)
     optimizer = build_optimizer(o.name, optimizer_param_groups(model, o), **hyper)

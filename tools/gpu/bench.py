@@ -41,9 +41,11 @@ model FLOP/s as MFU against the bf16 GEMM peak measured on this device up front 
 n^3 torch.mm) and against the card's datasheet (dense bf16), peak device memory (torch's allocator),
 each the median of --steps timed steps after --warmup. Model FLOPs are the real work
 (pretrain/model/flops.py document_training_flops: each sample's tokens, attention within the sample,
-the heads at the masked positions), the same count for every side whatever it computes. The planner's prediction (pretrain/plan: step time from the measured GEMM peak and
-copy bandwidth at the shares calibrated for the family, pretrain/plan/calibration.py; memory of the rank) stands beside each
-padded run (the planner models padded rows, not packing).
+the heads at the masked positions), the same count for every side whatever it computes. The
+planner's prediction (pretrain/plan: step time from the measured GEMM peak and copy bandwidth at the
+shares calibrated for the family, pretrain/plan/calibration.py; memory of the rank) stands beside
+each padded run (the planner models padded rows, not packing). The summary ends with issue 50's
+targets (TARGETS), each met, NOT MET or not run, also under "targets" in the JSON.
 
 How it runs: one child process measures the runs in priority order (the largest model first, the
 padded ours and Hugging Face's side before the rest), writing each result as it finishes; a run
@@ -680,6 +682,60 @@ def comparisons(jobs: list[dict], results: dict) -> list[dict]:
     return out
 
 
+# Issue 50's targets on one H100/H200 (docs/performance.md): (name, run id, what is read, at least/most, bound)
+TARGETS = (
+    ("ModernBERT-base seq 1024 packed, real tok/s", "modernbert-base-s1024-ours-packed", "real_tokens_per_s",
+     ">=", 400e3),
+    ("ModernBERT-base seq 1024 padded / packed, real tok/s", "modernbert-base-s1024", "padded_over_packed",
+     ">=", 0.9),
+    ("ModernBERT-base seq 1024 transformers (sdpa) / ours packed", "modernbert-base-s1024", "hf_over_packed",
+     "<=", 0.3),
+    ("ModernBERT-base seq 8192 packed, real tok/s", "modernbert-base-s8192-ours-packed", "real_tokens_per_s",
+     ">=", 250e3),
+    ("ModernBERT-base seq 8192 packed, first timed step (s)", "modernbert-base-s8192-ours-packed",
+     "first_timed_step_after_s", "<=", 60.0),
+    ("ModernBERT-base seq 8192 packed, graphs compiled after step 3", "modernbert-base-s8192-ours-packed",
+     "recompiled_after_step_3", "<=", 0),
+    ("ModernBERT-base seq 8192 packed, slowest / fastest step", "modernbert-base-s8192-ours-packed", "step_spread",
+     "<=", 1.10),
+    ("BERT-large 128 x 256, LAMB ZeRO-1, seq/s", "large-s128-ours-zero1", "sequences_per_s", ">=", 1600.0),
+    ("BERT-large 512 x 32, LAMB ZeRO-1, seq/s", "large-s512-ours-zero1", "sequences_per_s", ">=", 300.0),
+    ("BERT-large 512 packed, real tok/s", "large-s512-ours-packed", "real_tokens_per_s", ">=", 160e3),
+    ("BERT-large 128 x 256, LAMB step - AdamW step (ms)", "large-s128", "lamb_over_adamw_ms", "<=", 3.0),
+    ("BERT-large 128 x 256, bf16 ZeRO-0 / ZeRO-1 step time", "large-s128", "zero0_over_zero1", "<=", 1.0),
+)
+
+
+def target_verdicts(results: dict) -> list[dict]:
+    """Each of TARGETS with its measured value and whether it is met (None: its runs did not run)."""
+    def measured(run_id):
+        r = results.get(run_id, {})
+        return r["measured"] if r.get("status") == "ok" else None
+
+    def value(run, what):
+        if what in ("padded_over_packed", "hf_over_packed"):
+            padded, packed = measured(f"{run}-ours-zero1"), measured(f"{run}-ours-packed")
+            hf = measured(f"{run}-hf")
+            other = padded if what == "padded_over_packed" else hf
+            return other["real_tokens_per_s"] / packed["real_tokens_per_s"] if other and packed else None
+        if what in ("lamb_over_adamw_ms", "zero0_over_zero1"):
+            lamb, adamw, zero0 = (measured(f"{run}-{v}") for v in ("ours-zero1", "ours-adamw", "ours-zero0"))
+            if what == "lamb_over_adamw_ms":
+                return 1e3 * (lamb["step_s"] - adamw["step_s"]) if lamb and adamw else None
+            return zero0["step_s"] / lamb["step_s"] if zero0 and lamb else None
+        m = measured(run)
+        if m is None:
+            return None
+        return m["max_step_s"] / m["min_step_s"] if what == "step_spread" else m[what]
+
+    out = []
+    for name, run, what, sense, bound in TARGETS:
+        got = value(run, what)
+        met = None if got is None else (got >= bound if sense == ">=" else got <= bound)
+        out.append({"target": f"{name} {sense} {bound:g}", "measured": got, "met": met})
+    return out
+
+
 def print_table(jobs, results, log) -> None:
     log(f"{'run':<36}{'status':<8}{'seq/s':>9}{'real tok/s':>12}{'MFU %':>7}{'peak GiB':>9}"
         f"{'plan ms':>9}{'meas ms':>9}{'max ms':>9}{'1st s':>7}{'graphs':>7}{'plan GiB':>9}")
@@ -725,6 +781,10 @@ def parent_main(args, parser) -> int:
     for result in results.values():
         if result.get("status") == "ok" and spec:
             result["measured"]["mfu_datasheet"] = result["measured"]["model_tflops"] / spec
+    verdicts = target_verdicts(results)
+    for v in verdicts:
+        shown = "not run" if v["met"] is None else f"{v['measured']:,.3g}: {'met' if v['met'] else 'NOT MET'}"
+        log(f"target {v['target']}: {shown}")
     counts = {status: sum(r["status"] == status for r in results.values()) for status in ("ok", "failed", "not run")}
     log(f"gpu bench: {counts['ok']} ok, {counts['failed']} failed, {counts['not run']} not run, "
         f"{time.monotonic() - started:.0f} s")
@@ -735,7 +795,7 @@ def parent_main(args, parser) -> int:
                   "anchors": {"nvidia_dle_a100_80gb_bert_large_sequences_per_s": NVIDIA_DLE_A100_BERT_LARGE,
                               "nvidia_dle_batch": NVIDIA_DLE_BATCH,
                               "mlperf_v3_h100_packed_sequences_per_s": MLPERF_V3_H100_PACKED},
-                  "runs": [{**job, **results[job["id"]]} for job in jobs], "comparisons": table,
+                  "runs": [{**job, **results[job["id"]]} for job in jobs], "comparisons": table, "targets": verdicts,
                   "elapsed_s": time.monotonic() - started}
         tmp = Path(f"{args.json}.tmp")
         tmp.write_text(json.dumps(report, indent=1))
