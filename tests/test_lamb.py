@@ -58,9 +58,10 @@ def test_single_process_matches_reference(fused, monkeypatch):
     import pretrain.optim.lamb as lamb_module
 
     calls = []  # the compiled direction's calls: the fused path really ran
-    compiled = lamb_module.compiled_lamb_direction()
-    monkeypatch.setattr(lamb_module, "compiled_lamb_direction",
-                        lambda: lambda *args: calls.append(1) or compiled(*args))
+    if fused:  # (torch.compile's import is left to the fused case: seconds in the fast tier)
+        compiled = lamb_module.compiled_lamb_direction()
+        monkeypatch.setattr(lamb_module, "compiled_lamb_direction",
+                            lambda: lambda *args: calls.append(1) or compiled(*args))
     g = torch.Generator().manual_seed(0)
     specs = {  # name: (initial weight, group settings)
         "W": (torch.randn(4, 3, generator=g), dict(weight_decay=0.01)),
@@ -87,7 +88,8 @@ def test_single_process_matches_reference(fused, monkeypatch):
                                    betas=cfg.get("betas", (0.9, 0.999)),
                                    bias_correction=cfg.get("bias_correction", True))
         opt.step()
-        graphs.append(compile_counters()["unique_graphs"])
+        if fused:
+            graphs.append(compile_counters()["unique_graphs"])
         for n, p in params.items():
             assert torch.isfinite(p).all()
             assert_rel(p.detach(), ref[n], 1e-6, n)
