@@ -75,27 +75,33 @@ def calibration_for(architecture: str) -> Calibration:
     return CALIBRATIONS[architecture]
 
 
-def hardware(ceilings: dict, calibration: Calibration, device_type: str = "cuda"):
-    """One device of these measured ceilings (gemm_tflops, copy_gb_per_s) at the calibration's shares."""
+def hardware(ceilings: dict, calibration: Calibration, precision: str, device_type: str = "cuda"):
+    """One device of these measured ceilings (gemm_tflops in `precision`, copy_gb_per_s) at the
+    calibration's shares."""
     from .step_time import Hardware
 
     bandwidth = ceilings["copy_gb_per_s"] * 1e9
-    return Hardware(gpus_per_node=1, flops={p: ceilings["gemm_tflops"] * 1e12 * calibration.matrix_products
-                                            for p in ("bf16", "fp16")},
+    return Hardware(gpus_per_node=1, flops={precision: ceilings["gemm_tflops"] * 1e12 * calibration.matrix_products},
                     intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth,
                     memory_bandwidth=bandwidth * calibration.elementwise, optimizer_bandwidth=bandwidth,
                     layer_overhead=calibration.layer_overhead, device_type=device_type)
 
 
-def predicted_step(cfg, ceilings: dict, calibration: Calibration) -> float:
-    """The planner's step time (seconds) of a one-device run of `cfg` (its micro-batch, ZeRO stage)."""
+def predict_step(cfg, ceilings: dict, calibration: Calibration, device_type: str = "cuda"):
+    """The planner's StepTime of a one-device run of `cfg` (its micro-batch, ZeRO stage, precision)."""
     from .layouts import layout_of
     from .shapes import stage_parameters
     from .step_time import predict_step_time
 
     grad_bytes = 2 if cfg.train.precision != "fp32" and cfg.train.grad_accum_dtype != "fp32" else 4
     stages = [s.numel for s in stage_parameters(cfg, 1, 1)]
-    return predict_step_time(cfg, layout_of(cfg, 1), hardware(ceilings, calibration), stages, grad_bytes).total
+    hw = hardware(ceilings, calibration, cfg.train.precision, device_type)
+    return predict_step_time(cfg, layout_of(cfg, 1), hw, stages, grad_bytes)
+
+
+def predicted_step(cfg, ceilings: dict, calibration: Calibration) -> float:
+    """predict_step's total, in seconds."""
+    return predict_step(cfg, ceilings, calibration).total
 
 
 def fit(configs_and_steps, ceilings: dict) -> Calibration:

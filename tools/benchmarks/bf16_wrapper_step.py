@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+
+from tools.benchmarks.harness import KEEP_FREED_ENV, one_rank_world, run_json_child, write_json  # noqa: E402
+from tools.benchmarks.train import set_threads  # noqa: E402
 
 VARIANTS = ("zero0-deepspeed", "zero0-multi-tensor", "zero1")
 
@@ -32,20 +33,16 @@ VARIANTS = ("zero0-deepspeed", "zero0-multi-tensor", "zero1")
 def child(args) -> dict:
     import time
 
-    import torch
-
-    torch.set_num_threads(args.threads)
     import deepspeed
+    import torch
 
     from pretrain.checkpoint.format import hf_parameter_info
     from pretrain.config import load_config
     from pretrain.distributed import internals
-    from pretrain.distributed.ports import free_port
     from pretrain.optim import build_optimizer
 
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    with internals.without_shared_memory_comm():
-        deepspeed.init_distributed(dist_backend="gloo")
+    set_threads(args.threads)
+    one_rank_world()
     cfg = load_config(str(REPO / "configs" / f"bert-{args.config}.yaml"))
     shapes = [info.shape for info in hf_parameter_info(cfg.model).values()]
 
@@ -82,15 +79,9 @@ def child(args) -> dict:
 
 
 def run_child(args, variant: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", variant, "--config", args.config, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--threads", str(args.threads)]
-    env = dict(os.environ)
-    if args.keep_freed:  # freed blocks stay with the process, as in a caching allocator
-        env.update(MALLOC_MMAP_THRESHOLD_=str(2**32), MALLOC_TRIM_THRESHOLD_=str(2**32))
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
-    if done.returncode != 0:
-        raise SystemExit(f"{variant} child failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    argv = ["--child", variant, "--config", args.config, "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--threads", str(args.threads)]
+    return run_json_child(__file__, argv, variant, KEEP_FREED_ENV if args.keep_freed else None)
 
 
 def main(argv=None) -> int:
@@ -121,7 +112,7 @@ def main(argv=None) -> int:
     print(f"ZeRO-0 / ZeRO-1 step time: DeepSpeed's step {median['zero0-deepspeed'] / median['zero1']:.2f}, "
           f"multi-tensor step {median['zero0-multi-tensor'] / median['zero1']:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        write_json(args.json, results)
     return 0
 
 

@@ -88,6 +88,25 @@ def launch_ranks(argv: list[str], ranks: int, threads: int, what: str) -> dict:
         return json.loads(out.read_text())
 
 
+# a child's environment that keeps freed memory in the process, as a GPU's caching allocator does (glibc
+# otherwise returns large blocks, and each step's fresh temporaries cost page faults)
+KEEP_FREED_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**32), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
+
+
+def run_json_child(script: str | os.PathLike, argv: list[str], what: str, env: Mapping[str, str] | None = None) -> dict:
+    """`python SCRIPT ARGV...` in the repository with `env` added to this environment; the JSON object
+    its last line of output holds. A failed child: the end of its stderr, and an exit naming `what`."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, cwd=repo,
+                          env={**os.environ, **(env or {})})
+    if done.returncode != 0:
+        raise SystemExit(f"{what} child failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def write_json(path: str | os.PathLike | None, payload: Any, indent: int = 1) -> None:
     """The figures as JSON at `path` (nothing when None), written whole: a file that exists is complete."""
     if path is None:

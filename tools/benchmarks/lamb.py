@@ -27,13 +27,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from tools.benchmarks.harness import KEEP_FREED_ENV, run_json_child, write_json  # noqa: E402
 from tools.benchmarks.train import peak_rss_mb, set_threads, time_steps  # noqa: E402
 
 OPTIMIZERS = ("lamb", "lamb-fused", "adamw", "stable_adamw", "optimi")
@@ -88,15 +88,10 @@ def current_rss_mb() -> float:
 
 
 def run_child(args, optimizer: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", optimizer, "--config", args.config, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--threads", str(args.threads)]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # freed tensors leave the resident set
-    if args.keep_freed:  # freed tensors stay with the process, as in a caching allocator
-        env.update(MALLOC_MMAP_THRESHOLD_=str(2**32), MALLOC_TRIM_THRESHOLD_=str(2**32))
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
-    if done.returncode != 0:
-        raise SystemExit(f"{optimizer} child failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    argv = ["--child", optimizer, "--config", args.config, "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--threads", str(args.threads)]
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors leave the resident set
+    return run_json_child(__file__, argv, optimizer, {**env, **(KEEP_FREED_ENV if args.keep_freed else {})})
 
 
 def main(argv=None) -> int:
@@ -139,7 +134,7 @@ def main(argv=None) -> int:
         ratio = statistics.median(results["stable_adamw"]["times"]) / statistics.median(results["optimi"]["times"])
         print(f"our StableAdamW / torch-optimi's StableAdamW step time: {ratio:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        write_json(args.json, results)
     return 0
 
 

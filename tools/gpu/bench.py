@@ -384,23 +384,12 @@ def plan_shares() -> dict:
 def planned(cfg, device_type: str, calibration: dict | None) -> dict:
     """The planner's step time and memory for this run on one device of the measured ceilings."""
     from pretrain.plan import predict_rank_memory
-    from pretrain.plan.calibration import calibration_for
-    from pretrain.plan.layouts import layout_of
-    from pretrain.plan.shapes import stage_parameters
-    from pretrain.plan.step_time import Hardware, predict_step_time
+    from pretrain.plan.calibration import calibration_for, predict_step
 
     memory = predict_rank_memory(cfg, 1, 0, device_type)
     out = {"memory_gib": memory.total / GiB, "memory_breakdown_gib": {k: v / GiB for k, v in memory.breakdown().items()}}
-    if calibration:
-        shares = calibration_for(cfg.model.architecture)  # of the measured ceilings
-        peak = calibration["gemm_tflops"] * 1e12 * shares.matrix_products
-        bandwidth = calibration["copy_gb_per_s"] * 1e9
-        hw = Hardware(gpus_per_node=1, flops={cfg.train.precision: peak}, intra_node_bandwidth=bandwidth,
-                      inter_node_bandwidth=bandwidth, memory_bandwidth=bandwidth * shares.elementwise,
-                      optimizer_bandwidth=bandwidth, device_type=device_type)
-        grad_bytes = 2 if cfg.train.precision != "fp32" and cfg.train.grad_accum_dtype != "fp32" else 4
-        stages = [s.numel for s in stage_parameters(cfg, 1, 1)]
-        step = predict_step_time(cfg, layout_of(cfg, 1), hw, stages, grad_bytes)
+    if calibration:  # the measured ceilings at the shares calibrated for the family
+        step = predict_step(cfg, calibration, calibration_for(cfg.model.architecture), device_type)
         out.update(step_s=step.total, sequences_per_s=cfg.train.global_batch_size / step.total,
                    step_breakdown_s={"compute": step.compute, "optimizer": step.optimizer, "dp": step.dp})
     return out
