@@ -203,6 +203,15 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu")
 
 
+def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the work queued there: on CUDA a copy from
+    pageable memory would wait for the stream (the backward pass, inside an optimizer step), so it is
+    pinned and copied non-blocking (torch's pinned allocator keeps the block until the copy is done)."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 # ----------------------------------------------------------------------------- collectives
 def _check(tensor: torch.Tensor, group, call: str) -> None:
     if tensor.device.type == "cpu" and dist.get_backend(group) in DEVICE_ONLY_BACKENDS:

@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from ..distributed.device import to_device_async
 from .fused import compiled_lamb_direction
 from .whole_parameter import WholeParameterOptimizer, flat_target, write_back
 
@@ -87,9 +88,10 @@ class Lamb(WholeParameterOptimizer):
             step = self.state[p]["step"]
             c1, c2 = (1 - beta1 ** step, 1 - beta2 ** step) if group["bias_correction"] else (1.0, 1.0)
             key = (p.device, c1, c2)
-            if key not in coefficients:  # one small copy per distinct step count, not per tensor
-                coefficients[key] = torch.tensor([1 - beta1, beta2, 1 - beta2, c1 / math.sqrt(c2), group["eps"] * c1,
-                                                  group["weight_decay"]], dtype=torch.float32).to(p.device)
+            if key not in coefficients:  # one small copy per distinct step count, not per tensor, never waiting
+                values = torch.tensor([1 - beta1, beta2, 1 - beta2, c1 / math.sqrt(c2), group["eps"] * c1,
+                                       group["weight_decay"]], dtype=torch.float32)
+                coefficients[key] = to_device_async(values, p.device)
             # flat, and detached from any base they are views of (ZeRO's partitions of flat buffers):
             # torch guards a view on its base's sizes, which would compile a graph per tensor kind
             w, g, m_p, v_p = (t.view(-1).detach() if t.is_contiguous() else t for t in (p, g, m_p, v_p))
