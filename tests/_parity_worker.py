@@ -20,6 +20,7 @@ from pretrain.config import ModelConfig  # noqa: E402
 from pretrain.data.samples.batches import collate, collate_packed, split_inputs_labels  # noqa: E402
 from pretrain.data.samples.synthetic import SyntheticDataset  # noqa: E402
 from pretrain.model.bert import PretrainingLoss, build_model  # noqa: E402
+from pretrain.model.layers import TransformerLayer  # noqa: E402
 from pretrain.checkpoint.sharding import load_hf_state_dict  # noqa: E402
 from pretrain.model.rng import RngTracker, seed_streams  # noqa: E402
 from pretrain.distributed.parallel import discover_launch_env, init_parallel, shutdown_parallel  # noqa: E402
@@ -105,8 +106,12 @@ def main():
 
     data = SyntheticDataset(VOCAB, SEQ, PREDICTIONS, 100, seed=5)
     inputs, labels = split_inputs_labels(collate([data[i] for i in range(6)]), parallel.device)
+    seen = []  # the shape of what the first encoder layer computed: the real tokens as one row
+    first = next(m for m in model.modules() if isinstance(m, TransformerLayer))
+    hook = first.register_forward_pre_hook(lambda _m, args: seen.append(list(args[0][0].shape)))
     with torch.no_grad():
         mlm, nsp, loss = ours(model, parallel, inputs, labels)
+        hook.remove()
         ref, ref_mlm = hugging_face(hf, inputs, labels)
         packed = packed_vs_hugging_face(model, hf, parallel)
         # the pooled [CLS] with the last layer computed for [CLS] alone (sequence-level fine-tuning)
@@ -120,6 +125,7 @@ def main():
         "loss": loss.item(),
         "hf_loss": ref.loss.item(),
         "tp": parallel.tp_size,
+        "layer_input_shape": seen[0], "real_tokens": int(inputs[2].sum()), "rows_x_seq": inputs[2].numel(),
         **packed,
         "pooled_max_abs": (pooled - ref_pooled).abs().max().item(),
         "pooled_scale": ref_pooled.abs().max().item(),

@@ -64,6 +64,7 @@ def layout_report(trainer, parallel) -> dict:
         "rank": parallel.rank, "tp_rank": parallel.tp_rank, "pp_rank": parallel.pp_rank, "dp_rank": parallel.dp_rank,
         "cp_rank": parallel.cp_rank, "megatron_cp_size": ps.get_context_parallel_world_size(),
         "tokens_computed": getattr(trainer, "tokens_seen_by_layers", None),
+        "input_tokens": getattr(trainer, "input_tokens", None),
         "ring_calls": getattr(trainer, "ring_calls", None),
         "megatron_tp_size": ps.get_tensor_model_parallel_world_size(),
         "deepspeed_dp_size": engine.dp_world_size,
@@ -180,10 +181,20 @@ def main():
 
 
 def count_layer_tokens(trainer) -> None:
-    """ModernBERT: [tokens this rank's first encoder layer computed, tokens of the rows it was
-    given, documents in them, forwards] summed over the run, as trainer.tokens_seen_by_layers (what
-    proves a context-parallel split took effect: each rank computes its share of the row; and
-    packing: more documents per forward than rows)."""
+    """trainer.input_tokens: the tokens of the rows this rank's embedding stage was given (rows x
+    seq_length, padding included), summed over the run (what proves packing took effect: fewer
+    rows for the same samples). ModernBERT: [tokens this rank's first encoder layer computed,
+    tokens of the rows it was given, documents in them, forwards] summed over the run, as
+    trainer.tokens_seen_by_layers (what proves a context-parallel split took effect: each rank
+    computes its share of the row)."""
+    embedding = [m for m in trainer.model.modules() if type(m).__name__ in ("EmbeddingTail", "EmbeddingNorm")]
+    if embedding:
+        trainer.input_tokens = 0
+
+        def count_input(_module, inputs):
+            trainer.input_tokens += inputs[0][2].numel()  # the padding mask or the packed rows' sample ids
+
+        embedding[0].register_forward_pre_hook(count_input)
     layers = [m for m in trainer.model.modules() if type(m).__name__ == "ModernLayer"]
     if not layers:
         return

@@ -15,6 +15,8 @@ def test_logits_and_loss_match_hugging_face(tmp_path, tp):
     run_ranks(["tests/_parity_worker.py", str(out)], tp, timeout=600)
     r = json.loads(out.read_text())
     assert r["tp"] == tp
+    # the padded batch was computed as one row of its real tokens (padding never reaches a layer)
+    assert r["layer_input_shape"][:2] == [1, r["real_tokens"]] and r["real_tokens"] < 0.9 * r["rows_x_seq"], r
     assert r["mlm_scale"] > 0.1  # logits are not trivially zero
     assert r["mlm_max_abs"] < 1e-5
     assert r["nsp_max_abs"] < 1e-5

@@ -1,5 +1,5 @@
-"""ModernBERT computes real tokens only (pretrain/model/unpadding.py), and what every layer derives
-from a micro-batch is built once (pretrain/model/micro_batch.py):
+"""ModernBERT, and BERT's pretraining forward, compute real tokens only (pretrain/model/unpadding.py),
+and what every layer derives from a micro-batch is built once (pretrain/model/micro_batch.py):
 
 - unpadding keeps every real token with its sample id, position, masked and [CLS] positions,
   drops every padding token, and `repad` puts them back; a row with padding between real tokens is
@@ -7,7 +7,10 @@ from a micro-batch is built once (pretrain/model/micro_batch.py):
 - the model gives the same MLM logits for a batch padded and for the same samples packed, and
   counts computed tokens as the real ones;
 - a forward builds the rotary tables and attention masks of a micro-batch once per layer kind
-  whatever the number of layers, and recomputation in backward builds nothing new.
+  whatever the number of layers, and recomputation in backward builds nothing new;
+- BERT: its layers get one row of the real tokens, build each micro-batch's attention plan once
+  whatever the number of layers, and refuse padding between real tokens naming the row (its
+  transformers parity on padded batches: test_hf_parity.py).
 """
 import os
 
@@ -177,6 +180,61 @@ def test_masks_and_rotary_tables_are_built_once_per_micro_batch(one_rank, recomp
     assert builds[3] == builds[6], builds
     # a rotary table per base, a mask per layer kind (85 tokens: both kinds take the dense path)
     assert builds[3] == (4, 4), builds
+
+
+def tiny_bert(tp_group, layers: int, recompute: str):
+    from pretrain.config import ModelConfig
+    from pretrain.model.bert import build_model, init_weights
+    from pretrain.model.rng import RngTracker, seed_streams
+
+    cfg = ModelConfig(vocab_size=96, hidden_size=32, num_layers=layers, num_attention_heads=2, ffn_hidden_size=64,
+                      max_position_embeddings=160, hidden_dropout=0.0, attention_dropout=0.1, recompute=recompute)
+    tracker = RngTracker(torch.device("cpu"))
+    seed_streams(tracker, 1, 0, 0, 0)
+    model = build_model(cfg, cfg.padded_vocab_size(1), torch.float32, tracker, tp_group)
+    init_weights(model, cfg, 7, 0, 1)
+    return model
+
+
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+def test_bert_computes_real_tokens_and_builds_its_masks_once(one_rank, recompute):
+    """BERT's layers take one row of the micro-batch's real tokens; each micro-batch's attention
+    plan is built once for 2 layers and for 4 alike (the dense mask at 120 real tokens, the
+    documents' gather plan at 300), and backward's recomputation builds nothing."""
+    from pretrain.model.layers import TransformerLayer
+
+    builds = {}
+    for layers in (2, 4):
+        model = tiny_bert(one_rank, layers, recompute)
+        encoder = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+        cache = encoder[0].cache
+        assert all(layer.cache is cache for layer in encoder)
+        seen = []
+        encoder[0].register_forward_pre_hook(lambda _m, args: seen.append(tuple(args[0][0].shape[:2])))
+        model.train()
+        counts = []
+        for lengths in ([60, 40, 20], [150, 100, 50]):
+            ids = torch.randint(5, 96, (3, 150))
+            mask = (torch.arange(150) < torch.tensor(lengths)[:, None]).long()
+            inputs = (ids, torch.zeros_like(ids), mask, torch.zeros(3, 2, dtype=torch.long))
+            before = cache.builds
+            logits, nsp = model(inputs)
+            after_forward = cache.builds
+            (logits.sum() + nsp.sum()).backward()
+            assert cache.builds == after_forward, "backward built masks again"
+            counts.append(after_forward - before)
+        assert seen == [(1, 120), (1, 300)], seen  # real tokens only, as one row
+        builds[layers] = counts
+    assert builds[2] == builds[4] == [1, 1], builds
+
+
+def test_bert_refuses_padding_between_real_tokens_naming_the_row(one_rank):
+    model = tiny_bert(one_rank, 1, "none")
+    ids = torch.randint(5, 96, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 2] = 0
+    with pytest.raises(PaddingLayoutError, match="row 1"):
+        model((ids, torch.zeros_like(ids), mask, torch.zeros(2, 1, dtype=torch.long)))
 
 
 def test_compile_where_torch_cannot_is_one_line(monkeypatch):

@@ -55,9 +55,10 @@ def build_deepspeed_config(cfg: Config, world_size: int) -> dict:
     # group share theirs, so its batch is the global batch times the CP size
     ds = deepspeed_settings(deepspeed_batch(cfg, t.global_batch_size), t.micro_batch_size, accum, cfg.optimizer.clip(),
                             cfg.parallel.zero_stage, t.precision, cfg.fp16.deepspeed_block(), t.grad_accum_dtype)
-    if cfg.shapes_vary:
-        # Packed micro-batches have as many rows as their samples fill, and ModernBERT's as many
-        # tokens as are real: the pipeline engine then exchanges shapes per micro-batch
+    pipelined_shapes_vary = cfg.shapes_vary and cfg.parallel.pipeline_parallel > 1
+    if pipelined_shapes_vary:
+        # Packed micro-batches have as many rows as their samples fill, and a model computing real
+        # tokens only as many tokens as are real: the pipeline engine then exchanges shapes per micro-batch
         # (dynamic_shape), but its TP-partitioned activations and gradients keep the first
         # micro-batch's shape for good (PipelineEngine's pipe_partition_*_meta_cache). Send them
         # whole between stages instead.
@@ -91,9 +92,9 @@ def build_deepspeed_config(cfg: Config, world_size: int) -> dict:
           for path in (("data_types", "grad_accum_dtype"), ("communication_data_type",)) if t.precision == "bf16"],
         (("zero_allow_untested_optimizer",), "the trainer's required true (LAMB/AdamW are client optimizers)",
          None),
-        *[(("pipeline", key), "data.packing=true or model.architecture=modernbert (their micro-batches change "
-           "shape; DeepSpeed's partitioned pipeline activations cannot)", None)
-          for key in ("pipe_partitioned", "grad_partitioned") if cfg.shapes_vary],
+        *[(("pipeline", key), "the trainer's (its micro-batches change shape: real tokens only, or packed rows; "
+           "DeepSpeed's partitioned pipeline activations cannot)", None)
+          for key in ("pipe_partitioned", "grad_partitioned") if pipelined_shapes_vary],
     ]
     problems: list[str] = []
     for block, ours in (("optimizer", "optimizer.*"), ("scheduler", "scheduler.*")):

@@ -71,10 +71,16 @@ class Config:
         return self.data.segment_pairs != "none"
 
     @property
+    def real_tokens_only(self) -> bool:
+        """Whether the model computes each micro-batch's real tokens only (padding never reaches a
+        layer): ModernBERT always, BERT outside context parallelism (whose column split is of rows)."""
+        return self.model.modern or self.parallel.context_parallel == 1
+
+    @property
     def shapes_vary(self) -> bool:
         """Whether the activations' shapes change between micro-batches: packed rows (as many as
-        the samples fill) and ModernBERT (which computes each micro-batch's real tokens only)."""
-        return self.data.packing or self.model.modern
+        the samples fill) and a model computing real tokens only (as many as there are)."""
+        return self.data.packing or self.real_tokens_only
 
     def data_parallel_size(self, world_size: int) -> int:
         problem = _world_size_problem(self, world_size)

@@ -23,7 +23,7 @@ No path builds a dense [seq x seq] mask per layer unless it was measured faster 
   DENSE_DOCUMENTS_MAX_SEQ tokens; there it was measured faster.
 
 Attention dropout: off CUDA, each path spells its softmax out and draws the keep mask with
-`layers.dropout` (SDPA's CPU dropout has its own draw); the probabilities then exist in full,
+`dropout.dropout` (SDPA's CPU dropout has its own draw); the probabilities then exist in full,
 [block, block + 2 half_window] per block on the banded path, [seq, keys] on the global ones.
 
 The model (modernbert.py) calls `packed_attention` with one packed row per micro-batch,
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from ..config.choices import ATTENTION_KERNELS
 from .cpu_bf16 import upcast_bf16
-from .layers import dropout as _dropout
+from .dropout import dropout as _dropout
 from .micro_batch import MicroBatchCache
 
 # Query block of the banded path. Measured (tools/benchmarks/attention.py, BERT-tiny width,
@@ -67,7 +67,7 @@ def encoder_attention(query, key, value, sample_ids, *, half_window=None, dropou
     """softmax(q k^T scale + mask) v over [batch, heads, seq, head_dim] (already rotary-embedded),
     the context in the same shape and dtype; see the module docstring for which key each query
     may attend (`sample_ids` [batch, seq] integers); half_window None for a global layer; dropout
-    on the probabilities when dropout_p > 0 (on CPU `layers.dropout` draws the keep mask from the
+    on the probabilities when dropout_p > 0 (on CPU `dropout.dropout` draws the keep mask from the
     default generator, so the RNG tracker's forks govern it); scale defaults to head_dim ** -0.5.
     With `cache`, the masks and plans derived from the sample ids are built once per micro-batch
     and shared by every layer that passes the same tensor (micro_batch.py)."""
@@ -134,7 +134,7 @@ def _shared(cache: MicroBatchCache | None, mask: torch.Tensor, name, build):
 def _attend(query, key, value, mask, dropout_p: float, scale: float) -> torch.Tensor:
     """softmax(q k^T scale + mask) v for a boolean (True = attend) or additive float mask that leaves
     every query at least one key. SDPA (fused kernels) unless dropout runs off CUDA: then the same
-    arithmetic spelled out, with `layers.dropout`'s mask from the default generator."""
+    arithmetic spelled out, with `dropout.dropout`'s mask from the default generator."""
     if dropout_p == 0.0 or query.device.type == "cuda":
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale

@@ -33,6 +33,7 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from ..config.choices import compile_enabled
 from .fused import check_can_compile
 from .modernbert import EmbeddingNorm, ModernLayer, ModernMlmHead, modern_stage_specs
+from .micro_batch import MicroBatchCache
 from .names import EMBEDDING_NAMES, TIED_EMBEDDING_KEY, logical_parameters, spec_modules
 from .rng import RngTracker
 from .unpadding import repad
@@ -53,13 +54,14 @@ def stage_specs(model_cfg, padded_vocab_size: int, params_dtype: torch.dtype, rn
     hidden = model_cfg.hidden_size
     word = partial(TiedLayerSpec, TIED_EMBEDDING_KEY, WordEmbedding, padded_vocab_size, hidden, mp_config, tp_group,
                    tied_weight_attr=["weight"])
+    cache = MicroBatchCache()  # one per model (per stage in a pipeline): its layers share the micro-batch's masks
     specs = [
         # No forward_fn on the first use: DeepSpeed saves a pipeline layer only if it is the module
         # itself, and re-broadcasts the tied weight from this first owner after loading.
         word(),
         LayerSpec(EmbeddingTail, hidden, model_cfg.max_position_embeddings, model_cfg.type_vocab_size,
                   model_cfg.layernorm_epsilon, model_cfg.hidden_dropout, params_dtype, context),
-        *[LayerSpec(TransformerLayer, i, model_cfg, mp_config, rng, tp_group, context)
+        *[LayerSpec(TransformerLayer, i, model_cfg, mp_config, rng, tp_group, context, cache)
           for i in range(model_cfg.num_layers)],
         LayerSpec(PretrainingHeads if binary_head else MlmHead, model_cfg, params_dtype, context),
         word(forward_fn=decode_tokens),
@@ -118,7 +120,7 @@ class SequentialBert(nn.Module):
             return self.encode(inputs)[1]
         last = max(i for i, step in enumerate(self._steps) if isinstance(step, TransformerLayer))
         for step in self._steps[:last]:
-            inputs = step(inputs)
+            inputs = _on_rows(step, inputs)
         cls_hidden = self._steps[last].first_token(inputs)[:, 0]
         return torch.tanh(self._heads().pooler(cls_hidden))
 
@@ -134,7 +136,7 @@ class SequentialBert(nn.Module):
                 return [repad(state, real) for state in states]
             if isinstance(step, PretrainingHeads):
                 return states
-            inputs = step(inputs)
+            inputs = _on_rows(step, inputs)
             if isinstance(step, (EmbeddingTail, TransformerLayer, EmbeddingNorm, ModernLayer)):
                 states.append(inputs[0])
         raise RuntimeError("the model has no heads stage")
@@ -152,11 +154,17 @@ class SequentialBert(nn.Module):
         return hidden[:, 0]
 
 
+def _on_rows(step, inputs):
+    """One stage step keeping BERT's rows ([rows, seq, hidden]): per-row hidden states are what the
+    fine-tuning and encoding paths read, where the pretraining forward computes real tokens only."""
+    return step.rows(inputs) if isinstance(step, EmbeddingTail) else step(inputs)
+
+
 def build_model(model_cfg, padded_vocab_size, params_dtype, rng, tp_group, pipeline_topology=None,
                 loss_fn=None, binary_head: bool = True, shapes_vary: bool = False,
                 context: ContextGroup | None = None) -> nn.Module:
     """`shapes_vary` (Config.shapes_vary: packed batches, whose row count follows their samples'
-    lengths, or ModernBERT, which computes real tokens only): the pipeline engine exchanges the
+    lengths, or a model that computes real tokens only): the pipeline engine exchanges the
     activations' shapes every micro-batch (DeepSpeed's dynamic_shape) instead of once."""
     specs = stage_specs(model_cfg, padded_vocab_size, params_dtype, rng, tp_group, binary_head, context)
     if pipeline_topology is None or pipeline_topology.get_dim("pipe") == 1:

@@ -19,12 +19,23 @@ the layers which kind they hold:
 
   input batch      (input_ids, token_type_ids, sample_ids, masked_positions, position_ids, cls_positions)
   WordEmbedding    (word_vectors, token_type_ids, sample_ids, masked_positions, position_ids, cls_positions)
-  EmbeddingTail    (hidden, sample_ids, masked_positions, cls_positions)
-  TransformerLayer (hidden, sample_ids, masked_positions, cls_positions)   x num_layers
 
 where a token attends only to the tokens of its own sample (block-diagonal attention), and the
 heads read masked_positions and cls_positions as flat indices into the [rows * seq] tokens, so
 they return per-sample tensors exactly as unpacked.
+
+Real tokens only: outside context parallelism EmbeddingTail's forward (the pretraining step and
+its evaluation) turns padded and packed rows alike into one row of the micro-batch's T real tokens
+(unpadding.py, as ModernBERT), so that no layer computes padding:
+
+  EmbeddingTail    (hidden [1, T, hidden], sample_ids [1, T], masked_positions, cls_positions)
+  TransformerLayer the same four                                                   x num_layers
+
+with the positions flat indices into the T tokens; the attention is attention.packed_attention's
+per document (variable-length flash attention on CUDA without attention dropout), its masks and
+plans built once per micro-batch for all layers (micro_batch.py). `EmbeddingTail.rows` keeps the
+rows (the padded or packed tuples above, [rows, seq, hidden]): what fine-tuning's per-row hidden
+states and context parallelism's column split take.
 
 Tensors are [batch, sequence, hidden]. The math is Hugging Face BertForPreTraining's: post-LN
 residual blocks, exact-erf GELU, learned absolute positions and token types, tanh pooler.
@@ -40,8 +51,12 @@ from ..distributed.device import all_reduce_with_grad
 from ..distributed.megatron_core import ModelParallelConfig, tensor_parallel
 from ..distributed.internals import CpuGemmOverride
 from .context_split import ContextGroup, ContextSplit, gather_row
+from .attention import packed_attention
 from .cpu_bf16 import upcast_bf16
+from .dropout import Dropout, dropout
+from .micro_batch import MicroBatchCache
 from .rng import RngTracker, checkpoint_with_rng
+from .unpadding import unpad_packed, unpad_padded
 
 
 # The DeepSpeed TiedLayerSpec key of the word embedding, shared by the input lookup and the MLM decoder
@@ -212,29 +227,6 @@ def decode_tokens(module: WordEmbedding, inputs):
     return module(inputs, decode=True)
 
 
-def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """Inverted dropout. On CPU the keep mask is one uniform draw compared with p (the same
-    Bernoulli(1 - p) as F.dropout, whose bernoulli_ is 2-3x slower there: ~8% of a BERT-base
-    step). Draws from the current default generator, so the RNG tracker's forks govern it."""
-    if not training or p == 0.0:
-        return x
-    if x.device.type != "cpu":
-        return F.dropout(x, p, True)
-    keep = torch.rand(x.shape, dtype=torch.float32).ge_(p).mul_(1.0 / (1.0 - p))
-    return x * keep.to(x.dtype)
-
-
-class Dropout(nn.Module):
-    """nn.Dropout with `dropout` above."""
-
-    def __init__(self, p: float):
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dropout(x, self.p, self.training)
-
-
 def attention_bias(padding_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The additive mask [batch, 1, 1, seq]: 0 where attended, the dtype's lowest value at padding
     (as Hugging Face's BERT). A float bias keeps SDPA's fused GPU kernels (memory-efficient
@@ -275,7 +267,9 @@ def self_attention(query, key, value, bias: torch.Tensor, dropout_p: float) -> t
 
 
 class EmbeddingTail(nn.Module):
-    """Adds position and token-type embeddings, LayerNorm, dropout (a replicated region)."""
+    """Adds position and token-type embeddings, LayerNorm, dropout (a replicated region). Its
+    forward computes the micro-batch's real tokens only (one row, see the module docstring), or
+    this rank's share of every row's columns under context parallelism."""
 
     def __init__(self, hidden_size, max_positions, type_vocab_size, eps, dropout, params_dtype,
                  context: ContextGroup | None = None):
@@ -287,6 +281,24 @@ class EmbeddingTail(nn.Module):
         self.dropout = Dropout(dropout)
 
     def forward(self, inputs):
+        return self.rows(inputs) if self.context is not None else self.real_tokens(inputs)
+
+    def real_tokens(self, inputs):
+        """(hidden [1, T, hidden], sample_ids [1, T], masked_positions, cls_positions) of the
+        micro-batch's T real tokens, the positions flat indices into them (unpadding.py)."""
+        if len(inputs) == 6:
+            word_vectors, token_type_ids, sample_ids, masked_positions, position_ids, cls_positions = inputs
+            tokens = unpad_packed(word_vectors, sample_ids, masked_positions, position_ids, cls_positions)
+        else:
+            word_vectors, token_type_ids, padding_mask, masked_positions = inputs
+            tokens = unpad_padded(word_vectors, padding_mask, masked_positions)
+        token_types = token_type_ids.reshape(-1).index_select(0, tokens.index)[None]
+        hidden = self._embed(tokens.hidden, tokens.position_ids, token_types)
+        return hidden, tokens.sample_ids, tokens.masked_positions, tokens.cls_positions
+
+    def rows(self, inputs):
+        """The rows as they came: (hidden [rows, seq, hidden], padding_mask, masked_positions), or
+        packed rows' (hidden, sample_ids, masked_positions, cls_positions) with flat positions."""
         if len(inputs) == 6:  # packed: each sample's positions count from 0 (see the module docstring)
             word_vectors, token_type_ids, sample_ids, masked_positions, position_ids, cls_positions = inputs
             passed_on = (sample_ids, masked_positions, cls_positions)
@@ -298,21 +310,28 @@ class EmbeddingTail(nn.Module):
             split = self.context.split(word_vectors.shape[1])
             word_vectors, token_type_ids = split.local(word_vectors, 1), split.local(token_type_ids, 1)
             position_ids = split.local(position_ids, position_ids.dim() - 1)
+        return self._embed(word_vectors, position_ids, token_type_ids), *passed_on
+
+    def _embed(self, word_vectors, position_ids, token_type_ids) -> torch.Tensor:
         hidden = word_vectors + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)
-        hidden = self.dropout(self.layernorm(hidden))
-        return hidden, *passed_on
+        return self.dropout(self.layernorm(hidden))
 
 
 class TransformerLayer(nn.Module):
-    """Post-LN encoder layer: attention on this rank's heads, then the MLP column/row split."""
+    """Post-LN encoder layer: attention on this rank's heads, then the MLP column/row split. On
+    EmbeddingTail's real tokens (or packed rows) the attention is per document (packed_attention),
+    its masks from `cache`, built once per micro-batch for all layers; on padded rows and under
+    context parallelism, SDPA with an additive mask."""
 
     def __init__(self, layer_index: int, model_cfg, mp_config: ModelParallelConfig, rng: RngTracker, tp_group,
-                 context: ContextGroup | None = None):
+                 context: ContextGroup | None = None, cache: MicroBatchCache | None = None):
         super().__init__()
         self.layer_index = layer_index
         self.context = _split_group(context)
+        self.cache = cache if cache is not None else MicroBatchCache()
         self.rng = rng
         self.recompute = model_cfg.recompute  # "none" | "selective" | "full"
+        self.attention_kernel = model_cfg.attention_kernel
         hidden, tp = model_cfg.hidden_size, mp_config.tensor_model_parallel_size
         self.local_heads = model_cfg.num_attention_heads // tp
         self.head_dim = hidden // model_cfg.num_attention_heads
@@ -343,8 +362,9 @@ class TransformerLayer(nn.Module):
         self.dropout = Dropout(model_cfg.hidden_dropout)
 
     def _split_heads(self, projected: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, local heads x head_dim] -> token-major [batch, seq, heads, head_dim] (a view)."""
         batch, seq, _ = projected.shape
-        return projected.view(batch, seq, self.local_heads, self.head_dim).transpose(1, 2)
+        return projected.view(batch, seq, self.local_heads, self.head_dim)
 
     def _layer(self, hidden: torch.Tensor, mask: torch.Tensor, packed: bool, first_token_only: bool = False) -> torch.Tensor:
         """`mask`: the padding mask, or with `packed` the sample id of every token. With
@@ -356,28 +376,41 @@ class TransformerLayer(nn.Module):
         query = self._split_heads(self.query(queries)[0])
         key = self._split_heads(self.key(hidden)[0])
         value = self._split_heads(self.value(hidden)[0])
-        bias = packed_attention_bias(mask, query.dtype) if packed else attention_bias(mask, query.dtype)
-        if self.context is not None:  # this rank's queries against every share's keys and values
-            split = self.context.split(mask.shape[1])
-            key, value = _gather_columns(key, split), _gather_columns(value, split)
-            if packed:
-                bias = split.local(bias, 2)  # the block-diagonal mask's rows of this rank's queries
-        if self.recompute == "selective" and self.training and torch.is_grad_enabled():
-            # the attention core only: its [batch, heads, seq, seq] scores and probabilities are
-            # recomputed in backward instead of kept; the projections' outputs stay
-            context = checkpoint_with_rng(self._attention_core, self.rng, query, key, value, bias)
+        if packed and self.context is None:  # attention per document, token-major
+            core, operands = self._document_attention, (query, key, value, mask)
         else:
-            context = self._attention_core(query, key, value, bias)
-        context = context.transpose(1, 2).reshape(batch, seq, self.local_heads * self.head_dim)
+            query, key, value = (t.transpose(1, 2) for t in (query, key, value))
+            bias = packed_attention_bias(mask, query.dtype) if packed else attention_bias(mask, query.dtype)
+            if self.context is not None:  # this rank's queries against every share's keys and values
+                split = self.context.split(mask.shape[1])
+                key, value = _gather_columns(key, split), _gather_columns(value, split)
+                if packed:
+                    bias = split.local(bias, 2)  # the block-diagonal mask's rows of this rank's queries
+            core, operands = self._attention_core, (query, key, value, bias)
+        if self.recompute == "selective" and self.training and torch.is_grad_enabled():
+            # the attention core only: its scores and probabilities are recomputed in backward
+            # instead of kept; the projections' outputs stay
+            context = checkpoint_with_rng(core, self.rng, *operands)
+        else:
+            context = core(*operands)
+        context = context.reshape(batch, seq, self.local_heads * self.head_dim)
         attention = self.attention_output(context)[0]
         hidden = self.attention_layernorm(queries + self.dropout(attention))
         mlp = self.output(F.gelu(self.intermediate(hidden)[0]))[0]
         return self.output_layernorm(hidden + self.dropout(mlp))
 
     def _attention_core(self, query, key, value, bias) -> torch.Tensor:
+        """Head-major operands and an additive mask; the context token-major."""
         dropout_p = self.attention_dropout if self.training else 0.0
         with self.rng.fork():  # this rank's heads: a TP-rank-specific dropout stream
-            return self_attention(query, key, value, bias, dropout_p)
+            return self_attention(query, key, value, bias, dropout_p).transpose(1, 2)
+
+    def _document_attention(self, query, key, value, sample_ids) -> torch.Tensor:
+        """Token-major operands; each token attends its own document's (sample id's) tokens."""
+        dropout_p = self.attention_dropout if self.training else 0.0
+        with self.rng.fork():
+            return packed_attention(query, key, value, sample_ids, dropout_p=dropout_p, cache=self.cache,
+                                    kernel=self.attention_kernel)
 
     def forward(self, inputs):
         hidden, mask, *positions = inputs
@@ -389,12 +422,13 @@ class TransformerLayer(nn.Module):
         return hidden, mask, *positions
 
     def first_token(self, inputs) -> torch.Tensor:
-        """This layer's output at position 0 only, [batch, 1, hidden] (padded inputs): as the
-        last layer under a head that reads [CLS] alone, it skips 10 of the 12 h^2 per token of
-        its matrix products (the query, attention output and feed-forward of the other tokens)."""
+        """This layer's output at position 0 only, [batch, 1, hidden] (padded rows, as
+        EmbeddingTail.rows gives them): as the last layer under a head that reads [CLS] alone, it
+        skips 10 of the 12 h^2 per token of its matrix products (the query, attention output and
+        feed-forward of the other tokens)."""
         hidden, mask, *_ = inputs
         if len(inputs) == 4:
-            raise ValueError("first_token takes padded inputs, not packed rows")
+            raise ValueError("first_token takes padded rows, not packed ones or real tokens")
         if self.recompute == "full" and self.training and torch.is_grad_enabled():
             return checkpoint_with_rng(self._layer, self.rng, hidden, mask, False, True)
         return self._layer(hidden, mask, False, True)

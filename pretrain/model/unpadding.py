@@ -1,6 +1,6 @@
-"""ModernBERT computes on real tokens only: before its first layer a micro-batch's rows become one
-row of their real tokens, and a caller that wants per-row hidden states gets them back with zeros
-at the padding (`repad`).
+"""ModernBERT, and BERT's pretraining forward outside context parallelism, compute on real tokens
+only: before the first layer a micro-batch's rows become one row of their real tokens, and a
+caller that wants per-row hidden states gets them back with zeros at the padding (`repad`).
 
 Padded rows (a padding mask; each row's real tokens contiguous, as a tokenizer pads them) and
 packed rows (data.packing: sample ids, 0 on the padding at a row's end) alike become the packed
@@ -34,6 +34,7 @@ class Tokens(NamedTuple):
     masked_positions: torch.Tensor  # the input's shape, flat indices into the T tokens
     cls_positions: torch.Tensor    # [samples], flat indices into the T tokens
     position_ids: torch.Tensor     # [1, T]
+    index: torch.Tensor            # [T], each kept token's flat index into the input's rows x seq
 
 
 class PaddingLayoutError(ValueError):
@@ -69,6 +70,7 @@ def unpad_padded(hidden: torch.Tensor, padding_mask: torch.Tensor, masked_positi
         masked_positions=new_of_old[masked_positions + starts[:, None]],
         cls_positions=new_of_old[starts + first.clamp(max=seq - 1)],
         position_ids=column.reshape(-1).index_select(0, index)[None],
+        index=index,
     )
 
 
@@ -85,6 +87,7 @@ def unpad_packed(hidden: torch.Tensor, sample_ids: torch.Tensor, masked_position
         masked_positions=new_of_old[masked_positions],
         cls_positions=new_of_old[cls_positions],
         position_ids=position_ids.reshape(-1).index_select(0, index)[None],
+        index=index,
     )
 
 

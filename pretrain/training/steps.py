@@ -95,7 +95,7 @@ class StepRunner:
         grad_norm = float("inf") if outcome.skipped else self.engine.get_global_grad_norm()
         sums = self.loss_fn.drain(p.device)
         return StepResult(torch.cat([sums, token_counts([inputs for inputs, _ in micro_batches], sums,
-                                                              unpadded=self.cfg.model.modern)]),
+                                                              unpadded=self.cfg.real_tokens_only)]),
                           grad_norm, outcome)
 
     def _scaler_can_lower(self, scale: float) -> bool:

@@ -472,7 +472,8 @@ def child_main(args) -> None:
             measured["peak_memory_gib"] = (peak - (before or 0)) / GiB
             measured["memory_before_gib"] = (before or 0) / GiB
         try:
-            # the planner models padded BERT rows (not packing, not ModernBERT's unpadded tokens)
+            # the planner models BERT's rows as full (every token real: compare its step time with a
+            # run at --min-fraction 1); not packing, not ModernBERT
             prediction = None if job["variant"] in ("hf", "hf-sparse", "ours-packed") or cfg.model.modern \
                 else planned(cfg, device.type, calibration)
         except Exception as error:  # a planner bug must not lose the measurement: say it
