@@ -178,7 +178,9 @@ def test_host_reads_per_step(tmp_path, optimizer):
     stop flag is agreed every few steps: over 20 steps with a log line every 10, the values read
     back from the device are those of the two log lines and four stop checks (f5ae60b: 9.75 per step),
     plus the non-finite guard's one agreed decision per step (resilience.skip_nonfinite_steps), the
-    checkpoint series drawn at the start and the memory breakdown's one gather after the first step."""
+    checkpoint series drawn at the start and the memory breakdown's one gather after the first step,
+    and unpadding's one per micro-batch (the real tokens' count: the shape the layers compute, as
+    the ModernBERT codebase's unpad_input reads it)."""
     out = tmp_path / "reads.json"
     run_ranks(["tests/_sync_worker.py", str(out), "20", f"optimizer.name={optimizer}"], 1, timeout=300,
               env=DEVICES["fakegpu"][0])
@@ -190,7 +192,9 @@ def test_host_reads_per_step(tmp_path, optimizer):
     # the start, the first step's memory breakdown gathered from every rank
     once = sum(n for where, n in result["reads"].items() if "distributed_c10d.py" in where)
     assert once <= 4, result["reads"]
-    total = sum(result["reads"].values()) - guard - once
+    unpadding = sum(n for where, n in result["reads"].items() if "unpadding.py" in where)
+    assert unpadding == 20 * 4, result["reads"]  # 20 steps of 4 micro-batches
+    total = sum(result["reads"].values()) - guard - once - unpadding
     assert total <= 8, f"{total / 20:.2f} host reads per step besides the guard's: {result['reads']}"
 
 

@@ -246,7 +246,8 @@ def test_the_kit_is_prepared_installed_and_run_on_the_cpu_test_device(tmp_path):
     assert modern["ours-zero1"]["real_token_share"] == 1.0  # padded rows in, real tokens computed
     assert modern["hf"]["real_token_share"] < 1.0  # transformers computes the padding
     runs = {run["variant"]: run for run in report["runs"] if run["model"] == "tiny"}
-    assert runs["ours-packed"]["measured"]["real_token_share"] > runs["ours-zero1"]["measured"]["real_token_share"]
+    # BERT computes real tokens only, padded rows or packed ones
+    assert {runs[side]["measured"]["real_token_share"] for side in ("ours-packed", "ours-zero1")} == {1.0}
     planned = runs["ours-zero1"]["planned"]
     assert planned["step_s"] > 0 and planned["memory_gib"] > 0
     assert runs["ours-zero1"]["measured"]["peak_memory_gib"] == pytest.approx(planned["memory_gib"], rel=0.15)

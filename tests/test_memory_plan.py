@@ -24,14 +24,14 @@ ZERO3 = "train.deepspeed_config=tests/zero3-partition-everything.json"
 DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"]  # BERT's: the masks are activations too
 SEQ128 = ["data.seq_length=128", "model.max_position_embeddings=512", "data.max_predictions_per_seq=20"]
 SEQ512 = ["data.seq_length=512", "model.max_position_embeddings=512", "data.max_predictions_per_seq=76"]
-# ModernBERT at the tests' width: layers 0 and 2 global, 1 and 3 local with +-4 keys. It attends one
-# row of a micro-batch's real tokens (2 rows: 256 tokens at seq 128, 1,024 at 512), so that at seq
-# 128 global layers take attention.py's dense path and local ones its banded one, at 512 the
-# documents and banded paths. The plan takes full rows (the real share is data: an upper bound);
-# these samples are full (synthetic_min_fraction 1), so that it is exact here.
+# Both families compute one row of a micro-batch's real tokens (2 rows: 256 tokens at seq 128, taking
+# attention.py's dense path, 1,024 at 512, its documents path). The plan takes full rows (the real
+# share is data: an upper bound); these samples are full, so that it is exact here.
+FULL_ROWS = ["data.short_seq_prob=0", "data.synthetic_min_fraction=1.0"]
+# ModernBERT at the tests' width: layers 0 and 2 global, 1 and 3 local with +-4 keys (local layers
+# take attention.py's banded path).
 MODERN = ["model.architecture=modernbert", "data.segment_pairs=none", "model.ffn_hidden_size=96",
-          "model.global_attn_every_n_layers=2", "model.local_attention=8", "model.layernorm_epsilon=1e-5",
-          "data.short_seq_prob=0", "data.synthetic_min_fraction=1.0"]
+          "model.global_attn_every_n_layers=2", "model.local_attention=8", "model.layernorm_epsilon=1e-5"]
 
 
 def run(name, tp, pp, precision="fp32", zero=0, recompute="none", seq512=False, micro_batches=4, layers=4,
@@ -39,7 +39,7 @@ def run(name, tp, pp, precision="fp32", zero=0, recompute="none", seq512=False, 
     """One training step of the tests' tiny model (4 layers) with `micro_batches` micro-batches of 2
     (`modern`: ModernBERT's layers, MODERN)."""
     overrides = [f"train.precision={precision}", f"parallel.zero_stage={zero}", f"model.recompute={recompute}",
-                 f"model.num_layers={layers}", "train.micro_batch_size=2"]
+                 f"model.num_layers={layers}", "train.micro_batch_size=2", *FULL_ROWS]
     overrides += MODERN if modern else []
     overrides += [ZERO3] if zero == 3 else []
     overrides += ["train.grad_accum_dtype=bf16"] if precision == "bf16" and zero == 0 else []

@@ -205,10 +205,13 @@ def test_the_plan_says_what_it_does_not_model(capsys):
     assert main([*small, "--device-memory", "80GB"]) == 0
     out = capsys.readouterr().out
     assert "1 devices (1 per node) of 80.0 GiB, 78.0 GiB usable each" in out  # 80GB is 80 GiB, 2GB reserve 2 GiB
-    assert ("not modelled: data.packing (packed micro-batches are predicted as padded rows of data.seq_length); "
-            "CPU offload (offload_optimizer, offload_param); evaluation") in out
+    assert ("not modelled: padding and data.packing (every micro-batch is predicted as full rows of "
+            "data.seq_length); CPU offload (offload_optimizer, offload_param); evaluation") in out
+    assert ("BERT (no context parallelism) computes real tokens only: its memory and step time are predicted for "
+            "full rows of data.seq_length (an upper bound") in out
     assert "this config packs" not in out
-    assert main([*small, "--device-memory", "80GB", "data.packing=true"]) == 0
+    context = ["--config", "configs/bert-tiny.yaml", "--gpus", "2", *small[4:]]  # BERT's rows under CP
+    assert main([*context, "--device-memory", "80GB", "data.packing=true", "parallel.context_parallel=2"]) == 0
     out = capsys.readouterr().out
     assert ("this config packs samples (data.packing=true): its memory and step time are predicted for padded rows; "
             "GPUs also keep a [rows, 1, seq, seq] attention mask per layer") in out

@@ -237,6 +237,23 @@ def test_bert_refuses_padding_between_real_tokens_naming_the_row(one_rank):
         model((ids, torch.zeros_like(ids), mask, torch.zeros(2, 1, dtype=torch.long)))
 
 
+def test_the_cache_sees_one_micro_batch_through_its_aliases():
+    """ZeRO-3 hands every module's outputs on as new aliases (detach()), integer tensors too: an
+    alias of the same memory is the same micro-batch; equal values elsewhere, or the same tensor
+    changed in place, are another."""
+    from pretrain.model.micro_batch import MicroBatchCache
+
+    cache = MicroBatchCache()
+    ids = torch.tensor([[1, 1, 2, 2, 0]])
+    built = cache.get(ids, "mask", lambda: object())
+    assert cache.get(ids.detach(), "mask", lambda: object()) is built
+    assert cache.get(ids.view(1, 5), "mask", lambda: object()) is built
+    assert cache.get(ids.clone(), "mask", lambda: object()) is not built
+    assert cache.get(ids[:, :4], "mask", lambda: object()) is not built  # another shape: another key
+    ids.add_(0)  # in place: a new version
+    assert cache.get(ids.detach(), "mask", lambda: object()) is not built
+
+
 def test_compile_where_torch_cannot_is_one_line(monkeypatch):
     """model.compile=true on the CPU without a C++ compiler, or on a device torch does not compile
     for (the CPU test device), is refused naming the key, before any compilation starts."""

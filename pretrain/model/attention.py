@@ -1,4 +1,5 @@
-"""The attention core of the ModernBERT encoder: global or sliding-window, over packed rows.
+"""The attention core of the encoders (ModernBERT's global or sliding-window layers, BERT's global
+ones): over packed rows.
 
 The model computes real tokens only (unpadding.py): what reaches attention is packed rows, a
 document number per token (`sample_ids`; 0 = padding, which the model's own rows never hold).
@@ -26,8 +27,8 @@ Attention dropout: off CUDA, each path spells its softmax out and draws the keep
 `dropout.dropout` (SDPA's CPU dropout has its own draw); the probabilities then exist in full,
 [block, block + 2 half_window] per block on the banded path, [seq, keys] on the global ones.
 
-The model (modernbert.py) calls `packed_attention` with one packed row per micro-batch,
-token-major. Each path's masks and plans (the dense and banded masks, the documents' gather plan)
+The models (modernbert.py, and layers.py's BERT outside context parallelism) call
+`packed_attention` with one packed row per micro-batch, token-major. Each path's masks and plans (the dense and banded masks, the documents' gather plan)
 are a function of the sample ids alone: with a `MicroBatchCache` they
 are built once per micro-batch and shared by every layer and recomputation.
 

@@ -70,6 +70,16 @@ each layer's input and, once per stage, the sample ids and positions 16N. Embedd
 BERT's MLM (no NSP) without the last layer's output (index_select keeps only its index), plus
 final_norm's input and statistics at P rows B*P*h + 2*S*P.
 
+BERT outside context parallelism computes one row of the micro-batch's real tokens too (the plan
+takes N = b*s: full rows, an upper bound) and attends on attention.py's paths for a global layer
+(dense up to 256 tokens, documents beyond): its core is ModernBERT's with Q, K and V the separate
+linears' outputs (V B*N*h_t, or its fp32 copy), the masks and plans once per stage as ModernBERT's;
+selective recomputation keeps Q, K, V and the context per layer and the sample ids 8N once per
+stage. Embeddings: the input ids 8N (+N), the real tokens' indices 8(N+1), the positions' and
+token types' indices 16N, LayerNorm input and statistics, a dropout mask. Heads: the masked
+positions' index 8P (index keeps no input); with the binary head the [CLS] index 8b and the
+pooler's input B*b*h.
+
 Derived from the saved tensors of each op (their autograd formulas; CUDA's SDPA from torch's
 sources and meta kernels) and checked byte for byte against the meter on the CPU and fakegpu;
 tests/test_memory_plan.py keeps it there.
@@ -238,6 +248,62 @@ def _modern_shared(cfg, tp: int, micro: int, precision: str, k: Kernels, layers:
     return total
 
 
+def real_tokens_bert(cfg) -> bool:
+    """BERT computing one row of each micro-batch's real tokens (Config.real_tokens_only, not ModernBERT)."""
+    return not cfg.model.modern and cfg.parallel.context_parallel == 1
+
+
+def _bert_core(cfg, k: Kernels, micro: int, h_t: int, a_t: int, B: int) -> int:
+    """BERT's attention core on one row of n = micro x seq_length real tokens (none recomputed):
+    Q, K, V (the separate linears' outputs) as its path saves them, and the context the output
+    projection saves; the masks and plans once per stage (_bert_shared)."""
+    m = cfg.model
+    n = micro * cfg.data.seq_length
+    spelled = m.attention_dropout > 0
+    path = modern_attention_path(cfg, 0, n)  # every BERT layer is global
+    slots = _documents_slots(cfg, micro)
+    if k.attention == "efficient":  # CUDA (estimates, not measured here)
+        if not spelled:  # varlen flash attention or FlexAttention: Q, K, V, output, logsumexp
+            return 4 * B * n * h_t + 4 * a_t * _ceil(n, 128)
+        if path == "documents":  # SDPA (memory-efficient, its dropout) per bucket, then gathered back
+            return 4 * B * slots * h_t + 4 * a_t * _ceil(slots, 32) + 16 + B * n * h_t
+        return 4 * B * n * h_t + 4 * a_t * _ceil(n, 32) + 16
+    if k.attention == "math":  # fakegpu: SDPA's math path or the spelled softmax on the whole row
+        return 3 * B * n * h_t + _attention_core(k, 1, n, n, h_t, a_t, B, spelled)
+    W = 4 if k.upcast_bf16 else B  # the fp32 route attends on fp32 copies of Q, K, V
+    if path == "documents":
+        if spelled:  # per bucket Q, K, V copies, fp32 softmax, keep mask, dropped probabilities; the context
+            size = slots // micro  # every document in one bucket (full rows)
+            return 3 * W * slots * h_t + (4 + 2 * W) * a_t * slots * size + B * n * h_t
+        return 3 * W * slots * h_t + W * slots * h_t + 4 * a_t * slots + B * n * h_t
+    if spelled:  # Q, K, V (or fp32 copies), fp32 softmax, keep mask and dropped probabilities, the context (a copy)
+        return 3 * W * n * h_t + (4 + 2 * W) * a_t * n * n + B * n * h_t
+    # SDPA's CPU flash kernel: Q, K, V, logsumexp, its output (the context a view; the fp32 route:
+    # the bf16 copy of the output, which the output projection saves)
+    context = B * n * h_t if k.upcast_bf16 else 0
+    return 3 * W * n * h_t + 4 * a_t * n + W * n * h_t + context
+
+
+def _bert_shared(cfg, micro: int, precision: str, k: Kernels) -> int:
+    """What BERT's layers of a stage share per micro-batch (micro_batch.py's cache): the mask SDPA
+    keeps (dense path) or the documents path's indices and masks; with recomputation the
+    checkpoints' sample ids."""
+    m = cfg.model
+    B = 2 if precision in ("bf16", "fp16") else 4
+    W = 4 if k.upcast_bf16 else B
+    n = micro * cfg.data.seq_length
+    if m.recompute in ("full", "selective"):
+        return 8 * n  # the sample ids, an input of every checkpoint
+    spelled = m.attention_dropout > 0
+    if k.attention == "efficient" and not spelled:
+        return 0  # CUDA: document boundaries or a BlockMask, small (an estimate)
+    keeps_mask = not spelled or k.attention in ("efficient", "math")  # SDPA runs (on CUDA with its dropout)
+    if modern_attention_path(cfg, 0, n) == "documents":
+        slots = _documents_slots(cfg, micro)
+        return 8 * slots + 8 * n + (W * slots if keeps_mask else 0)
+    return W * n * n if keeps_mask else 0
+
+
 def _modern_layer_bytes(cfg, tp: int, micro: int, precision: str, kernels: Kernels, index: int) -> int:
     """One ModernLayer (pretrain/model/modernbert.py), one micro-batch: n = micro x seq_length real
     tokens in one row (full rows: an upper bound, padding is never computed)."""
@@ -287,6 +353,10 @@ def layer_bytes(cfg, tp: int, micro: int, precision: str, kernels: Kernels, inde
         return layer_input
     rest = 2 * M * n * h + 2 * (B * n * h + 2 * S * n) + B * n * h + 2 * B * n * f_t
     qkv = 3 * B * n * h_t
+    if real_tokens_bert(cfg):
+        if m.recompute == "selective":  # the checkpoint's inputs Q, K, V (the sample ids: _bert_shared); the context
+            return layer_input + qkv + B * n * h_t + rest
+        return layer_input + _bert_core(cfg, kernels, b, h_t, a_t, B) + rest
     if m.recompute == "selective":
         context = B * n * h_t
         return layer_input + qkv + B * b * s + context + rest
@@ -304,6 +374,10 @@ def embedding_bytes(cfg, tp: int, micro: int, precision: str, kernels: Kernels) 
     if m.modern:  # the input ids only (no token types, no positions), the TP lookup's range mask, the
         # real tokens' indices (unpadding: one spare slot), LayerNorm's input and statistics, the dropout's mask
         return 8 * n + (n if tp > 1 else 0) + 8 * (n + 1) + B * n * h + 2 * S * n + M * n * h
+    if real_tokens_bert(cfg):  # the input ids, the TP lookup's range mask, the real tokens' indices
+        # (one spare slot), the positions' and token types' indices of the real tokens
+        ids = 8 * n + (n if tp > 1 else 0) + 8 * (n + 1) + 16 * n
+        return ids + B * n * h + 2 * S * n + M * n * h
     ids = 16 * n + (n if tp > 1 else 0)  # input and token-type ids (int64); the TP lookup's range mask
     return ids + 8 * s + B * n * h + 2 * S * n + M * n * h
 
@@ -319,6 +393,8 @@ def heads_bytes(cfg, tp: int, micro: int, precision: str, kernels: Kernels) -> i
     if m.modern:  # index_select at the masked positions keeps its index only; final_norm's input
         # and statistics at P rows, then the transform as BERT's
         heads = 8 * p + B * p * h + 2 * S * p
+    elif real_tokens_bert(cfg):  # index keeps the masked positions only; the [CLS] rows are a copy
+        heads = 8 * p + ((8 * b + B * b * h) if cfg.binary_head else 0)
     else:
         heads = 8 * p + B * n * h  # the gather's index and input (the last layer's output)
     heads += 4 * B * p * h + 2 * S * p  # MLM transform: dense input, GELU input, LayerNorm input/output, stats
@@ -391,6 +467,8 @@ def stage_activation_bytes(cfg, tp: int, stage: int, stages: int, layers: int, f
     if m.modern:
         first_layer = stage * layers if first_layer is None else first_layer
         per_micro += _modern_shared(cfg, tp, micro, precision, kernels, range(first_layer, first_layer + layers))
+    elif real_tokens_bert(cfg):
+        per_micro += _bert_shared(cfg, micro, precision, kernels)
     elif m.recompute == "full":
         per_micro += 8 * micro * cfg.data.seq_length  # the padding mask, one storage for every layer
     if first:

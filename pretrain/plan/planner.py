@@ -47,7 +47,7 @@ class PlanRow:
 
 
 # What no prediction models, for the plan to say so (docs/training.md, "Limits")
-NOT_MODELLED = ("data.packing (packed micro-batches are predicted as padded rows of data.seq_length)",
+NOT_MODELLED = ("padding and data.packing (every micro-batch is predicted as full rows of data.seq_length)",
                 "CPU offload (offload_optimizer, offload_param)",
                 "evaluation, checkpoint saves and data loading (not in the step time)",
                 "communication overlapped with compute (none assumed)")
@@ -56,8 +56,9 @@ NOT_MODELLED = ("data.packing (packed micro-batches are predicted as padded rows
 def unmodelled(cfg: Config) -> list[str]:
     """What of this config the plan does not model (one line each; none for most configs)."""
     notes = []
-    if cfg.model.modern:
-        notes.append("ModernBERT computes real tokens only: its memory and step time are predicted for full rows of "
+    if cfg.real_tokens_only:
+        family = "ModernBERT" if cfg.model.modern else "BERT (no context parallelism)"
+        notes.append(f"{family} computes real tokens only: its memory and step time are predicted for full rows of "
                      "data.seq_length (an upper bound; the real share is the data's)")
     elif cfg.data.packing:
         notes.append("this config packs samples (data.packing=true): its memory and step time are predicted for "
