@@ -49,7 +49,14 @@ def packed_rows():
     return torch.tensor(rows)
 
 
-MASKS = {"packed": ("sample_ids", packed_rows)}
+def full_bucket_rows():
+    """Documents of exactly a bucket's length (12 and 8: attention._ladder's sizes), as full rows
+    are, beside ones that leave spare slots (6, and the 4 tokens of padding)."""
+    return torch.tensor([[1] * 12 + [2] * 12 + [3] * 6,
+                         [4] * 12 + [5] * 8 + [6] * 6 + [0] * 4])
+
+
+MASKS = {"packed": ("sample_ids", packed_rows), "full-buckets": ("sample_ids", full_bucket_rows)}
 
 
 def allowed_reference(masks: dict, half_window, seq: int) -> torch.Tensor:
@@ -119,6 +126,18 @@ def test_path_matches_dense_reference(kind, half_window, path, block):
         return run_path(path, q, k, v, **masks, half_window=half_window, block=block)
 
     assert_matches_reference(fn, kind, half_window)
+
+
+def test_full_buckets_attend_without_a_mask():
+    """The documents path's buckets whose documents fill every slot take no mask (SDPA's fastest
+    kernels); the others keep theirs; the result is the reference's (test_path_matches_dense_reference)."""
+    plan = attention._document_plan(full_bucket_rows())
+    assert {size: full for _, size, _, full in plan["buckets"]} == {8: False, 12: True}
+    q, k, v = inputs(2)
+    run_path("documents", q, k, v, full_bucket_rows(), cache=None)
+    attention._documents(q, k, v, plan, 0.0, DIM ** -0.5)
+    biases = plan["biases"][torch.float32]
+    assert biases[12] is None and biases[8] is not None
 
 
 @pytest.mark.parametrize("kind,half_window", CASES)
@@ -238,7 +257,7 @@ def test_dense_dropout_is_reference_with_the_drawn_mask():
 def test_bf16_returns_bf16_close_to_fp32(kind, half_window):
     name, rows = MASKS[kind]
     masks = {name: rows()}
-    q, k, v = (t.detach() for t in inputs(4, dtype=torch.bfloat16))
+    q, k, v = (t.detach() for t in inputs(masks[name].shape[0], dtype=torch.bfloat16))
     out = encoder_attention(q, k, v, **masks, half_window=half_window)
     assert out.dtype == torch.bfloat16
     expected = reference(q.float(), k.float(), v.float(), masks, half_window)

@@ -134,14 +134,14 @@ def _shared(cache: MicroBatchCache | None, mask: torch.Tensor, name, build):
 
 def _attend(query, key, value, mask, dropout_p: float, scale: float) -> torch.Tensor:
     """softmax(q k^T scale + mask) v for a boolean (True = attend) or additive float mask that leaves
-    every query at least one key. SDPA (fused kernels) unless dropout runs off CUDA: then the same
-    arithmetic spelled out, with `dropout.dropout`'s mask from the default generator."""
+    every query at least one key (None: every key). SDPA (fused kernels) unless dropout runs off
+    CUDA: then the same arithmetic spelled out, with `dropout.dropout`'s mask from the default generator."""
     if dropout_p == 0.0 or query.device.type == "cuda":
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale
-    if mask.dtype == torch.bool:
+    if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
-    else:
+    elif mask is not None:
         scores = scores + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     return torch.matmul(_dropout(probs, dropout_p, True), value)
@@ -240,7 +240,11 @@ def _document_plan(sample_ids: torch.Tensor) -> dict:
     source, valid = torch.cat(sources), torch.cat(valids)
     slot_of_token = torch.empty(batch * seq, dtype=torch.long, device=device)
     slot_of_token[source[valid]] = valid.nonzero().squeeze(1)
-    return {"buckets": plans, "source": source, "slot_of_token": slot_of_token, "biases": {}}
+    # buckets whose documents fill every slot (documents of exactly a ladder length, as full rows
+    # are) need no mask: SDPA then keeps its fastest kernels (CUDA's flash attention, dropout too)
+    full = [bool(v) for v in torch.stack([plan[2].all() for plan in plans]).tolist()]
+    return {"buckets": [(*plan, is_full) for plan, is_full in zip(plans, full)], "source": source,
+            "slot_of_token": slot_of_token, "biases": {}}
 
 
 def _documents(query, key, value, plan: dict, dropout_p: float, scale: float) -> torch.Tensor:
@@ -253,16 +257,16 @@ def _documents(query, key, value, plan: dict, dropout_p: float, scale: float) ->
     not be contiguous."""
     batch, heads, seq, dim = query.shape
     device = query.device
-    slots = [count * size for count, size, _ in plan["buckets"]]
+    slots = [count * size for count, size, *_ in plan["buckets"]]
     gathered = [t.transpose(1, 2).reshape(batch * seq, heads, dim).index_select(0, plan["source"]).split(slots)
                 for t in (query, key, value)]
     biases = plan["biases"].setdefault(query.dtype, {})
     outputs = []
-    for (count, size, valid_slots), q, k, v in zip(plan["buckets"], *gathered):
+    for (count, size, valid_slots, full), q, k, v in zip(plan["buckets"], *gathered):
         q, k, v = (t.view(count, size, heads, dim).transpose(1, 2) for t in (q, k, v))
         if size not in biases:
-            bias = torch.zeros(valid_slots.shape, dtype=query.dtype, device=device)
-            biases[size] = bias.masked_fill_(~valid_slots, float("-inf"))[:, None, None, :]
+            bias = None if full else torch.zeros(valid_slots.shape, dtype=query.dtype, device=device)
+            biases[size] = None if full else bias.masked_fill_(~valid_slots, float("-inf"))[:, None, None, :]
         outputs.append(_attend(q, k, v, biases[size], dropout_p, scale).transpose(1, 2).reshape(count * size, heads, dim))
     return torch.cat(outputs).index_select(0, plan["slot_of_token"]).view(batch, seq, heads, dim).transpose(1, 2)
 

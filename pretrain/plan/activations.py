@@ -62,7 +62,8 @@ whole 3*B*N*h_t, or on the fp32 route a copy 4*N*h_t):
         K, the QKV output, its output, logsumexp, a context copy
 Once per stage and micro-batch, what the layers share (pretrain/model/micro_batch.py's cache, one
 storage for all): rotary cos and sin 2*B*N*d per base; without attention dropout the mask SDPA keeps
-(dense W*N^2, banded W*N_p*width) and the documents' mask W*L; the documents' gather and scatter
+(dense W*N^2, banded W*N_p*width) and the documents' mask W*L (none when the row's length is a
+bucket size: full rows then fill their buckets); the documents' gather and scatter
 indices 8L + 8N. Selective recomputation keeps the checkpoint's inputs (Q, K, the QKV output
 5*B*N*h_t), the context B*N*h_t and, once per stage, the rotary tables and sample ids 8N; full keeps
 each layer's input and, once per stage, the sample ids and positions 16N. Embeddings: the input ids
@@ -154,6 +155,14 @@ def modern_attention_path(cfg, index: int, tokens: int) -> str:
     return choose_path(tokens, half_window)
 
 
+def _documents_need_a_mask(cfg) -> bool:
+    """Whether full rows' documents leave spare slots in their bucket (a mask): not when the row's
+    length is a bucket size (128, 512: then SDPA attends the bucket without one)."""
+    from ..model.attention import _ladder
+
+    return _ladder(cfg.data.seq_length) != cfg.data.seq_length
+
+
 def _documents_slots(cfg, micro: int) -> int:
     """Gathered slots of the documents path for `micro` full rows: each row one document, padded
     up its length's bucket (attention._ladder)."""
@@ -239,7 +248,8 @@ def _modern_shared(cfg, tp: int, micro: int, precision: str, k: Kernels, layers:
         path = modern_attention_path(cfg, index, n)
         if path == "documents":
             slots = _documents_slots(cfg, micro)
-            total += 8 * slots + 8 * n + (0 if spelled else W * slots)  # gather, scatter-back indices; masks
+            mask = W * slots if not spelled and _documents_need_a_mask(cfg) else 0
+            total += 8 * slots + 8 * n + mask  # gather, scatter-back indices; masks
         elif path == "banded" and not spelled:
             w = m.local_attention // 2
             total += W * -(-n // BAND_BLOCK) * BAND_BLOCK * (BAND_BLOCK + 2 * w)
@@ -300,7 +310,7 @@ def _bert_shared(cfg, micro: int, precision: str, k: Kernels) -> int:
     keeps_mask = not spelled or k.attention in ("efficient", "math")  # SDPA runs (on CUDA with its dropout)
     if modern_attention_path(cfg, 0, n) == "documents":
         slots = _documents_slots(cfg, micro)
-        return 8 * slots + 8 * n + (W * slots if keeps_mask else 0)
+        return 8 * slots + 8 * n + (W * slots if keeps_mask and _documents_need_a_mask(cfg) else 0)
     return W * n * n if keeps_mask else 0
 
 
