@@ -48,7 +48,8 @@ class ModelConfig:
     mlp_bias: bool = False
     classifier_bias: bool = False
     classifier_pooling: str = "cls"
-    # ModernBERT's attention kernel on CUDA (without attention dropout): "varlen" torch's
+    # the attention kernel on CUDA without attention dropout (ModernBERT; BERT outside context
+    # parallelism, whose training has dropout: SDPA per document then): "varlen" torch's
     # variable-length flash attention (torch >= 2.10, bf16/fp16), "flex" FlexAttention with a block
     # mask, "auto" varlen where it can run, flex otherwise (docs/performance.md has the measurements)
     attention_kernel: str = "auto"
