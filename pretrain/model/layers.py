@@ -56,7 +56,7 @@ from .cpu_bf16 import upcast_bf16
 from .dropout import Dropout, dropout
 from .micro_batch import MicroBatchCache
 from .rng import RngTracker, checkpoint_with_rng
-from .unpadding import unpad_packed, unpad_padded
+from .unpadding import unpad_inputs
 
 
 # The DeepSpeed TiedLayerSpec key of the word embedding, shared by the input lookup and the MLM decoder
@@ -286,13 +286,8 @@ class EmbeddingTail(nn.Module):
     def real_tokens(self, inputs):
         """(hidden [1, T, hidden], sample_ids [1, T], masked_positions, cls_positions) of the
         micro-batch's T real tokens, the positions flat indices into them (unpadding.py)."""
-        if len(inputs) == 6:
-            word_vectors, token_type_ids, sample_ids, masked_positions, position_ids, cls_positions = inputs
-            tokens = unpad_packed(word_vectors, sample_ids, masked_positions, position_ids, cls_positions)
-        else:
-            word_vectors, token_type_ids, padding_mask, masked_positions = inputs
-            tokens = unpad_padded(word_vectors, padding_mask, masked_positions)
-        token_types = token_type_ids.reshape(-1).index_select(0, tokens.index)[None]
+        tokens = unpad_inputs(inputs)
+        token_types = inputs[1].reshape(-1).index_select(0, tokens.index)[None]
         hidden = self._embed(tokens.hidden, tokens.position_ids, token_types)
         return hidden, tokens.sample_ids, tokens.masked_positions, tokens.cls_positions
 

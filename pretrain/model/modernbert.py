@@ -66,7 +66,7 @@ from .context_split import ContextGroup, gather_masked
 from .micro_batch import MicroBatchCache
 from .rng import RngTracker, checkpoint_with_rng
 from .rotary import rotary_tables
-from .unpadding import unpad_packed, unpad_padded
+from .unpadding import unpad_inputs
 
 
 class TokenEmbedding(WordEmbedding):
@@ -99,12 +99,7 @@ class EmbeddingNorm(nn.Module):
         self.cache = cache if cache is not None else MicroBatchCache()
 
     def forward(self, inputs):
-        if len(inputs) == 6:  # packed rows
-            word_vectors, _token_types, sample_ids, masked_positions, position_ids, cls_positions = inputs
-            tokens = unpad_packed(word_vectors, sample_ids, masked_positions, position_ids, cls_positions)
-        else:
-            word_vectors, _token_types, padding_mask, masked_positions = inputs
-            tokens = unpad_padded(word_vectors, padding_mask, masked_positions)
+        tokens = unpad_inputs(inputs)  # padded or packed rows
         hidden = tokens.hidden
         if self.context is not None:  # this rank's share of the row's tokens
             hidden = context_split(self.context, tokens.sample_ids, self.min_piece, self.cache).local(hidden, dim=1)

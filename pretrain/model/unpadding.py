@@ -41,6 +41,18 @@ class PaddingLayoutError(ValueError):
     """A padded row whose real tokens are not contiguous (padding between real tokens)."""
 
 
+def unpad_inputs(inputs: tuple) -> Tokens:
+    """The embedding stage's input tuple (word vectors first, then the batch's fields after its
+    input ids: padded rows' (token_type_ids, padding_mask, masked_positions), or packed rows'
+    (token_type_ids, sample_ids, masked_positions, position_ids, cls_positions)) as one row of
+    its real tokens."""
+    if len(inputs) == 6:
+        word_vectors, _token_types, sample_ids, masked_positions, position_ids, cls_positions = inputs
+        return unpad_packed(word_vectors, sample_ids, masked_positions, position_ids, cls_positions)
+    word_vectors, _token_types, padding_mask, masked_positions = inputs
+    return unpad_padded(word_vectors, padding_mask, masked_positions)
+
+
 def unpad_padded(hidden: torch.Tensor, padding_mask: torch.Tensor, masked_positions: torch.Tensor) -> Tokens:
     """Padded rows (`padding_mask` [rows, seq], 1 = real; `masked_positions` [rows, P] columns)
     as one row of their real tokens. Slots pointing at padding (unused prediction slots, weight 0)

@@ -203,6 +203,16 @@ def _modern_core(cfg, k: Kernels, index: int, micro: int, h_t: int, a_t: int, B:
         context = 0 if padded == n and not k.upcast_bf16 else B * n * h_t
         keys = a_t * (padded + 2 * w) * d
         return W * a_t * padded * d + 2 * W * keys + 4 * a_t * padded + W * padded * h_t + context
+    return _global_core(cfg, k, path, micro, h_t, a_t, B, value)
+
+
+def _global_core(cfg, k: Kernels, path: str, micro: int, h_t: int, a_t: int, B: int, value: int) -> int:
+    """The documents or dense path's core (CPU kernels) on one row of n = micro x seq_length
+    tokens, beyond what feeds its Q and K: `value` the bytes V keeps (ModernBERT: the fused QKV
+    output or an fp32 copy; BERT: its own linear's output or the copy)."""
+    n = micro * cfg.data.seq_length
+    spelled = cfg.model.attention_dropout > 0
+    W = 4 if k.upcast_bf16 else B  # the fp32 route attends on fp32 copies of Q, K, V
     if path == "documents":
         slots = _documents_slots(cfg, micro)
         if spelled:  # per bucket Q, K, V copies, fp32 softmax, keep mask, dropped probabilities; the context
@@ -212,13 +222,23 @@ def _modern_core(cfg, k: Kernels, index: int, micro: int, h_t: int, a_t: int, B:
         # context (the gathered-back output) a copy
         return 3 * W * slots * h_t + W * slots * h_t + 4 * a_t * slots + B * n * h_t
     # dense: the [n, n] mask over the whole row
-    if spelled:  # Q, K (the rotary outputs or fp32 copies), fp32 softmax, keep mask and dropped
-        # probabilities, V (a view of the fused QKV output, or an fp32 copy), the context (a copy)
+    if spelled:  # Q, K (or fp32 copies), fp32 softmax, keep mask and dropped probabilities, V, the
+        # context (a copy)
         return 2 * W * n * h_t + value + (4 + 2 * W) * a_t * n * n + B * n * h_t
     # SDPA's CPU flash kernel: Q and K, V, logsumexp, its output (the context a view; the fp32
     # route: the bf16 copy of the output, which the output projection saves)
     context = B * n * h_t if k.upcast_bf16 else 0
     return 2 * W * n * h_t + value + 4 * a_t * n + W * n * h_t + context
+
+
+def _plan_bytes(cfg, micro: int, W: int, path: str, keeps_mask: bool) -> int:
+    """What a global layer kind's path keeps once per stage: the documents path's gather and
+    scatter-back indices and its masks, or the dense path's [n, n] mask, where SDPA keeps a mask."""
+    n = micro * cfg.data.seq_length
+    if path == "documents":
+        slots = _documents_slots(cfg, micro)
+        return 8 * slots + 8 * n + (W * slots if keeps_mask and _documents_need_a_mask(cfg) else 0)
+    return W * n * n if keeps_mask and path == "dense" else 0
 
 
 def _modern_shared(cfg, tp: int, micro: int, precision: str, k: Kernels, layers: range) -> int:
@@ -246,15 +266,11 @@ def _modern_shared(cfg, tp: int, micro: int, precision: str, k: Kernels, layers:
     for kind in kinds:
         index = next(i for i in layers if m.is_global_layer(i) == kind)
         path = modern_attention_path(cfg, index, n)
-        if path == "documents":
-            slots = _documents_slots(cfg, micro)
-            mask = W * slots if not spelled and _documents_need_a_mask(cfg) else 0
-            total += 8 * slots + 8 * n + mask  # gather, scatter-back indices; masks
-        elif path == "banded" and not spelled:
+        if path == "banded" and not spelled:
             w = m.local_attention // 2
             total += W * -(-n // BAND_BLOCK) * BAND_BLOCK * (BAND_BLOCK + 2 * w)
-        elif path == "dense" and not spelled:
-            total += W * n * n
+        elif path != "banded":
+            total += _plan_bytes(cfg, micro, W, path, keeps_mask=not spelled)
     return total
 
 
@@ -280,18 +296,8 @@ def _bert_core(cfg, k: Kernels, micro: int, h_t: int, a_t: int, B: int) -> int:
         return 4 * B * n * h_t + 4 * a_t * _ceil(n, 32) + 16
     if k.attention == "math":  # fakegpu: SDPA's math path or the spelled softmax on the whole row
         return 3 * B * n * h_t + _attention_core(k, 1, n, n, h_t, a_t, B, spelled)
-    W = 4 if k.upcast_bf16 else B  # the fp32 route attends on fp32 copies of Q, K, V
-    if path == "documents":
-        if spelled:  # per bucket Q, K, V copies, fp32 softmax, keep mask, dropped probabilities; the context
-            size = slots // micro  # every document in one bucket (full rows)
-            return 3 * W * slots * h_t + (4 + 2 * W) * a_t * slots * size + B * n * h_t
-        return 3 * W * slots * h_t + W * slots * h_t + 4 * a_t * slots + B * n * h_t
-    if spelled:  # Q, K, V (or fp32 copies), fp32 softmax, keep mask and dropped probabilities, the context (a copy)
-        return 3 * W * n * h_t + (4 + 2 * W) * a_t * n * n + B * n * h_t
-    # SDPA's CPU flash kernel: Q, K, V, logsumexp, its output (the context a view; the fp32 route:
-    # the bf16 copy of the output, which the output projection saves)
-    context = B * n * h_t if k.upcast_bf16 else 0
-    return 3 * W * n * h_t + 4 * a_t * n + W * n * h_t + context
+    W = 4 if k.upcast_bf16 else B  # V: its linear's output, or an fp32 copy
+    return _global_core(cfg, k, path, micro, h_t, a_t, B, W * n * h_t)
 
 
 def _bert_shared(cfg, micro: int, precision: str, k: Kernels) -> int:
@@ -308,10 +314,7 @@ def _bert_shared(cfg, micro: int, precision: str, k: Kernels) -> int:
     if k.attention == "efficient" and not spelled:
         return 0  # CUDA: document boundaries or a BlockMask, small (an estimate)
     keeps_mask = not spelled or k.attention in ("efficient", "math")  # SDPA runs (on CUDA with its dropout)
-    if modern_attention_path(cfg, 0, n) == "documents":
-        slots = _documents_slots(cfg, micro)
-        return 8 * slots + 8 * n + (W * slots if keeps_mask and _documents_need_a_mask(cfg) else 0)
-    return W * n * n if keeps_mask else 0
+    return _plan_bytes(cfg, micro, W, modern_attention_path(cfg, 0, n), keeps_mask)
 
 
 def _modern_layer_bytes(cfg, tp: int, micro: int, precision: str, kernels: Kernels, index: int) -> int:
