@@ -123,3 +123,92 @@ def test_fused_cross_entropy_equals_torch(dtype, use_compiled):
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours_in.grad.float(), theirs_in.grad.float(), rtol=1e-5, atol=1e-6)
     assert torch.equal(ours_in.detach(), logits)  # the logits are left as they were
+
+
+def test_compiled_bert_equals_eager_and_transformers(one_rank):
+    """BERT's layers with model.compile (fused.bias_dropout_add_norm: output bias, dropout, residual
+    and LayerNorm as one kernel): in training with every dropout on, three micro-batches of
+    different real-token counts give the eager model's loss, logits and gradients (the keep masks
+    are the same draws on the CPU) and compile no more after the first; in evaluation, transformers'
+    BertForPreTraining's logits."""
+    from transformers import BertConfig, BertForPreTraining
+
+    from pretrain.checkpoint.sharding import load_hf_state_dict
+    from pretrain.config import ModelConfig
+    from pretrain.model import fused
+    from pretrain.model.bert import PretrainingLoss, build_model
+    from pretrain.model.rng import RngTracker, seed_streams
+
+    vocab, hidden = 96, 32
+    torch.manual_seed(1234)
+    hf = BertForPreTraining(BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=64, max_position_embeddings=64,
+                                       attn_implementation="eager")).eval()
+    with torch.no_grad():  # HF initialises biases and LayerNorms to constants: make them random too
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or "LayerNorm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+
+    def ours(setting):
+        cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden, num_layers=2, num_attention_heads=2,
+                          ffn_hidden_size=64, max_position_embeddings=64, hidden_dropout=0.1, attention_dropout=0.1,
+                          compile=setting)
+        tracker = RngTracker(torch.device("cpu"))
+        seed_streams(tracker, 1, 0, 0, 0)
+        model = build_model(cfg, cfg.padded_vocab_size(1), torch.float32, tracker, one_rank)
+        load_hf_state_dict(model, hf.state_dict(), cfg.padded_vocab_size(1), 0, 1)
+        return model
+
+    torch._dynamo.reset()
+    calls = []  # whether each call of the compiled kernel had a keep mask: proof that it ran, with dropout
+    kernels = fused.layer_kernels("true", "cpu")
+    real_kernel = kernels.bias_dropout_add_norm
+    assert real_kernel is fused.compiled("bias_dropout_add_norm") and hasattr(real_kernel, "_torchdynamo_orig_callable")
+    kernels.bias_dropout_add_norm = lambda *a: calls.append(a[2] is not None) or real_kernel(*a)
+    batches = micro_batches([[40, 17, 33], [9, 40, 40], [25, 6, 12]], 40, vocab)
+    runs, graphs = {}, []
+    try:
+        for setting in ("false", "true"):
+            model = ours(setting)
+            model.train()
+            torch.manual_seed(7)  # the same dropout draws on both sides
+            steps = []
+            for inputs, labels in batches:
+                model.zero_grad()
+                mlm, nsp = model(inputs)
+                weights = torch.ones_like(labels, dtype=torch.float32)
+                loss = PretrainingLoss(one_rank, 0, setting)((mlm, nsp), (labels, weights, torch.zeros(3).long()))
+                loss.backward()
+                steps.append((loss.detach(), mlm.detach(),
+                              {n: p.grad.to_dense().clone() for n, p in model.named_parameters() if p.grad is not None}))
+                if setting == "true":
+                    graphs.append(fused.compile_counters()["unique_graphs"])
+            runs[setting] = (model, steps)
+        assert calls and all(calls), "the compiled kernel did not run, or ran without dropout in training"
+        assert graphs[0] > 0 and graphs[0] == graphs[1] == graphs[2], f"graphs compiled after each micro-batch: {graphs}"
+        for (loss_e, mlm_e, grads_e), (loss_c, mlm_c, grads_c) in zip(runs["false"][1], runs["true"][1]):
+            torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(mlm_c, mlm_e, rtol=1e-5, atol=1e-5)
+            assert grads_c.keys() == grads_e.keys()
+            for name in grads_e:
+                torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-6, msg=name)
+
+        compiled = runs["true"][0].eval()
+        calls.clear()
+        inputs, _ = batches[0]
+        with torch.no_grad():
+            mlm, nsp = compiled(inputs)
+            theirs = hf(input_ids=inputs[0], token_type_ids=inputs[1], attention_mask=inputs[2])
+        assert calls and not any(calls), "evaluation should run the compiled kernel without dropout"
+        ref_mlm = torch.gather(theirs.prediction_logits, 1, inputs[3].unsqueeze(-1).expand(-1, -1, vocab))
+        torch.testing.assert_close(mlm[..., :vocab], ref_mlm, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(nsp, theirs.seq_relationship_logits, rtol=1e-5, atol=1e-5)
+
+        # the mask as dropout.keep_mask draws it off the CPU (booleans) drops what the CPU's does
+        x, residual, bias, weight = torch.randn(4, 5, hidden).unbind(0)
+        keep = torch.rand(5, hidden) >= 0.1
+        torch.testing.assert_close(real_kernel(x, bias[0], keep, 1 / 0.9, residual, weight[0], bias[1], 1e-12),
+                                   real_kernel(x, bias[0], keep.float(), 1 / 0.9, residual, weight[0], bias[1], 1e-12))
+    finally:
+        kernels.bias_dropout_add_norm = real_kernel
+        torch._dynamo.reset()

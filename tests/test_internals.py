@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from pretrain.distributed import internals
 
@@ -71,3 +72,27 @@ def test_the_scan_sees_an_internal(tmp_path):
     assert pattern.search("engine._global_grad_norm = norm")
     assert pattern.search("for flat in opt.single_partition_of_fp32_groups:")
     assert not pattern.search('flats = sd["single_partition_of_fp32_groups"]')  # a checkpoint file's key
+
+
+@pytest.mark.parametrize("weight_device, allreduce_dgrad, route", [
+    ("cpu", False, "plain"), ("cpu", True, "plain"),           # the CPU: always one F.linear
+    ("meta", False, "plain"),                                  # an accelerator, nothing to overlap
+    ("meta", True, "megatron")])                               # an accelerator at TP > 1 (column-parallel)
+def test_parallel_linears_take_one_f_linear_unless_megatron_overlaps_a_reduction(one_rank, weight_device,
+                                                                                  allreduce_dgrad, route):
+    """PlainGemmOverride's routing, on megatron's own _forward_impl arguments: the meta device stands
+    in for an accelerator (megatron's function runs there too); the route shows in the output's
+    autograd node (megatron's autograd function, or F.linear's addmm)."""
+    from pretrain.model.layers import ColumnParallelLinear, RowParallelLinear
+
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        linear = cls.__new__(cls)  # _forward_impl reads nothing of the module
+        x = torch.ones(2, 3, 4, device=weight_device, requires_grad=True)
+        weight = torch.ones(5, 4, device=weight_device, requires_grad=True)
+        bias = torch.ones(5, device=weight_device, requires_grad=True)
+        out = linear._forward_impl(input=x, weight=weight, bias=bias, gradient_accumulation_fusion=False,
+                                   allreduce_dgrad=allreduce_dgrad, sequence_parallel=False,
+                                   grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=one_rank)
+        node = type(out.grad_fn).__name__
+        assert ("LinearWithGradAccumulation" in node) == (route == "megatron"), (cls.__name__, node)
+        assert out.shape == (2, 3, 5) and out.device.type == weight_device

@@ -133,17 +133,20 @@ def tp_partition_dim(param: torch.Tensor) -> int | None:
     return param.partition_dim if is_tp_sharded(param) else None
 
 
-class CpuGemmOverride:
-    """Mixin for megatron-core's parallel linears: on the CPU their `_forward_impl` (the GEMM
-    with the TP communication of its backward) becomes the subclass's `cpu_forward`; on an
-    accelerator megatron's own runs (its backward overlaps the input-gradient all-reduce with
-    the weight-gradient GEMM)."""
+class PlainGemmOverride:
+    """Mixin for megatron-core's parallel linears: their `_forward_impl` (the GEMM with the TP
+    communication of its backward) becomes the subclass's `plain_forward` (one F.linear, the bias
+    inside the GEMM) wherever megatron's autograd function has nothing to overlap: on the CPU, and
+    on an accelerator when its backward all-reduces no input gradient (tensor parallelism 1, and
+    every row-parallel linear). Megatron's own runs for column-parallel linears at TP > 1 on an
+    accelerator, where its backward overlaps the input-gradient all-reduce with the weight-gradient
+    GEMM."""
 
-    cpu_forward = None  # staticmethod(f(input, weight, *args, **kwargs)), set by the subclass
+    plain_forward = None  # staticmethod(f(input, weight, *args, **kwargs)), set by the subclass
 
     def _forward_impl(self, input, weight, *args, **kwargs):
-        if weight.device.type == "cpu":
-            return type(self).cpu_forward(input, weight, *args, **kwargs)
+        if weight.device.type == "cpu" or not kwargs.get("allreduce_dgrad", False):
+            return type(self).plain_forward(input, weight, *args, **kwargs)
         return super()._forward_impl(input, weight, *args, **kwargs)
 
 

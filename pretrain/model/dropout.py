@@ -18,6 +18,17 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     return x * keep.to(x.dtype)
 
 
+def keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Dropout's keep mask for x, unscaled (1 kept, 0 dropped), for a kernel that applies it and the
+    1/(1-p) scale itself (fused.py); its backward keeps it, as `dropout`'s keeps its own. On the CPU
+    the draw `dropout` makes, in x's dtype, so a compiled layer drops what the eager one does;
+    elsewhere one Bernoulli(1 - p) kernel into booleans (one byte per element, as F.dropout's
+    mask)."""
+    if x.device.type == "cpu":
+        return torch.rand(x.shape, dtype=torch.float32).ge_(p).to(x.dtype)
+    return torch.empty(x.shape, dtype=torch.bool, device=x.device).bernoulli_(1.0 - p)
+
+
 class Dropout(nn.Module):
     """nn.Dropout with `dropout` above."""
 

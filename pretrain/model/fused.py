@@ -1,11 +1,12 @@
-"""The element-wise work of a ModernBERT layer in as few passes over memory as the device allows.
+"""The element-wise work of an encoder layer in as few passes over memory as the device allows.
 
-Between its matrix products a layer runs only memory-bound operations: rotary turns of queries and
-keys (in fp32, as transformers), the residual add and the LayerNorm after it, GeGLU's GELU and
-product. Eager, each is a kernel or several, with fp32 intermediates written out and read back;
-compiled (`model.compile`), each group below is one generated kernel forward and one backward
-(torch.compile, dynamic shapes: the token count changes every micro-batch, one compilation serves
-them all). Dropout stays outside (eager, the RNG tracker's streams); the functions are pure.
+Between its matrix products a ModernBERT layer runs only memory-bound operations: rotary turns of
+queries and keys (in fp32, as transformers), the residual add and the LayerNorm after it, GeGLU's
+GELU and product; a BERT layer its output linears' bias, dropout, residual add and LayerNorm.
+Eager, each is a kernel or several, with fp32 intermediates written out and read back; compiled
+(`model.compile`), each group below is one generated kernel forward and one backward (torch.compile,
+dynamic shapes: the token count changes every micro-batch, one compilation serves them all). Dropout's draw stays outside (eager, the RNG tracker's streams: BERT's kernel takes the
+keep mask, ModernBERT's dropouts run eager); the functions are pure.
 
 `LayerKernels(compiled)` hands a layer the eager or the compiled version of each; the compiled ones
 are made once per process (functools.cache), so every layer shares one compilation.
@@ -49,7 +50,20 @@ def add_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, 
     return hidden, F.layer_norm(hidden, hidden.shape[-1:], weight, bias, eps)
 
 
-EAGER = {"rotate_query_key": rotate_query_key, "geglu": geglu, "add_norm": add_norm}
+def bias_dropout_add_norm(x: torch.Tensor, bias: torch.Tensor, keep: torch.Tensor | None, scale: float,
+                          residual: torch.Tensor, weight: torch.Tensor, norm_bias: torch.Tensor,
+                          eps: float) -> torch.Tensor:
+    """LayerNorm(residual + dropout(x + bias)), BERT's post-LN residual after an output linear that
+    handed its bias back unadded; dropout as `keep` (dropout.keep_mask; None: no dropout) times
+    `scale` (1 / (1 - p))."""
+    delta = x + bias
+    if keep is not None:
+        delta = delta * keep * scale
+    return F.layer_norm(residual + delta, residual.shape[-1:], weight, norm_bias, eps)
+
+
+EAGER = {"rotate_query_key": rotate_query_key, "geglu": geglu, "add_norm": add_norm,
+         "bias_dropout_add_norm": bias_dropout_add_norm}
 
 
 @functools.cache
@@ -68,6 +82,7 @@ class LayerKernels:
         self.rotate_query_key = pick("rotate_query_key")
         self.geglu = pick("geglu")
         self.add_norm = pick("add_norm")
+        self.bias_dropout_add_norm = pick("bias_dropout_add_norm")
 
 
 class CompileUnavailable(UserError, RuntimeError):

@@ -49,11 +49,12 @@ from torch import nn
 
 from ..distributed.device import all_reduce_with_grad
 from ..distributed.megatron_core import ModelParallelConfig, tensor_parallel
-from ..distributed.internals import CpuGemmOverride
+from ..distributed.internals import PlainGemmOverride
 from .context_split import ContextGroup, ContextSplit, gather_row
 from .attention import packed_attention
 from .cpu_bf16 import upcast_bf16
-from .dropout import Dropout, dropout
+from .dropout import Dropout, dropout, keep_mask
+from .fused import layer_kernels
 from .micro_batch import MicroBatchCache
 from .rng import RngTracker, checkpoint_with_rng
 from .unpadding import unpad_inputs
@@ -108,11 +109,14 @@ def layer_norm(hidden_size: int, eps: float, dtype: torch.dtype, bias: bool = Tr
 
 def _linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
             grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None):
-    """megatron-core's linear computed by F.linear, so the bias add runs inside the GEMM (addmm).
+    """megatron-core's linear computed by F.linear, so the bias add runs inside the GEMM (addmm;
+    on CUDA cuBLASLt's bias epilogue).
 
     megatron's autograd function multiplies, then adds the bias in a separate pass over the
-    output (about 5% of a BERT-base layer on CPU). Its `allreduce_dgrad` (column-parallel, TP > 1)
-    is the backward of copy_to_tensor_model_parallel_region, which we apply instead.
+    output (about 5% of a BERT-base layer on CPU; on a GPU another read and write of every
+    output). Its `allreduce_dgrad` (column-parallel,
+    TP > 1, on the CPU only: PlainGemmOverride) is the backward of
+    copy_to_tensor_model_parallel_region, which we apply instead.
     """
     if gradient_accumulation_fusion or sequence_parallel or grad_output_buffer is not None:
         raise NotImplementedError("gradient accumulation fusion and sequence parallelism need megatron's linear")
@@ -157,17 +161,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-class ColumnParallelLinear(CpuGemmOverride, tensor_parallel.ColumnParallelLinear):
-    """megatron-core's column-parallel linear (sharding, TP regions); on the CPU its GEMM is
-    `_linear` (the bias inside the GEMM)."""
+class ColumnParallelLinear(PlainGemmOverride, tensor_parallel.ColumnParallelLinear):
+    """megatron-core's column-parallel linear (sharding, TP regions); its GEMM is `_linear` (the
+    bias inside the GEMM) except on an accelerator at TP > 1 (PlainGemmOverride)."""
 
-    cpu_forward = staticmethod(_linear)
+    plain_forward = staticmethod(_linear)
 
 
-class RowParallelLinear(CpuGemmOverride, tensor_parallel.RowParallelLinear):
-    """megatron-core's row-parallel linear (sharding, TP reduction); on the CPU its GEMM is `_linear`."""
+class RowParallelLinear(PlainGemmOverride, tensor_parallel.RowParallelLinear):
+    """megatron-core's row-parallel linear (sharding, TP reduction); its GEMM is `_linear` (megatron
+    adds the bias after the reduction, outside it)."""
 
-    cpu_forward = staticmethod(_linear)
+    plain_forward = staticmethod(_linear)
 
 
 class WordEmbedding(nn.Module):
@@ -341,9 +346,10 @@ class TransformerLayer(nn.Module):
         self.query = column(hidden)
         self.key = column(hidden)
         self.value = column(hidden)
+        # the output linears hand their bias back unadded (skip_bias_add): `_residual_norm` adds it
         self.attention_output = _sharded(RowParallelLinear(
             hidden, hidden, config=mp_config, init_method=_unused_init, bias=True,
-            input_is_parallel=True, skip_bias_add=False, tp_group=tp_group,
+            input_is_parallel=True, skip_bias_add=True, tp_group=tp_group,
         ), 1)
         self.attention_layernorm = layer_norm(hidden, model_cfg.layernorm_epsilon, dtype)
         self.intermediate = _sharded(ColumnParallelLinear(
@@ -351,10 +357,11 @@ class TransformerLayer(nn.Module):
             tp_group=tp_group), 0)
         self.output = _sharded(RowParallelLinear(
             model_cfg.ffn_size, hidden, config=mp_config, init_method=_unused_init, bias=True,
-            input_is_parallel=True, skip_bias_add=False, tp_group=tp_group,
+            input_is_parallel=True, skip_bias_add=True, tp_group=tp_group,
         ), 1)
         self.output_layernorm = layer_norm(hidden, model_cfg.layernorm_epsilon, dtype)
         self.dropout = Dropout(model_cfg.hidden_dropout)
+        self.compile = model_cfg.compile
 
     def _split_heads(self, projected: torch.Tensor) -> torch.Tensor:
         """[batch, seq, local heads x head_dim] -> token-major [batch, seq, heads, head_dim] (a view)."""
@@ -389,10 +396,21 @@ class TransformerLayer(nn.Module):
         else:
             context = core(*operands)
         context = context.reshape(batch, seq, self.local_heads * self.head_dim)
-        attention = self.attention_output(context)[0]
-        hidden = self.attention_layernorm(queries + self.dropout(attention))
-        mlp = self.output(F.gelu(self.intermediate(hidden)[0]))[0]
-        return self.output_layernorm(hidden + self.dropout(mlp))
+        hidden = self._residual_norm(*self.attention_output(context), queries, self.attention_layernorm)
+        mlp, mlp_bias = self.output(F.gelu(self.intermediate(hidden)[0]))
+        return self._residual_norm(mlp, mlp_bias, hidden, self.output_layernorm)
+
+    def _residual_norm(self, delta, bias, residual, norm) -> torch.Tensor:
+        """norm(residual + dropout(delta + bias)), the post-LN residual: with model.compile one
+        generated kernel forward and one backward (fused.bias_dropout_add_norm, dropout's keep mask
+        drawn here as `dropout` draws it), eager four passes over memory or more."""
+        kernels = layer_kernels(self.compile, delta.device.type)
+        if not kernels.compiled:
+            return norm(residual + self.dropout(delta + bias))
+        p = self.dropout.p if self.training else 0.0
+        keep = keep_mask(delta, p) if p > 0.0 else None
+        return kernels.bias_dropout_add_norm(delta, bias, keep, 1.0 / (1.0 - p), residual, norm.weight, norm.bias,
+                                             norm.eps)
 
     def _attention_core(self, query, key, value, bias) -> torch.Tensor:
         """Head-major operands and an additive mask; the context token-major."""
