@@ -179,13 +179,13 @@ def test_compiled_bert_equals_eager_and_transformers(one_rank):
                 weights = torch.ones_like(labels, dtype=torch.float32)
                 loss = PretrainingLoss(one_rank, 0, setting)((mlm, nsp), (labels, weights, torch.zeros(3).long()))
                 loss.backward()
-                steps.append((loss.detach(), mlm.detach(),
-                              {n: p.grad.to_dense().clone() for n, p in model.named_parameters() if p.grad is not None}))
+                grads = {n: p.grad.to_dense().clone() for n, p in model.named_parameters() if p.grad is not None}
+                steps.append((loss.detach(), mlm.detach(), grads))
                 if setting == "true":
                     graphs.append(fused.compile_counters()["unique_graphs"])
             runs[setting] = (model, steps)
         assert calls and all(calls), "the compiled kernel did not run, or ran without dropout in training"
-        assert graphs[0] > 0 and graphs[0] == graphs[1] == graphs[2], f"graphs compiled after each micro-batch: {graphs}"
+        assert graphs[0] > 0 and graphs[0] == graphs[1] == graphs[2], f"graphs after each micro-batch: {graphs}"
         for (loss_e, mlm_e, grads_e), (loss_c, mlm_c, grads_c) in zip(runs["false"][1], runs["true"][1]):
             torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(mlm_c, mlm_e, rtol=1e-5, atol=1e-5)

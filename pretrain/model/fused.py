@@ -5,8 +5,9 @@ queries and keys (in fp32, as transformers), the residual add and the LayerNorm 
 GELU and product; a BERT layer its output linears' bias, dropout, residual add and LayerNorm.
 Eager, each is a kernel or several, with fp32 intermediates written out and read back; compiled
 (`model.compile`), each group below is one generated kernel forward and one backward (torch.compile,
-dynamic shapes: the token count changes every micro-batch, one compilation serves them all). Dropout's draw stays outside (eager, the RNG tracker's streams: BERT's kernel takes the
-keep mask, ModernBERT's dropouts run eager); the functions are pure.
+dynamic shapes: the token count changes every micro-batch, one compilation serves them all).
+Dropout's draw stays outside (eager, the RNG tracker's streams: BERT's kernel takes the keep mask,
+ModernBERT's dropouts run eager); the functions are pure.
 
 `LayerKernels(compiled)` hands a layer the eager or the compiled version of each; the compiled ones
 are made once per process (functools.cache), so every layer shares one compilation.
