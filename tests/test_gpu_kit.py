@@ -58,6 +58,20 @@ def test_by_default_modernbert_base_comes_first_at_its_shapes():
                                         "tiny-s32-ours-zero1", "tiny-s32-ours-adamw"]
 
 
+def test_the_eager_run_is_on_request_only_and_turns_compilation_off():
+    """ours-eager (model.compile=false beside ours-zero1's auto) runs for either family when --variants
+    names it, after the main runs; never by default."""
+    assert not [j for j in bench.job_list(parse([])) if j["variant"] == "ours-eager"]
+    args = parse(["--models", "modernbert-tiny,tiny", "--batch", "32:8", "--variants", "ours-eager,ours-zero1"])
+    assert [j["id"] for j in bench.job_list(args)] == ["modernbert-tiny-s32-ours-zero1", "tiny-s32-ours-zero1",
+                                                       "modernbert-tiny-s32-ours-eager", "tiny-s32-ours-eager"]
+    settings = {"precision": "fp32", "warmup": 1, "steps": 1, "min_fraction": 0.5}
+    for job in bench.job_list(args):
+        cfg = bench.run_config(job, settings)
+        assert cfg.model.compile == ("false" if job["variant"] == "ours-eager" else "auto"), job["id"]
+        assert cfg.parallel.zero_stage == 1 and not cfg.data.packing
+
+
 def test_a_spent_budget_records_every_run_as_not_run():
     args = parse(["--models", "tiny", "--seqs", "32", "--batch", "32:4", "--variants", "ours-zero1,hf"])
     calibration, results, _ = bench.run_children(bench.job_list(args), {}, budget_s=0, log=lambda text: None)

@@ -3,7 +3,7 @@ and ModernBertForMaskedLM on the same batches, with the planner's prediction bes
 BERT figure.
 
 usage: python tools/gpu/bench.py [--models modernbert-base,large,base] [--seqs 128,512] [--batch 128:256,512:32]
-                                 [--variants ours-zero1,hf,ours-packed,hf-sparse,ours-zero0,ours-adamw]
+                                 [--variants ours-zero1,hf,ours-packed,hf-sparse,ours-zero0,ours-adamw,ours-eager]
                                  [--precision bf16] [--steps 5] [--warmup 2] [--min-fraction 0.1]
                                  [--profile | --no-profile] [--budget-s 300] [--json OUT]
 
@@ -17,7 +17,9 @@ its recipe, dropout as the config has it, model.compile and model.attention_kern
 - ours-packed: data.packing (the step's samples share rows);
 - hf: transformers' ModernBertForMaskedLM with SDPA, fp32 weights under bf16 autocast, torch's fused
   AdamW, sparse_prediction false (its decoder over every token, as the published configs);
-- hf-sparse: the same with sparse_prediction true (its decoder at the masked positions only, as ours).
+- hf-sparse: the same with sparse_prediction true (its decoder at the masked positions only, as ours);
+- ours-eager (either family, only when --variants names it): ours-zero1 with model.compile=false,
+  what the compiled element-wise kernels bring.
 Beside the BERT figures each ModernBERT run reports the time to its first timed step (model
 construction, compilation and the warmup steps), torch's compile counters (graphs compiled before
 and during the timed steps: a recompilation shows as more graphs), step time min/median/max, and
@@ -74,10 +76,12 @@ sys.path.insert(0, str(REPO))  # tools.benchmarks.train (the HF model and batch 
 BERT_MODELS = ("tiny", "mini", "small", "medium", "base", "large")
 MODERN_MODELS = ("modernbert-tiny", "modernbert-base", "modernbert-large")
 MODELS = BERT_MODELS + MODERN_MODELS
-VARIANTS = ("ours-zero1", "hf", "ours-packed", "hf-sparse", "ours-zero0", "ours-adamw")
+VARIANTS = ("ours-zero1", "hf", "ours-packed", "hf-sparse", "ours-zero0", "ours-adamw", "ours-eager")
 # each family's runs in the order measured (the budget cuts from the end)
 FAMILY_VARIANTS = {"bert": ("ours-zero1", "hf", "ours-packed", "ours-zero0", "ours-adamw"),
                    "modernbert": ("ours-packed", "ours-zero1", "hf", "hf-sparse")}
+ON_REQUEST = ("ours-eager",)  # runs of either family that only --variants asks for
+LATER = ("ours-zero0", "ours-adamw", "ours-eager")  # measured after every model's main runs
 FAMILY_SHAPES = {"bert": "128:256,512:32", "modernbert": "1024:64,8192:8"}  # SEQ:BATCH
 DEFAULT_MODELS = "modernbert-base,large,base"
 MODERN_MASKING = 0.3  # ModernBERT's recipe (Warner et al. 2024): 30% of tokens predicted
@@ -166,6 +170,8 @@ def run_config(job: dict, settings: dict):
         f"data.seq_length={seq}", f"data.synthetic_min_fraction={settings['min_fraction']}",
         f"data.packing={'true' if variant == 'ours-packed' else 'false'}",
     ]
+    if variant == "ours-eager":
+        overrides.append("model.compile=false")
     if modern:
         overrides += [f"data.masked_lm_prob={MODERN_MASKING}",
                       f"data.max_predictions_per_seq={-(-seq * int(MODERN_MASKING * 100) // 100)}",
@@ -511,24 +517,26 @@ def shapes(args, model: str) -> list[tuple[int, int]]:
 
 
 def variants(args, model: str) -> list[str]:
-    """`model`'s runs in the order measured: --variants (those its family has) or its family's."""
-    own = FAMILY_VARIANTS[family(model)]
+    """`model`'s runs in the order measured: --variants (those its family has, ON_REQUEST's too) or
+    its family's."""
     if not args.variants:
-        return list(own)
+        return list(FAMILY_VARIANTS[family(model)])
+    own = FAMILY_VARIANTS[family(model)] + ON_REQUEST
     return [v for v in args.variants.split(",") if v in own]
 
 
 def job_list(args) -> list[dict]:
     """Every run, in the order they are measured, so that the budget cuts what matters least: per
     model (in --models' order) and shape the family's main runs (ModernBERT: all four; BERT: the
-    padded ours, HF's side, packed), then BERT's ZeRO-0 and AdamW runs after all of those."""
+    padded ours, HF's side, packed), then BERT's ZeRO-0 and AdamW runs and ours-eager after all of
+    those."""
     jobs, later = [], []
     for model in args.models.split(","):
         for seq, batch in shapes(args, model):
             for variant in variants(args, model):
                 job = {"id": f"{model}-s{seq}-{variant}", "model": model, "seq": seq, "batch": batch,
                        "variant": variant}
-                (later if variant in ("ours-zero0", "ours-adamw") else jobs).append(job)
+                (later if variant in LATER else jobs).append(job)
     return jobs + later
 
 
@@ -659,6 +667,7 @@ def comparisons(jobs: list[dict], results: dict) -> list[dict]:
         row["ours_zero1_over_hf"] = ratio(seqs("ours-zero1"), seqs("hf"))
         row["ours_adamw_over_hf"] = ratio(seqs("ours-adamw"), seqs("hf"))
         row["packed_over_padded_real_tokens"] = ratio(real("ours-packed"), real("ours-zero1"))
+        row["compiled_over_eager"] = ratio(real("ours-zero1"), real("ours-eager"))  # model.compile's gain
         if family(model) == "modernbert":  # per real token: the issue's targets are stated so
             row["hf_over_ours_packed_real_tokens"] = ratio(real("hf"), real("ours-packed"))
             row["hf_sparse_over_ours_packed_real_tokens"] = ratio(real("hf-sparse"), real("ours-packed"))
@@ -767,6 +776,9 @@ def parent_main(args, parser) -> int:
             log(f"{row['model']} seq {row['seq']} B{row['batch']} real tok/s: ours packed {shown(real['ours-packed'])}, "
                 f"ours padded {shown(real['ours-zero1'])}, transformers {shown(real['hf'])}, transformers sparse "
                 f"{shown(real['hf-sparse'])}")
+        if row["compiled_over_eager"]:
+            log(f"{row['model']} seq {row['seq']}: model.compile's kernels {row['compiled_over_eager']:.2f}x the eager "
+                "layers' real tok/s (ours-zero1 / ours-eager)")
     spec = datasheet_tflops(facts)
     for result in results.values():
         if result.get("status") == "ok" and spec:
