@@ -129,8 +129,8 @@ def test_compiled_bert_equals_eager_and_transformers(one_rank):
     """BERT's layers with model.compile (fused.bias_dropout_add_norm: output bias, dropout, residual
     and LayerNorm as one kernel): in training with every dropout on, three micro-batches of
     different real-token counts give the eager model's loss, logits and gradients (the keep masks
-    are the same draws on the CPU) and compile no more after the first; in evaluation, transformers'
-    BertForPreTraining's logits."""
+    are the same draws on the CPU, and again the same in the compiled side's recomputation) and
+    compile no more after the first; in evaluation, transformers' BertForPreTraining's logits."""
     from transformers import BertConfig, BertForPreTraining
 
     from pretrain.checkpoint.sharding import load_hf_state_dict
@@ -150,9 +150,11 @@ def test_compiled_bert_equals_eager_and_transformers(one_rank):
                 p.add_(torch.randn_like(p) * 0.1)
 
     def ours(setting):
+        # the compiled side recomputes its layers in backward (model.recompute full): the keep masks
+        # drawn again there must be the forward's
         cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden, num_layers=2, num_attention_heads=2,
                           ffn_hidden_size=64, max_position_embeddings=64, hidden_dropout=0.1, attention_dropout=0.1,
-                          compile=setting)
+                          compile=setting, recompute="full" if setting == "true" else "none")
         tracker = RngTracker(torch.device("cpu"))
         seed_streams(tracker, 1, 0, 0, 0)
         model = build_model(cfg, cfg.padded_vocab_size(1), torch.float32, tracker, one_rank)
@@ -184,7 +186,8 @@ def test_compiled_bert_equals_eager_and_transformers(one_rank):
                 if setting == "true":
                     graphs.append(fused.compile_counters()["unique_graphs"])
             runs[setting] = (model, steps)
-        assert calls and all(calls), "the compiled kernel did not run, or ran without dropout in training"
+        # 2 layers x 2 residuals, in forward and again in backward's recomputation, per micro-batch
+        assert len(calls) == 3 * 2 * 2 * 2 and all(calls), f"compiled kernel calls (with a keep mask?): {calls}"
         assert graphs[0] > 0 and graphs[0] == graphs[1] == graphs[2], f"graphs after each micro-batch: {graphs}"
         for (loss_e, mlm_e, grads_e), (loss_c, mlm_c, grads_c) in zip(runs["false"][1], runs["true"][1]):
             torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
