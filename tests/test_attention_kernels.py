@@ -313,6 +313,30 @@ def test_varlen_path_calls_the_kernel_with_each_document(monkeypatch, half_windo
     assert cache.builds == 1
 
 
+@pytest.mark.parametrize("kind", ["packed", "full-buckets"])
+def test_flex_attention_mask_rule_on_the_cpu(monkeypatch, kind):
+    """Our side of the CUDA FlexAttention path on the CPU, forward: the mask_mod (same document,
+    within the window) and its BlockMask, built once per micro-batch and window, run by torch's
+    uncompiled flex_attention (which materialises the scores) against the reference. The compiled
+    kernel runs in the GPU tier: flex_attention has no CPU backward, and inductor's CPU template
+    does not build with dynamic shapes (torch 2.13)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from pretrain.model.micro_batch import MicroBatchCache
+
+    monkeypatch.setattr(attention, "_compiled_flex", lambda: (flex_attention, create_block_mask))
+    ids = MASKS[kind][1]()
+    cache = MicroBatchCache()
+    real = (ids != 0)[:, None, :, None]  # padding (id 0) attends padding: not compared
+    for half_window in WINDOWS:
+        q, k, v = (t.detach() for t in inputs(ids.shape[0]))
+        ours = attention._flex_attention(q, k, v, ids, half_window, DIM ** -0.5, cache)
+        want = reference(q, k, v, {"sample_ids": ids}, half_window)
+        torch.testing.assert_close(ours.masked_fill(~real, 0), want.masked_fill(~real, 0), **TOLERANCE,
+                                   msg=lambda m: f"half_window {half_window}: {m}")
+    assert cache.builds == len(WINDOWS)
+
+
 def run_device_check(device_type: str, env: dict) -> dict:
     """This file as a child process checking `device_type` (it must not enable either device here)."""
     from distributed import run_python
