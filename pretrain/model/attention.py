@@ -37,8 +37,8 @@ torch's variable-length flash attention (`varlen_attn`: each document a sequence
 the window as (half_window, half_window); bf16/fp16, torch >= 2.10), or FlexAttention with a
 BlockMask of the same rule, compiled with dynamic shapes, the BlockMask built once per micro-batch
 and window. Checked by the GPU tier (tests/test_attention_kernels.py); on the CPU, our side of
-each against the reference (varlen with a stand-in kernel, FlexAttention's mask uncompiled). With dropout, CUDA
-takes the paths above with SDPA's own dropout.
+each against the reference (varlen with a stand-in kernel, FlexAttention's mask uncompiled). With
+dropout, CUDA takes the paths above with SDPA's own dropout.
 """
 from __future__ import annotations
 
