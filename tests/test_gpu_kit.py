@@ -72,6 +72,18 @@ def test_the_eager_run_is_on_request_only_and_turns_compilation_off():
         assert cfg.parallel.zero_stage == 1 and not cfg.data.packing
 
 
+def test_modernbert_measures_flex_attention_after_the_main_runs():
+    """ours-flex (ours-packed with model.attention_kernel=flex, beside auto's kernel: the measurement
+    that picks it) is ModernBERT's by default, measured after every model's main runs."""
+    ids = [j["id"] for j in bench.job_list(parse(["--models", "modernbert-base,large"]))]
+    flex = [i for i in ids if i.endswith("ours-flex")]
+    assert flex == ["modernbert-base-s1024-ours-flex", "modernbert-base-s8192-ours-flex"]
+    assert ids.index(flex[0]) > ids.index("large-s512-ours-packed")
+    job = next(j for j in bench.job_list(parse(["--models", "modernbert-base"])) if j["variant"] == "ours-flex")
+    cfg = bench.run_config(job, {"precision": "bf16", "warmup": 1, "steps": 1, "min_fraction": 0.1})
+    assert cfg.model.attention_kernel == "flex" and cfg.data.packing
+
+
 def test_a_spent_budget_records_every_run_as_not_run():
     args = parse(["--models", "tiny", "--seqs", "32", "--batch", "32:4", "--variants", "ours-zero1,hf"])
     calibration, results, _ = bench.run_children(bench.job_list(args), {}, budget_s=0, log=lambda text: None)
@@ -222,7 +234,7 @@ def test_the_kit_is_prepared_installed_and_run_on_the_cpu_test_device(tmp_path):
 
     env = dict(os.environ, BERT_FAKE_GPU="1", GPU_CHECK_PYTHON=str(image / "bin" / "python"),
                GPU_CHECK_BENCH_ARGS="--models modernbert-tiny,tiny --seqs 32 --batch 32:8 --precision fp32 "
-                                    "--steps 2 --warmup 1 --variants ours-zero1,hf,ours-packed,hf-sparse")
+                                    "--steps 2 --warmup 1 --variants ours-zero1,hf,ours-packed,hf-sparse,ours-flex")
     env.pop("PYTHONPATH", None)
     done = subprocess.run(["bash", str(kit / "check.sh"), str(kit), str(out)], cwd=tmp_path, capture_output=True,
                           text=True, timeout=1200, env=env)
@@ -230,7 +242,7 @@ def test_the_kit_is_prepared_installed_and_run_on_the_cpu_test_device(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert summary.splitlines()[0].startswith("gpu-check: install: ok (torch ") and "(image, " in summary
     assert "gpu-check: GPU tier: ok: 1 passed, 0 failed, 0 errors, 1 skipped" in summary
-    assert "gpu-check: benchmark: ok: 7 ok, 0 failed, 0 not run" in summary and "all parts passed" in summary
+    assert "gpu-check: benchmark: ok: 8 ok, 0 failed, 0 not run" in summary and "all parts passed" in summary
     assert "  modernbert-tiny seq 32 B8 real tok/s: ours packed " in summary  # the figures a reader wants first
     assert summary.index("gpu-check: benchmark:") < summary.index("gpu-check: GPU tier:")  # the bench runs first
     assert summary.strip() in done.stdout.strip() or all(line in done.stdout for line in summary.splitlines())
@@ -244,7 +256,7 @@ def test_the_kit_is_prepared_installed_and_run_on_the_cpu_test_device(tmp_path):
     assert report["schema"] == bench.SCHEMA and report["device"]["type"] == "fakegpu"
     assert report["calibration"]["gemm_tflops"] > 0 and report["calibration"]["copy_gb_per_s"] > 0
     assert {r["id"]: r["status"] for r in report["runs"]} == {
-        **{f"modernbert-tiny-s32-{v}": "ok" for v in ("ours-packed", "ours-zero1", "hf", "hf-sparse")},
+        **{f"modernbert-tiny-s32-{v}": "ok" for v in ("ours-packed", "ours-zero1", "hf", "hf-sparse", "ours-flex")},
         **{f"tiny-s32-{v}": "ok" for v in ("ours-zero1", "hf", "ours-packed")}}
     for run in report["runs"]:
         measured = run["measured"]
@@ -257,6 +269,10 @@ def test_the_kit_is_prepared_installed_and_run_on_the_cpu_test_device(tmp_path):
         profile = measured["profile"]  # one more step, its time by kind of work
         assert profile["groups_ms"]["gemm"] > 0 and profile["total_ms"] > 0, profile
     modern = {run["variant"]: run["measured"] for run in report["runs"] if run["model"] == "modernbert-tiny"}
+    # what each side's attention ran on (the kernel choice is a CUDA one: here attention.py's paths)
+    assert modern["ours-flex"]["attention_kernel"] == "attention.py's paths on fakegpu"
+    assert modern["hf"]["attention_kernel"] == "transformers' sdpa"
+    assert "modernbert-tiny seq 32: attention kernel auto (attention.py's paths on fakegpu) " in done.stdout
     assert modern["ours-zero1"]["real_token_share"] == 1.0  # padded rows in, real tokens computed
     assert modern["hf"]["real_token_share"] < 1.0  # transformers computes the padding
     runs = {run["variant"]: run for run in report["runs"] if run["model"] == "tiny"}

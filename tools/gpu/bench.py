@@ -18,6 +18,8 @@ its recipe, dropout as the config has it, model.compile and model.attention_kern
 - hf: transformers' ModernBertForMaskedLM with SDPA, fp32 weights under bf16 autocast, torch's fused
   AdamW, sparse_prediction false (its decoder over every token, as the published configs);
 - hf-sparse: the same with sparse_prediction true (its decoder at the masked positions only, as ours);
+- ours-flex (after every model's main runs): ours-packed with model.attention_kernel=flex, beside
+  ours-packed's auto (varlen where torch has it): the measurement that picks the kernel;
 - ours-eager (either family, only when --variants names it): ours-zero1 with model.compile=false,
   what the compiled element-wise kernels bring.
 Beside the BERT figures each ModernBERT run reports the time to its first timed step (model
@@ -76,12 +78,12 @@ sys.path.insert(0, str(REPO))  # tools.benchmarks.train (the HF model and batch 
 BERT_MODELS = ("tiny", "mini", "small", "medium", "base", "large")
 MODERN_MODELS = ("modernbert-tiny", "modernbert-base", "modernbert-large")
 MODELS = BERT_MODELS + MODERN_MODELS
-VARIANTS = ("ours-zero1", "hf", "ours-packed", "hf-sparse", "ours-zero0", "ours-adamw", "ours-eager")
+VARIANTS = ("ours-zero1", "hf", "ours-packed", "hf-sparse", "ours-zero0", "ours-adamw", "ours-flex", "ours-eager")
 # each family's runs in the order measured (the budget cuts from the end)
 FAMILY_VARIANTS = {"bert": ("ours-zero1", "hf", "ours-packed", "ours-zero0", "ours-adamw"),
-                   "modernbert": ("ours-packed", "ours-zero1", "hf", "hf-sparse")}
+                   "modernbert": ("ours-packed", "ours-zero1", "hf", "hf-sparse", "ours-flex")}
 ON_REQUEST = ("ours-eager",)  # runs of either family that only --variants asks for
-LATER = ("ours-zero0", "ours-adamw", "ours-eager")  # measured after every model's main runs
+LATER = ("ours-zero0", "ours-adamw", "ours-flex", "ours-eager")  # measured after every model's main runs
 FAMILY_SHAPES = {"bert": "128:256,512:32", "modernbert": "1024:64,8192:8"}  # SEQ:BATCH
 DEFAULT_MODELS = "modernbert-base,large,base"
 MODERN_MASKING = 0.3  # ModernBERT's recipe (Warner et al. 2024): 30% of tokens predicted
@@ -168,8 +170,10 @@ def run_config(job: dict, settings: dict):
         f"parallel.zero_stage={0 if variant == 'ours-zero0' else 1}",
         f"optimizer.name={'adamw' if adamw else 'lamb'}",
         f"data.seq_length={seq}", f"data.synthetic_min_fraction={settings['min_fraction']}",
-        f"data.packing={'true' if variant == 'ours-packed' else 'false'}",
+        f"data.packing={'true' if variant in ('ours-packed', 'ours-flex') else 'false'}",
     ]
+    if variant == "ours-flex":
+        overrides.append("model.attention_kernel=flex")
     if variant == "ours-eager":
         overrides.append("model.compile=false")
     if modern:
@@ -248,7 +252,22 @@ def measure_ours(job: dict, settings: dict, parallel) -> dict:
             "computed_tokens": [m["computed_tokens"] for m in timed_metrics],
             "work": work[settings["warmup"]:count], "first_timed_step_after_s": warm[0],
             "compiled_graphs_per_step": graphs, "profile": profile,
-            "parameter_device": where, "parameter_dtype": dtype}, cfg
+            "parameter_device": where, "parameter_dtype": dtype,
+            "attention_kernel": attention_kernel_used(cfg, parallel.device, dtype)}, cfg
+
+
+def attention_kernel_used(cfg, device, dtype: str) -> str:
+    """What the model's attention ran on (attention.py): on CUDA without attention dropout the kernel
+    model.attention_kernel resolves to, with dropout SDPA; elsewhere attention.py's paths."""
+    import torch
+
+    from pretrain.model.attention import cuda_kernel
+
+    if device.type != "cuda":
+        return f"attention.py's paths on {device.type}"
+    if cfg.model.attention_dropout > 0:
+        return "sdpa (attention dropout)"
+    return cuda_kernel(cfg.model.attention_kernel, getattr(torch, dtype.removeprefix("torch.")))
 
 
 def hf_optimizer(model, cfg, device):
@@ -331,7 +350,8 @@ def measure_hf(job: dict, settings: dict, parallel) -> dict:
             "computed_tokens": [job["batch"] * job["seq"]] * settings["steps"],
             "work": work[settings["warmup"]:count], "first_timed_step_after_s": warm[0],
             "compiled_graphs_per_step": graphs, "profile": profile,
-            "parameter_device": where, "parameter_dtype": dtype}, cfg
+            "parameter_device": where, "parameter_dtype": dtype,
+            "attention_kernel": "transformers' sdpa"}, cfg
 
 
 # What a profiled step's kernels are, by name (CUDA kernels; on the CPU test device, aten ops).
@@ -418,7 +438,8 @@ def summarize(job: dict, raw: dict, cfg, calibration: dict | None) -> dict:
            "compiled_graphs_per_step": graphs,
            "recompiled_after_step_3": graphs[-1] - graphs[min(2, len(graphs) - 1)] if graphs else 0,
            "profile": raw["profile"],
-           **{k: raw[k] for k in ("times", "losses", "parameter_device", "parameter_dtype")}}
+           **{k: raw[k] for k in ("times", "losses", "parameter_device", "parameter_dtype")},
+           **({"attention_kernel": raw["attention_kernel"]} if "attention_kernel" in raw else {})}
     if calibration:
         out["mfu"] = out["model_tflops"] / calibration["gemm_tflops"]
     return out
@@ -636,6 +657,8 @@ def describe(job: dict, record: dict) -> str:
         text += f", MFU {100 * m['mfu']:.1f}%"
     if "peak_memory_gib" in m:
         text += f", peak {m['peak_memory_gib']:.2f} GiB"
+    if "attention_kernel" in m:
+        text += f", attention: {m['attention_kernel']}"
     text += (f", steps {1e3 * m['min_step_s']:.1f}-{1e3 * m['max_step_s']:.1f} ms, first timed step after "
              f"{m['first_timed_step_after_s']:.1f} s, graphs compiled {m['compiled_graphs_per_step']}")
     if m.get("profile"):
@@ -672,6 +695,8 @@ def comparisons(jobs: list[dict], results: dict) -> list[dict]:
             row["hf_over_ours_packed_real_tokens"] = ratio(real("hf"), real("ours-packed"))
             row["hf_sparse_over_ours_packed_real_tokens"] = ratio(real("hf-sparse"), real("ours-packed"))
             row["padded_over_packed_real_tokens"] = ratio(real("ours-zero1"), real("ours-packed"))
+            # the kernel choice (model.attention_kernel): auto's (ours-packed) against FlexAttention
+            row["auto_kernel_over_flex_real_tokens"] = ratio(real("ours-packed"), real("ours-flex"))
         if model == "large" and str(seq) in NVIDIA_DLE_A100_BERT_LARGE:
             anchor = NVIDIA_DLE_A100_BERT_LARGE[str(seq)]
             row["nvidia_dle_a100_sequences_per_s"] = anchor
@@ -776,6 +801,10 @@ def parent_main(args, parser) -> int:
             log(f"{row['model']} seq {row['seq']} B{row['batch']} real tok/s: ours packed {shown(real['ours-packed'])}, "
                 f"ours padded {shown(real['ours-zero1'])}, transformers {shown(real['hf'])}, transformers sparse "
                 f"{shown(real['hf-sparse'])}")
+        if row.get("auto_kernel_over_flex_real_tokens"):
+            kernel = results[f"{row['model']}-s{row['seq']}-ours-packed"]["measured"].get("attention_kernel")
+            log(f"{row['model']} seq {row['seq']}: attention kernel auto ({kernel}) "
+                f"{row['auto_kernel_over_flex_real_tokens']:.2f}x FlexAttention's real tok/s (ours-packed / ours-flex)")
         if row["compiled_over_eager"]:
             log(f"{row['model']} seq {row['seq']}: model.compile's kernels {row['compiled_over_eager']:.2f}x the eager "
                 "layers' real tok/s (ours-zero1 / ours-eager)")
