@@ -20,9 +20,9 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
 
 def keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
     """Dropout's keep mask for x, unscaled (1 kept, 0 dropped), for a kernel that applies it and the
-    1/(1-p) scale itself (fused.py); its backward keeps it, as `dropout`'s keeps its own. On the CPU
-    the draw `dropout` makes, in x's dtype, so a compiled layer drops what the eager one does;
-    elsewhere one Bernoulli(1 - p) kernel into booleans (one byte per element, as F.dropout's
+    1/(1-p) scale itself (fused.py) and keeps it for its backward, as `dropout` keeps its own. On
+    the CPU the draw `dropout` makes, in x's dtype, so a compiled layer drops what the eager one
+    does; elsewhere one Bernoulli(1 - p) kernel into booleans (one byte per element, as F.dropout's
     mask)."""
     if x.device.type == "cpu":
         return torch.rand(x.shape, dtype=torch.float32).ge_(p).to(x.dtype)

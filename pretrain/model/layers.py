@@ -114,9 +114,9 @@ def _linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, 
 
     megatron's autograd function multiplies, then adds the bias in a separate pass over the
     output (about 5% of a BERT-base layer on CPU; on a GPU another read and write of every
-    output). Its `allreduce_dgrad` (column-parallel,
-    TP > 1, on the CPU only: PlainGemmOverride) is the backward of
-    copy_to_tensor_model_parallel_region, which we apply instead.
+    output). Its `allreduce_dgrad` (column-parallel at TP > 1; this runs there on the CPU only,
+    PlainGemmOverride) is the backward of copy_to_tensor_model_parallel_region, which we apply
+    instead.
     """
     if gradient_accumulation_fusion or sequence_parallel or grad_output_buffer is not None:
         raise NotImplementedError("gradient accumulation fusion and sequence parallelism need megatron's linear")
