@@ -3,7 +3,8 @@ and ModernBertForMaskedLM on the same batches, with the planner's prediction bes
 BERT figure.
 
 usage: python tools/gpu/bench.py [--models modernbert-base,large,base] [--seqs 128,512] [--batch 128:256,512:32]
-                                 [--variants ours-zero1,hf,ours-packed,hf-sparse,ours-zero0,ours-adamw,ours-eager]
+                                 [--variants ours-zero1,hf,ours-packed,hf-sparse,ours-zero0,ours-adamw,ours-flex,
+                                             ours-eager]
                                  [--precision bf16] [--steps 5] [--warmup 2] [--min-fraction 0.1]
                                  [--profile | --no-profile] [--budget-s 300] [--json OUT]
 
@@ -548,9 +549,9 @@ def variants(args, model: str) -> list[str]:
 
 def job_list(args) -> list[dict]:
     """Every run, in the order they are measured, so that the budget cuts what matters least: per
-    model (in --models' order) and shape the family's main runs (ModernBERT: all four; BERT: the
-    padded ours, HF's side, packed), then BERT's ZeRO-0 and AdamW runs and ours-eager after all of
-    those."""
+    model (in --models' order) and shape the family's main runs (ModernBERT: ours packed and padded,
+    HF's two sides; BERT: the padded ours, HF's side, packed), then after all of those the LATER
+    runs (BERT's ZeRO-0 and AdamW, ModernBERT's FlexAttention, ours-eager where asked for)."""
     jobs, later = [], []
     for model in args.models.split(","):
         for seq, batch in shapes(args, model):
