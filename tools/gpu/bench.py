@@ -707,6 +707,33 @@ def comparisons(jobs: list[dict], results: dict) -> list[dict]:
     return out
 
 
+def comparison_lines(table: list[dict], results: dict) -> list[str]:
+    """The summary's lines of the comparisons: BERT-large against NVIDIA's figure, ModernBERT's sides
+    per real token, the attention kernel's and compilation's ratios where their runs were measured."""
+    lines = []
+    shown = lambda v: f"{v:,.0f}" if v else "-"  # noqa: E731
+    for row in table:
+        if "nvidia_dle_a100_sequences_per_s" in row:
+            ours, hf = row["sequences_per_s"]["ours-zero1"], row["sequences_per_s"]["hf"]
+            lines.append(f"BERT-large seq {row['seq']} B{row['batch']}: ours {ours and round(ours, 1)} seq/s on this "
+                         f"device, NVIDIA DLE {row['nvidia_dle_a100_sequences_per_s']} seq/s per A100 80 GB "
+                         f"(batch {row['nvidia_dle_batch']}); HF {hf and round(hf, 1)}")
+        if family(row["model"]) == "modernbert":
+            real = row["real_tokens_per_s"]
+            lines.append(f"{row['model']} seq {row['seq']} B{row['batch']} real tok/s: ours packed "
+                         f"{shown(real['ours-packed'])}, ours padded {shown(real['ours-zero1'])}, transformers "
+                         f"{shown(real['hf'])}, transformers sparse {shown(real['hf-sparse'])}")
+        if row.get("auto_kernel_over_flex_real_tokens"):
+            kernel = results[f"{row['model']}-s{row['seq']}-ours-packed"]["measured"].get("attention_kernel")
+            lines.append(f"{row['model']} seq {row['seq']}: attention kernel auto ({kernel}) "
+                         f"{row['auto_kernel_over_flex_real_tokens']:.2f}x FlexAttention's real tok/s "
+                         "(ours-packed / ours-flex)")
+        if row.get("compiled_over_eager"):
+            lines.append(f"{row['model']} seq {row['seq']}: model.compile's kernels {row['compiled_over_eager']:.2f}x "
+                         "the eager layers' real tok/s (ours-zero1 / ours-eager)")
+    return lines
+
+
 # Issue 50's targets on one H100/H200 (docs/performance.md): (name, run id, what is read, at least/most, bound)
 TARGETS = (
     ("ModernBERT-base seq 1024 packed, real tok/s", "modernbert-base-s1024-ours-packed", "real_tokens_per_s",
@@ -790,25 +817,8 @@ def parent_main(args, parser) -> int:
     log("")
     print_table(jobs, results, log)
     table = comparisons(jobs, results)
-    for row in table:
-        if "nvidia_dle_a100_sequences_per_s" in row:
-            ours = row["sequences_per_s"]["ours-zero1"]
-            log(f"BERT-large seq {row['seq']} B{row['batch']}: ours {ours and round(ours, 1)} seq/s on this device, "
-                f"NVIDIA DLE {row['nvidia_dle_a100_sequences_per_s']} seq/s per A100 80 GB "
-                f"(batch {row['nvidia_dle_batch']}); HF {row['sequences_per_s']['hf'] and round(row['sequences_per_s']['hf'], 1)}")
-        if family(row["model"]) == "modernbert":
-            real = row["real_tokens_per_s"]
-            shown = lambda v: f"{v:,.0f}" if v else "-"  # noqa: E731
-            log(f"{row['model']} seq {row['seq']} B{row['batch']} real tok/s: ours packed {shown(real['ours-packed'])}, "
-                f"ours padded {shown(real['ours-zero1'])}, transformers {shown(real['hf'])}, transformers sparse "
-                f"{shown(real['hf-sparse'])}")
-        if row.get("auto_kernel_over_flex_real_tokens"):
-            kernel = results[f"{row['model']}-s{row['seq']}-ours-packed"]["measured"].get("attention_kernel")
-            log(f"{row['model']} seq {row['seq']}: attention kernel auto ({kernel}) "
-                f"{row['auto_kernel_over_flex_real_tokens']:.2f}x FlexAttention's real tok/s (ours-packed / ours-flex)")
-        if row["compiled_over_eager"]:
-            log(f"{row['model']} seq {row['seq']}: model.compile's kernels {row['compiled_over_eager']:.2f}x the eager "
-                "layers' real tok/s (ours-zero1 / ours-eager)")
+    for line in comparison_lines(table, results):
+        log(line)
     spec = datasheet_tflops(facts)
     for result in results.values():
         if result.get("status") == "ok" and spec:
