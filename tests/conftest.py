@@ -95,6 +95,28 @@ def pytest_collection_finish(session):
         start_session_zygotes()
 
 
+@pytest.fixture(scope="session")
+def guide_runs(request, tmp_path_factory):
+    """The documented guides whose tests this session selected (test_first_run.py,
+    test_continued_pretraining.py, test_modernbert_guide.py: each module's run_guide, a chain of
+    commands that is mostly one process at a time), run side by side once, when the first of those
+    tests starts (tests/side_by_side.py): module name -> what its run_guide returned."""
+    from functools import partial
+
+    from side_by_side import side_by_side
+
+    modules = {item.module.__name__: item.module for item in request.session.items
+               if "guide" in getattr(item, "fixturenames", ())}
+    return side_by_side({name: partial(module.run_guide, tmp_path_factory.mktemp(name))
+                         for name, module in modules.items()})
+
+
+@pytest.fixture
+def guide(request, guide_runs):
+    """What the test's own module's run_guide returned (its guide, run beside the others)."""
+    return guide_runs[request.module.__name__]
+
+
 def gpu_shortfall(config, needed: int) -> str | None:
     """Why a test needing `needed` GPUs cannot run here, or None when it can (the GPUs the session
     found, counted once, in a child: this process keeps them hidden)."""

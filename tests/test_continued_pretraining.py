@@ -137,23 +137,30 @@ def test_a_resume_compares_with_the_latest_checkpoint_that_read_samples(tmp_path
     assert data_sequence_problems(run) == []
 
 
-@pytest.mark.slow
-def test_the_continued_pretraining_guide_works_as_documented(tmp_path):
-    corpus = tmp_path / "domain"
+def run_guide(root):
+    """The block run with its inputs made under `root` (conftest.py's guide_runs runs it beside the
+    other guides): bash's CompletedProcess, the output folder and the model's vocabulary."""
+    corpus = root / "domain"
     corpus.mkdir()
     for part in range(2):
         (corpus / f"part{part}.txt").write_text("\n".join(documents(800, seed=part)) + "\n", encoding="utf-8")
     # the model's vocabulary covers the corpus (a real model's does): built from it, then a BertModel of that size
     subprocess.run([sys.executable, "tools/build_vocab.py", "--input", *map(str, corpus.glob("*.txt")), "--input-format",
-                    "text-lines", "--vocab-size", "600", "--output-dir", str(tmp_path / "vocab")],
+                    "text-lines", "--vocab-size", "600", "--output-dir", str(root / "vocab")],
                    cwd=REPO, check=True, capture_output=True, text=True)
-    tokens = (tmp_path / "vocab" / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1]
-    model = bert_model_directory(tmp_path / "model", tokens)
-    out = tmp_path / "run"
+    tokens = (root / "vocab" / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1]
+    model = bert_model_directory(root / "model", tokens)
+    out = root / "run"
     env = shell_env(MODEL=str(model), CORPUS=str(corpus), STEPS="4", OUT=str(out), MASTER_PORT=str(free_port()))
     # the recipe's batch (256 x 128) for a 2-layer model of hidden 64: a few seconds a step here
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", documented_block("training.md", HEADING)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
+    return done, out, tokens
+
+
+@pytest.mark.slow
+def test_the_continued_pretraining_guide_works_as_documented(guide):
+    done, out, tokens = guide
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-5000:]
     assert "Traceback" not in output, output[-5000:]

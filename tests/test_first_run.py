@@ -32,17 +32,24 @@ def mrpc_files(directory, rows_per_split=(64, 32)):
         (directory / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def test_the_first_run_works_as_documented(tmp_path):
-    books = tmp_path / "books"
+def run_guide(root):
+    """The block run with its inputs made under `root` (conftest.py's guide_runs runs it beside the
+    other guides): bash's CompletedProcess and the output folder."""
+    books = root / "books"
     books.mkdir()
     for part in range(2):  # one paragraph per line, as the block says
         (books / f"part{part}.txt").write_text("\n".join(documents(400, seed=part)) + "\n", encoding="utf-8")
-    mrpc_files(tmp_path / "MRPC")
-    out = tmp_path / "run"
-    env = shell_env(CORPUS=str(books), GLUE_MRPC=str(tmp_path / "MRPC"), STEPS="6", OUT=str(out),
+    mrpc_files(root / "MRPC")
+    out = root / "run"
+    env = shell_env(CORPUS=str(books), GLUE_MRPC=str(root / "MRPC"), STEPS="6", OUT=str(out),
                     MASTER_PORT=str(free_port()))  # launcher.sh's default when set: other jobs run side by side
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", documented_block("training.md", HEADING)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
+    return done, out
+
+
+def test_the_first_run_works_as_documented(guide):
+    done, out = guide
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-5000:]
     assert "Traceback" not in output and "error" not in output.lower(), output[-5000:]

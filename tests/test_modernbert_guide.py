@@ -44,17 +44,33 @@ def retrieval_inputs(root, pairs: int = 640, queries: int = 24):
     return root / "pairs.jsonl", beir
 
 
-def test_the_modernbert_guide_works_as_documented(tmp_path):
-    books = tmp_path / "books"
+def run_guide(root):
+    """Both blocks run with their inputs made under `root`, the embedding guide from the first's
+    encoder unless the first failed (conftest.py's guide_runs runs them beside the other guides):
+    (the pretraining block's CompletedProcess, its output folder) and (the embedding block's or None,
+    its output folder)."""
+    books = root / "books"
     books.mkdir()
     for part in range(2):
         (books / f"part{part}.txt").write_text("\n".join(documents(400, seed=part)) + "\n", encoding="utf-8")
-    mrpc_files(tmp_path / "MRPC")
-    out = tmp_path / "run"
-    env = shell_env(CORPUS=str(books), GLUE_MRPC=str(tmp_path / "MRPC"), STEPS="16", OUT=str(out),
+    mrpc_files(root / "MRPC")
+    out = root / "run"
+    env = shell_env(CORPUS=str(books), GLUE_MRPC=str(root / "MRPC"), STEPS="16", OUT=str(out),
                     MASTER_PORT=str(free_port()))
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", documented_block("modernbert.md", HEADING)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
+    pairs, beir = retrieval_inputs(root)
+    embedder = root / "embedder"
+    env = shell_env(MODEL=str(out / "hf"), PAIRS=str(pairs), BEIR=str(beir), OUT=str(embedder),
+                    MASTER_PORT=str(free_port()))
+    embedded = None if done.returncode else subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", documented_block("finetuning.md", EMBEDDING_HEADING)], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=900)
+    return (done, out), (embedded, embedder)
+
+
+def test_the_modernbert_guide_works_as_documented(guide):
+    (done, out), (embedded, embedder) = guide
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-5000:]
     assert "Traceback" not in output and "error" not in output.lower(), output[-5000:]
@@ -74,12 +90,7 @@ def test_the_modernbert_guide_works_as_documented(tmp_path):
     assert best["architectures"] == ["ModernBertForSequenceClassification"]
 
     # the embedding guide, from this pretrained encoder
-    pairs, beir = retrieval_inputs(tmp_path)
-    embedder = tmp_path / "embedder"
-    env = shell_env(MODEL=str(out / "hf"), PAIRS=str(pairs), BEIR=str(beir), OUT=str(embedder),
-                    MASTER_PORT=str(free_port()))
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", documented_block("finetuning.md", EMBEDDING_HEADING)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    done = embedded
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-5000:]
     assert "Traceback" not in output and "error" not in output.lower(), output[-5000:]

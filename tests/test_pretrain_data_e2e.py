@@ -51,7 +51,7 @@ def prepared(tmp_path_factory):
 def common(root, vocab_size):
     return [f"model.vocab_size={vocab_size}", "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
             "data.kind=indexed", f"data.paths=[{root}/toy_text_sentence]", f"data.vocab_file={root}/vocab/vocab.txt",
-            "data.split=95,5", "data.num_workers=1", "optimizer.lr=5e-3", "train.global_batch_size=32",
+            "data.split=95,5", "data.num_workers=1", "optimizer.lr=1e-2", "train.global_batch_size=32",
             "train.micro_batch_size=16", "eval.steps=4", "logging.interval=50", "checkpoint.save_interval=0"]
 
 
@@ -59,8 +59,8 @@ def test_raw_text_to_pretrained_model(prepared):
     root = prepared
     vocab = WordPieceVocab.from_file(root / "vocab" / "vocab.txt")
     out = pretrain(common(root, vocab.size) + [
-        "data.seq_length=64", "data.max_predictions_per_seq=10", "train.train_steps=400", "scheduler.warmup_steps=40",
-        "eval.interval=400", f"checkpoint.save_dir={root}/phase1"])
+        "data.seq_length=64", "data.max_predictions_per_seq=10", "train.train_steps=250", "scheduler.warmup_steps=25",
+        "eval.interval=250", f"checkpoint.save_dir={root}/phase1"])
     steps = [(int(s), float(lm), float(nsp), float(acc)) for s, lm, nsp, acc in STEP.findall(out)]
     evals = [tuple(float(x) for x in e) for e in EVAL.findall(out)]
     assert steps and evals, out[-3000:]
@@ -89,7 +89,7 @@ def test_raw_text_to_pretrained_model(prepared):
                                               "train.train_steps=25", "scheduler.warmup_steps=5"]
     for how, load in (("resumes", f"checkpoint.load_dir={root}/phase1"),
                       ("starts from (checkpoint.init_from)", f"checkpoint.init_from={root}/phase1")):
-        where = f"{root}/phase1/iter_0000400"
+        where = f"{root}/phase1/iter_0000250"
         args = [sys.executable, "-m", "pretrain", "--check-config", "--world-size", "2", "--config",
                 "configs/bert-tiny.yaml", *phase2_args, load, f"data.vocab_file={swapped}"]
         refused = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60)

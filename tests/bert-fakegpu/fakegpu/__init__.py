@@ -39,6 +39,9 @@ Environment
     FAKEGPU_BUILD_DIR     build directory of the JIT-compiled extension (default: under
                           TORCH_EXTENSIONS_DIR when set, else the environment's
                           <sys.prefix>/torch_extensions)
+    FAKEGPU_EXTENSION     an extension already built from this same source for this same torch
+                          (the fakegpu_ext .so): loaded instead of building one (about 20 s of
+                          C++); the GPU kit's CI rehearsal hands it the suite's own build
     FAKEGPU_NO_DEEPSPEED=1  enable() leaves DeepSpeed's accelerator alone
 
 Behaviour worth knowing
@@ -93,6 +96,16 @@ _SRC = Path(__file__).resolve().parent / "csrc" / "fakegpu.cpp"
 def _load_extension():
     from torch.utils.cpp_extension import load
 
+    built = os.environ.get("FAKEGPU_EXTENSION")
+    if built:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("fakegpu_ext", built)
+        if spec is None or not os.path.isfile(built):
+            raise RuntimeError(f"FAKEGPU_EXTENSION={built} is not a built fakegpu_ext library")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
     kwargs = {}
     build_dir = os.environ.get("FAKEGPU_BUILD_DIR")
     if not build_dir and "TORCH_EXTENSIONS_DIR" not in os.environ and os.access(sys.prefix, os.W_OK):
