@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from distributed import REPO, child_env, gpu_env, run_python, run_ranks, session_gpu_count
+from side_by_side import side_by_side
 from test_fill_mask import SENTENCES, VOCAB, check_against_transformers, models  # noqa: F401 (fixture)
 from test_finetune_ner import synthetic_files, tiny_ner  # noqa: F401 (fixture)
 from test_finetune_tasks import QUIET, repeat_task, tiny  # noqa: F401 (fixture)
@@ -306,14 +307,16 @@ def test_gpu_tests_skip_without_a_gpu_and_fail_when_one_is_required():
                                "tests/test_devices.py", "-k", select], cwd=REPO,
                               capture_output=True, text=True, timeout=300, env=dict(os.environ, **env))
 
-    skipped = pytest_run({"REQUIRE_GPU": "0"})
+    # the three sessions side by side (each is one process, mostly importing)
+    runs = side_by_side({"skipped": lambda: pytest_run({"REQUIRE_GPU": "0"}),
+                         "failed": lambda: pytest_run({"REQUIRE_GPU": "1"}),
+                         # a one-GPU machine (tools/gpu/check.sh): the tests needing more GPUs than promised skip, by name
+                         "beyond": lambda: pytest_run({"REQUIRE_GPU": "1"}, "fill_mask_tp2 and cuda")})
+    skipped, failed, beyond = runs["skipped"], runs["failed"], runs["beyond"]
     assert skipped.returncode == 0 and "1 skipped" in skipped.stdout, skipped.stdout[-2000:]
     assert "GPU test: needs 1 CUDA GPU(s), this machine has 0" in skipped.stdout
-    failed = pytest_run({"REQUIRE_GPU": "1"})
     assert failed.returncode == 1 and "1 error" in failed.stdout, failed.stdout[-2000:]  # failed in set-up
     assert "needs 1 CUDA GPU(s), this machine has 0 (REQUIRE_GPU=1, CUDA absent): GPU tests fail rather than skip" \
         in failed.stdout
-    # a one-GPU machine (tools/gpu/check.sh): the tests needing more GPUs than promised skip, by name
-    beyond = pytest_run({"REQUIRE_GPU": "1"}, "fill_mask_tp2 and cuda")
     assert beyond.returncode == 0 and "1 skipped" in beyond.stdout, beyond.stdout[-2000:]
     assert "needs 2 CUDA GPU(s), this machine has 0; REQUIRE_GPU=1 promises 1" in beyond.stdout

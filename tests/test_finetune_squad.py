@@ -3,6 +3,7 @@ logits; bad input counted; a tiny BERT fine-tuned on a learnable span task (the 
 after a marker) reaches near-perfect official scores for 1.1 and 2.0."""
 import json
 import random
+from functools import partial
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from finetune.tasks.base import TaskDataError
 from finetune.tasks.squad import build_features, postprocess, read_squad
 from finetune.windows import windows as _windows
 from pretrain.data.preprocess.tokenizer import bert_wordpiece_tokenizer
+from side_by_side import side_by_side
 from test_finetune_tasks import SPECIALS, WORDS, finetune, tiny  # noqa: F401  (tiny: a fixture)
 
 VOCAB = SPECIALS + WORDS + [f"x{i}" for i in range(15)]
@@ -120,18 +122,37 @@ def marker_task(path, n, version, seed):
     return squad_file(path, questions, version)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("task, version", [("squad", "1.1"), ("squad2", "2.0")])
-def test_span_extraction_learns(tiny, tmp_path, task, version):  # noqa: F811
-    from transformers import BertForQuestionAnswering
+SPAN_TASKS = {"squad": "1.1", "squad2": "2.0"}
 
-    train = marker_task(tmp_path / "train.json", 1000, version, seed=1)
-    dev = marker_task(tmp_path / "dev.json", 150, version, seed=2)
-    out = tmp_path / "out"
+
+def fine_tune_on_markers(tiny, root, task, version):
+    """The tiny model fine-tuned on the marker task: its output folder."""
+    train = marker_task(root / "train.json", 1000, version, seed=1)
+    dev = marker_task(root / "dev.json", 150, version, seed=2)
+    out = root / "out"
     # 20 context tokens in windows of 24 - 2 - 3 = 19: every context needs two windows
     finetune(task, [f"model.init_from={tiny / 'hf'}", f"task.train_file={train}", f"task.dev_files=[{dev}]",
                     f"train.output_dir={out}", "train.epochs=8", "train.lr=1e-3", "task.max_seq_length=24", "task.max_query_length=8",
                     "task.doc_stride=8", "train.global_batch_size=32", "train.micro_batch_size=8"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def span_runs(request, tiny, tmp_path_factory):  # noqa: F811
+    """The selected versions fine-tuned side by side (tests/side_by_side.py: each is one process on
+    one thread): task -> its output folder."""
+    chosen = {item.callspec.params["task"] for item in request.session.items
+              if item.module is request.module and item.originalname == "test_span_extraction_learns"}
+    return side_by_side({task: partial(fine_tune_on_markers, tiny, tmp_path_factory.mktemp(task), task, version)
+                         for task, version in SPAN_TASKS.items() if task in chosen})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task, version", list(SPAN_TASKS.items()))
+def test_span_extraction_learns(span_runs, task, version):
+    from transformers import BertForQuestionAnswering
+
+    out = span_runs[task]
     best = json.loads((out / "metrics.json").read_text())["best"]["metrics"]
     if version == "1.1":
         assert best["exact_match"] >= 90 and best["f1"] >= 90
