@@ -356,7 +356,7 @@ def assert_close_everywhere(result: dict, tolerance: float):
             assert difference <= tolerance, f"{case} {label}: {difference}"
 
 
-@pytest.mark.slow  # a child process that loads (possibly builds) the test device's extension
+@pytest.mark.slow  # a child process on the test device (its extension built by tools/install.sh)
 def test_every_path_on_the_cpu_test_device():
     """On fakegpu (the CPU test mode that fails like CUDA on a tensor made on an implicit device)
     every path, and encoder_attention's choice, matches the CPU reference, dropout included."""

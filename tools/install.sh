@@ -36,4 +36,7 @@ mv "$site"/wandb "$site"/wandb-*.dist-info "$site"/mlflow "$site"/mlflow_skinny-
 # PYTHONDONTWRITEBYTECODE is set (CI images often set it) every process would compile the ~300
 # modules it imports from source again (about 1 s of each rank's start)
 quietly python -m compileall -q -j 0 pretrain finetune tools tests
+# the CPU test device's C++ extension (about 20 s of compiling), built with the environment rather
+# than inside whichever test first runs on fakegpu
+quietly env BERT_FAKE_GPU=1 python -c "import fakegpu; fakegpu.enable()"
 python -c "import torch, deepspeed, megatron.core; print(f'installed: torch {torch.__version__}, deepspeed {deepspeed.__version__}, megatron-core {megatron.core.__version__} (pip log: $log)')" 2>&1 | tail -1
