@@ -1,7 +1,8 @@
-"""Independent jobs of a test module run side by side. Most of what the slow tier runs is one
-program at a time (the guides' commands, a pytest run) or a 2- or 4-rank job on 2 cores, and either
-leaves the cores about half busy (start-up imports on one core, rendezvous, checkpoint I/O): two or
-three such jobs at once take little more than the longest of them.
+"""Independent jobs of a test module run side by side where each runs one process at a time (a
+guide's commands, a pytest session, a one-process fine-tuning), which leaves one of the 2 cores
+mostly idle: the three guides took 99 s together against 120 one after another. Not where the jobs
+already fill both cores: the multi-node jobs (4 ranks each) two at a time took 125 s against 120,
+two sweeps at once 72 s against 41 (docs/testing.md).
 
 Every job has ended when side_by_side returns, so nothing of a module runs on behind the tests of
 the next (whose timings, and timeouts, assume the cores are theirs)."""

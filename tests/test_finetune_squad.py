@@ -139,8 +139,8 @@ def fine_tune_on_markers(tiny, root, task, version):
 
 @pytest.fixture(scope="module")
 def span_runs(request, tiny, tmp_path_factory):  # noqa: F811
-    """The selected versions fine-tuned side by side (tests/side_by_side.py: each is one process on
-    one thread): task -> its output folder."""
+    """The selected versions fine-tuned side by side (tests/side_by_side.py: each is one process):
+    task -> its output folder."""
     chosen = {item.callspec.params["task"] for item in request.session.items
               if item.module is request.module and item.originalname == "test_span_extraction_learns"}
     return side_by_side({task: partial(fine_tune_on_markers, tiny, tmp_path_factory.mktemp(task), task, version)
